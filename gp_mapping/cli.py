@@ -1,0 +1,44 @@
+"""The `gp-mapping` command: one entry point, one subcommand per job.
+
+Each subcommand lives in its own module and is imported only when used, so `gp-mapping demo-bag` does not
+load rclpy and `gp-mapping node` does not load matplotlib.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help). Each module exposes add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS = {
+    "demo-bag": ("gp_mapping.demo_bag", "write a simulated ROS 2 bag (MCAP) with ground truth"),
+    "replay": ("gp_mapping.replay", "map a recorded bag offline and write map.npz, map.png, maps.mcap"),
+    "node": ("gp_mapping.ros.mapper_node", "run the ROS 2 mapping node (same as `ros2 run gp_mapping mapper`)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="gp-mapping", description="Gaussian-process magnetic-field mapping.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    name = argv[0]
+    if name not in SUBCOMMANDS:
+        parser.parse_args(argv)  # prints the usage error and exits 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    command_parser = argparse.ArgumentParser(prog=f"gp-mapping {name}", description=SUBCOMMANDS[name][1])
+    module.add_arguments(command_parser)
+    args, ros_args = command_parser.parse_known_args(argv[1:])
+    if ros_args and name != "node":
+        command_parser.error(f"unrecognised arguments: {' '.join(ros_args)}")
+    args.ros_args = ros_args
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Shared fixtures: DDS kept on loopback with a per-run domain id, and the real recordings in ../shared/data."""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+# Before any rclpy.init() in this process or in a child process started by a test: DDS stays on this machine,
+# and each pytest run gets its own domain, so parallel runs (and other ROS systems) never see each other.
+os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+os.environ.setdefault("ROS_DOMAIN_ID", str(random.Random(os.getpid()).randint(1, 100)))
+
+
+def shared_data(*parts: str) -> Path:
+    """Path under ../shared/data, or skip the test with the reason when the recording is absent."""
+    path = SHARED_DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"real recording {path} is absent (needs ../shared/data beside the checkout)")
+    return path
+
+
+@pytest.fixture
+def ros_env() -> dict[str, str]:
+    """Environment for child processes that speak DDS: loopback only, this run's domain id."""
+    env = dict(os.environ)
+    env["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+    return env
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu skip on a machine without CUDA."""
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CUDA (run `pytest -m gpu` on one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
