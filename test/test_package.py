@@ -1,0 +1,104 @@
+"""package.xml and setup.py describe the same package and install what the launch files and README need."""
+from __future__ import annotations
+
+import configparser
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT
+
+ROS_MESSAGE_PACKAGES = {"rclpy", "sensor_msgs", "geometry_msgs", "nav_msgs", "std_msgs", "std_srvs",
+                        "visualization_msgs", "diagnostic_msgs"}
+
+
+def _setup_call() -> dict:
+    """The keyword arguments setup.py passes to setup(), captured by running it with setup() replaced."""
+    import os
+
+    import setuptools
+    captured: dict = {}
+    original, cwd = setuptools.setup, os.getcwd()
+    setuptools.setup = lambda **kw: captured.update(kw)
+    try:
+        os.chdir(REPO_ROOT)
+        exec(compile((REPO_ROOT / "setup.py").read_text(), "setup.py", "exec"), {"__name__": "__main__"})
+    finally:
+        os.chdir(cwd)
+        setuptools.setup = original
+    return captured
+
+
+@pytest.fixture(scope="module")
+def package_xml() -> ET.Element:
+    return ET.parse(REPO_ROOT / "package.xml").getroot()
+
+
+def test_package_xml_is_format_3_ament_python(package_xml):
+    assert package_xml.get("format") == "3"
+    assert package_xml.find("export/build_type").text == "ament_python"
+    depends = {e.text for e in package_xml.findall("exec_depend")}
+    assert ROS_MESSAGE_PACKAGES <= depends
+
+
+def test_name_and_version_agree(package_xml):
+    setup = _setup_call()
+    import gp_mapping
+    assert package_xml.find("name").text == setup["name"] == "gp_mapping"
+    assert package_xml.find("version").text == setup["version"] == gp_mapping.__version__
+    assert package_xml.find("license").text == setup["license"]
+
+
+def test_installed_files_exist_and_cover_launch_and_config():
+    """data_files installs the ament marker, package.xml, every launch file and every config file."""
+    captured = _setup_call()
+    installed = {dest: files for dest, files in captured["data_files"]}
+    assert installed["share/ament_index/resource_index/packages"] == ["resource/gp_mapping"]
+    assert installed["share/gp_mapping"] == ["package.xml"]
+    for dest, files in installed.items():
+        for f in files:
+            assert (REPO_ROOT / f).is_file(), f"setup.py installs missing file {f}"
+    launch_files = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "launch").glob("*.launch.py"))
+    config_files = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "config").iterdir()
+                          if p.suffix in (".yaml", ".rviz"))
+    assert installed["share/gp_mapping/launch"] == launch_files
+    assert installed["share/gp_mapping/config"] == config_files
+    assert "config/mapper.yaml" in config_files
+
+
+def test_console_scripts_point_to_real_functions():
+    import importlib
+    scripts = _setup_call()["entry_points"]["console_scripts"]
+    names = {}
+    for spec in scripts:
+        name, target = (s.strip() for s in spec.split("="))
+        module_name, func = target.split(":")
+        module = importlib.import_module(module_name)
+        assert callable(getattr(module, func)), spec
+        names[name] = target
+    # `ros2 run gp_mapping mapper` and the `gp-mapping` command
+    assert set(names) == {"gp-mapping", "mapper"}
+
+
+def test_setup_cfg_installs_scripts_where_ros2_run_looks():
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO_ROOT / "setup.cfg")
+    assert cfg["develop"]["script_dir"] == "$base/lib/gp_mapping"
+    assert cfg["install"]["install_scripts"] == "$base/lib/gp_mapping"
+
+
+def test_user_requirements_name_unpinned_torch():
+    """Users install into their own environment: torch>=2.2, never an exact pin that would fight theirs."""
+    requires = _setup_call()["install_requires"]
+    assert "torch>=2.2" in requires
+    assert not any(r.startswith("torch==") for r in requires)
+
+
+def test_dev_install_pins_torch_first():
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    assert "torch==2.13.0" in makefile
+    assert (REPO_ROOT / "constraints.txt").read_text().count("torch==2.13.0") == 1
+    # torch installed before the requirements, which are installed under the constraints file
+    assert makefile.index("$(TORCH)") < makefile.index("-c constraints.txt -r requirements-dev.txt")
+    assert "bash" in (REPO_ROOT / ".ci/run").read_text() and "make test" in (REPO_ROOT / ".ci/run").read_text()
