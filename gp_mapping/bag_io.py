@@ -1,0 +1,537 @@
+"""Reading recorded bags for the offline replay, and writing its map bag, with the ``rosbags`` library.
+
+Reads ROS 1 (``.bag``) and ROS 2 (a rosbag2 folder, or a bare ``.db3`` / ``.mcap`` file) recordings without a
+ROS installation. Messages are decoded into plain numpy samples in SI units, stamped with their header time
+(the bag's receive time only where a header stamp is zero). The pose of the magnetometer comes either from a
+pose topic (``PoseStamped``, ``Odometry`` or ``PoseWithCovarianceStamped``) or from the bag's ``/tf`` and
+``/tf_static`` tree (:class:`TransformBuffer`). :class:`MapBagWriter` writes the published maps as a ROS 2
+MCAP file that ``ros2 bag play`` and RViz take.
+
+Every failure that a user can cause (a missing path, a file that is not a bag, a topic that is absent, of the
+wrong type or ambiguous, no pose source, a transform chain that does not exist) raises a :class:`BagError`
+subclass whose message says what is wrong and what to pass instead.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from gp_mapping.mapping.frames import FrameError, normalize_quaternion, quaternion_inverse, quaternion_multiply, \
+    rotate_vectors, slerp
+
+MAGNETIC_FIELD = "sensor_msgs/msg/MagneticField"
+POSE_STAMPED = "geometry_msgs/msg/PoseStamped"
+ODOMETRY = "nav_msgs/msg/Odometry"
+POSE_WITH_COVARIANCE = "geometry_msgs/msg/PoseWithCovarianceStamped"
+# Pose topic types in the order auto-detection prefers them; the value is the node's `node.pose_type` name.
+POSE_TYPES = {POSE_STAMPED: "pose_stamped", ODOMETRY: "odometry", POSE_WITH_COVARIANCE: "pose_with_covariance"}
+# tf2_msgs on ROS 2 and ROS 1; the old tf/tfMessage of ROS 1 has the same layout.
+TF_TYPES = ("tf2_msgs/msg/TFMessage", "tf/msg/tfMessage")
+TF_TOPICS = ("/tf", "/tf_static")
+TF_STATIC_TOPIC = "/tf_static"
+# Message types of a bag without embedded definitions (rosbag2 before Iron) are taken from this ROS release.
+DEFAULT_ROS2_DISTRO = "ROS2_KILTED"
+
+
+class BagError(Exception):
+    """A bag cannot serve the replay: the message says what is wrong and what to do."""
+
+
+class BagNotFoundError(BagError, FileNotFoundError):
+    """The bag path does not exist."""
+
+
+class NotABagError(BagError):
+    """The path exists but is not a ROS 1 bag, a rosbag2 folder, or an MCAP / sqlite3 file rosbags can read."""
+
+
+class TopicError(BagError):
+    """A topic the replay needs is absent, has the wrong message type, or cannot be chosen unambiguously."""
+
+
+class NoMagneticFieldError(TopicError):
+    """The bag has no sensor_msgs/MagneticField topic."""
+
+
+class NoPoseSourceError(TopicError):
+    """The bag has neither a pose topic nor a /tf chain from the map frame to the magnetometer frame."""
+
+
+class TransformError(BagError):
+    """A transform between two frames cannot be looked up (frames not connected, or no transform at a time)."""
+
+
+def _frame(name: str) -> str:
+    """tf2 frame ids carry no leading slash (ROS 1 bags often have '/base_link')."""
+    return name.lstrip("/")
+
+
+def _stamp(header, bag_time_ns: int) -> float:
+    """Header stamp in seconds; the bag's receive time where the publisher left the stamp at zero."""
+    sec, nsec = int(header.stamp.sec), int(header.stamp.nanosec)
+    if sec == 0 and nsec == 0:
+        return bag_time_ns * 1e-9
+    return sec + nsec * 1e-9
+
+
+# --------------------------------------------------------------------------------------------- samples
+
+
+@dataclass(frozen=True)
+class MagSample:
+    """One magnetometer reading, in tesla, in the sensor frame ``frame_id``."""
+
+    stamp: float
+    field: np.ndarray  # (3,) [T]; may hold NaN where the driver reported an invalid reading
+    frame_id: str
+
+
+@dataclass(frozen=True)
+class PoseSample:
+    """Pose of ``child_frame_id`` (the body) in ``frame_id``; orientation rotates body vectors into that frame."""
+
+    stamp: float
+    position: np.ndarray     # (3,) [m]
+    orientation: np.ndarray  # (4,) [x, y, z, w]
+    frame_id: str
+    child_frame_id: str
+
+
+@dataclass(frozen=True)
+class TransformSample:
+    """One tf edge: ``rotation`` maps ``child`` vectors into ``parent``; ``translation`` is the child origin."""
+
+    stamp: float
+    parent: str
+    child: str
+    translation: np.ndarray  # (3,) [m]
+    rotation: np.ndarray     # (4,) [x, y, z, w]
+
+
+def decode_magnetic_field(msg, bag_time_ns: int) -> MagSample:
+    """sensor_msgs/MagneticField → MagSample (tesla, as ROS requires; no unit conversion here)."""
+    v = msg.magnetic_field
+    return MagSample(_stamp(msg.header, bag_time_ns), np.array([v.x, v.y, v.z], dtype=np.float64),
+                     _frame(msg.header.frame_id))
+
+
+def decode_pose(msg, msgtype: str, bag_time_ns: int) -> PoseSample:
+    """PoseStamped, Odometry or PoseWithCovarianceStamped → PoseSample."""
+    if msgtype == POSE_STAMPED:
+        pose, child = msg.pose, ""
+    elif msgtype == ODOMETRY:
+        pose, child = msg.pose.pose, _frame(msg.child_frame_id)
+    elif msgtype == POSE_WITH_COVARIANCE:
+        pose, child = msg.pose.pose, ""
+    else:
+        raise TopicError(f"message type {msgtype} is not a pose; expected one of {', '.join(POSE_TYPES)}")
+    p, q = pose.position, pose.orientation
+    return PoseSample(_stamp(msg.header, bag_time_ns), np.array([p.x, p.y, p.z], dtype=np.float64),
+                      np.array([q.x, q.y, q.z, q.w], dtype=np.float64), _frame(msg.header.frame_id), child)
+
+
+def decode_tf(msg, bag_time_ns: int) -> list[TransformSample]:
+    """tf2_msgs/TFMessage → one TransformSample per transform in it."""
+    out = []
+    for ts in msg.transforms:
+        t, q = ts.transform.translation, ts.transform.rotation
+        out.append(TransformSample(_stamp(ts.header, bag_time_ns), _frame(ts.header.frame_id),
+                                   _frame(ts.child_frame_id), np.array([t.x, t.y, t.z], dtype=np.float64),
+                                   np.array([q.x, q.y, q.z, q.w], dtype=np.float64)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+def _resolve_bag_path(path: Path) -> Path:
+    """A rosbag2 folder without metadata.yaml but with exactly one storage file is read from that file."""
+    if path.is_dir() and not (path / "metadata.yaml").exists():
+        storage = sorted(p for p in path.iterdir() if p.suffix in (".mcap", ".db3"))
+        if len(storage) == 1:
+            return storage[0]
+        raise NotABagError(f"{path} is a folder but not a rosbag2 bag: it has no metadata.yaml and "
+                           f"{'no' if not storage else len(storage)} .mcap/.db3 files")
+    return path
+
+
+class Bag:
+    """An open recording: its topics and types, its time span, and its messages decoded in bag-time order.
+
+    Use as a context manager (``with Bag(path) as bag:``) or call :meth:`close`.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from rosbags.highlevel import AnyReader, AnyReaderError
+        from rosbags.typesys import Stores, get_typestore
+
+        self.path = Path(path).expanduser()
+        if not self.path.exists():
+            raise BagNotFoundError(f"bag {self.path} does not exist")
+        storage = _resolve_bag_path(self.path)
+        typestore = get_typestore(getattr(Stores, DEFAULT_ROS2_DISTRO))
+        try:
+            self._reader = AnyReader([storage], default_typestore=typestore)
+            self._reader.open()
+        except (AnyReaderError, OSError, ValueError, KeyError) as err:
+            # rosbags reports an unreadable file through several exception types (reader errors, a missing
+            # metadata file, a malformed header); all of them mean "this is not a bag we can read".
+            raise NotABagError(f"{self.path} is not a readable ROS 1 (.bag) or ROS 2 (folder, .mcap, .db3) "
+                               f"bag: {err}") from None
+        except Exception as err:  # noqa: BLE001  - a corrupt file can surface as any parser error
+            raise NotABagError(f"{self.path} is not a readable ROS 1 (.bag) or ROS 2 (folder, .mcap, .db3) "
+                               f"bag: {type(err).__name__}: {err}") from None
+        self.is_ros2 = bool(self._reader.is2)
+        self.topics: dict[str, str] = {name: info.msgtype or "" for name, info in self._reader.topics.items()}
+        self.counts: dict[str, int] = {name: info.msgcount for name, info in self._reader.topics.items()}
+
+    def __enter__(self) -> "Bag":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._reader.stack is not None:
+            self._reader.close()
+
+    @property
+    def message_count(self) -> int:
+        return int(self._reader.message_count)
+
+    @property
+    def start_time(self) -> float:
+        """Receive time of the first message [s] (0 for an empty bag)."""
+        return self._reader.start_time * 1e-9 if self.message_count else 0.0
+
+    @property
+    def duration(self) -> float:
+        """Seconds between the first and the last message's receive time."""
+        return max(self._reader.end_time - self._reader.start_time, 0) * 1e-9 if self.message_count else 0.0
+
+    def topics_of_type(self, msgtypes: Iterable[str]) -> list[str]:
+        wanted = set(msgtypes)
+        return sorted(t for t, m in self.topics.items() if m in wanted)
+
+    def describe_topics(self) -> str:
+        """``/a (type, N msgs), ...`` for error messages."""
+        if not self.topics:
+            return "the bag has no topics"
+        return "topics in the bag: " + ", ".join(f"{t} ({m}, {self.counts.get(t, 0)} msgs)"
+                                                 for t, m in sorted(self.topics.items()))
+
+    def messages(self, topics: Sequence[str]) -> Iterator[tuple[str, int, str, object]]:
+        """``(topic, bag_time_ns, msgtype, message)`` for the given topics, merged in bag-time order."""
+        from rosbags.highlevel import AnyReaderError
+
+        wanted = set(topics)
+        missing = wanted - set(self.topics)
+        if missing:
+            raise TopicError(f"topic(s) {', '.join(sorted(missing))} not in {self.path}; {self.describe_topics()}")
+        connections = [c for c in self._reader.connections if c.topic in wanted]
+        for conn, bag_time, raw in self._reader.messages(connections=connections):
+            try:
+                msg = self._reader.deserialize(raw, conn.msgtype)
+            except AnyReaderError as err:
+                raise NotABagError(f"{self.path}: cannot decode a {conn.msgtype} message on {conn.topic} "
+                                   f"at bag time {bag_time * 1e-9:.9f} s: {err}") from None
+            yield conn.topic, bag_time, conn.msgtype, msg
+
+    # ---------------------------------------------------------------------------------- topic choice
+
+    def require_type(self, topic: str, msgtypes: Iterable[str], what: str) -> str:
+        """The type of ``topic``; TopicError when it is absent or not one of ``msgtypes``."""
+        allowed = tuple(msgtypes)
+        if topic not in self.topics:
+            raise TopicError(f"{what} topic {topic} is not in {self.path}; {self.describe_topics()}")
+        if self.topics[topic] not in allowed:
+            raise TopicError(f"{what} topic {topic} has type {self.topics[topic]}; expected "
+                             f"{' or '.join(allowed)}")
+        return self.topics[topic]
+
+    def mag_topic(self, requested: str | None = None) -> str:
+        """The MagneticField topic: ``requested`` (checked), or the only one in the bag."""
+        if requested:
+            self.require_type(requested, (MAGNETIC_FIELD,), "magnetometer")
+            return requested
+        candidates = self.topics_of_type((MAGNETIC_FIELD,))
+        if not candidates:
+            raise NoMagneticFieldError(f"{self.path} has no {MAGNETIC_FIELD} topic; {self.describe_topics()}")
+        if len(candidates) > 1:
+            raise TopicError(f"{self.path} has several {MAGNETIC_FIELD} topics ({', '.join(candidates)}); "
+                             "choose one with --mag-topic")
+        return candidates[0]
+
+    def first_frame_id(self, topic: str) -> str:
+        """header.frame_id of the first message on ``topic`` (empty when the topic has no messages)."""
+        for _, _, _, msg in self.messages([topic]):
+            return _frame(msg.header.frame_id)
+        return ""
+
+
+def open_bag(path: str | Path) -> Bag:
+    """Open a ROS 1 / ROS 2 bag for reading; BagNotFoundError or NotABagError when it cannot be read."""
+    return Bag(path)
+
+
+@dataclass(frozen=True)
+class MagneticFieldSeries:
+    """All readings of one MagneticField topic, in tesla, in stamp order of the bag."""
+
+    topic: str
+    stamps: np.ndarray  # (N,) [s]
+    field: np.ndarray   # (N, 3) [T], NaN kept where the driver wrote NaN
+    frame_id: str
+
+    @property
+    def non_finite(self) -> int:
+        """Number of readings with a NaN or infinite component."""
+        return int((~np.isfinite(self.field).all(axis=1)).sum())
+
+    def __len__(self) -> int:
+        return self.stamps.shape[0]
+
+
+def read_magnetic_field(path: str | Path, topic: str | None = None) -> MagneticFieldSeries:
+    """Every MagneticField message of ``topic`` (or of the bag's only MagneticField topic)."""
+    with Bag(path) as bag:
+        topic = bag.mag_topic(topic)
+        samples = [decode_magnetic_field(msg, t) for _, t, _, msg in bag.messages([topic])]
+    stamps = np.array([s.stamp for s in samples], dtype=np.float64)
+    field = np.array([s.field for s in samples], dtype=np.float64).reshape(-1, 3)
+    return MagneticFieldSeries(topic, stamps, field, samples[0].frame_id if samples else "")
+
+
+# --------------------------------------------------------------------------------------------- pose source
+
+
+@dataclass(frozen=True)
+class PoseSource:
+    """Where the replay takes the pose from: a pose topic, or the tf chain ``parent`` → ``child``."""
+
+    kind: str            # "topic" or "tf"
+    topic: str = ""      # kind "topic": the pose topic
+    msgtype: str = ""    # kind "topic": its message type
+    parent: str = ""     # kind "tf": the map frame
+    child: str = ""      # kind "tf": the frame whose pose is mapped (the magnetometer frame by default)
+
+    def describe(self) -> str:
+        if self.kind == "topic":
+            return f"{self.topic} ({self.msgtype})"
+        return f"/tf chain {self.parent} -> {self.child}"
+
+
+def choose_pose_source(bag: Bag, *, pose_topic: str | None = None, tf_frames: Sequence[str] | None = None,
+                       map_frame: str = "map", mag_frame: str = "") -> tuple[PoseSource, "TransformBuffer | None"]:
+    """Pick the pose source, and load the tf buffer when the source is tf.
+
+    ``pose_topic`` wins, then ``tf_frames`` (parent, child). Otherwise the preference is PoseStamped >
+    Odometry > PoseWithCovarianceStamped > the /tf chain from ``map_frame`` to ``mag_frame``; two topics of
+    the preferred type are ambiguous (TopicError). NoPoseSourceError when nothing fits.
+    """
+    if pose_topic and tf_frames:
+        raise TopicError("give either a pose topic or a tf chain (--tf PARENT CHILD), not both")
+    if pose_topic:
+        return PoseSource("topic", topic=pose_topic,
+                          msgtype=bag.require_type(pose_topic, POSE_TYPES, "pose")), None
+    tf_topics = bag.topics_of_type(TF_TYPES)
+    if tf_frames:
+        parent, child = (_frame(f) for f in tf_frames)
+        if not tf_topics:
+            raise NoPoseSourceError(f"--tf {parent} {child} was given but {bag.path} has no tf topic "
+                                    f"({' or '.join(TF_TYPES)}); {bag.describe_topics()}")
+        buffer = TransformBuffer.from_bag(bag, tf_topics)
+        buffer.check_connected(parent, child)
+        return PoseSource("tf", parent=parent, child=child), buffer
+    for msgtype in POSE_TYPES:
+        candidates = bag.topics_of_type((msgtype,))
+        if len(candidates) > 1:
+            raise TopicError(f"{bag.path} has several {msgtype} topics ({', '.join(candidates)}); "
+                             "choose one with --pose-topic (or use --tf PARENT CHILD)")
+        if candidates:
+            return PoseSource("topic", topic=candidates[0], msgtype=msgtype), None
+    if tf_topics and mag_frame:
+        buffer = TransformBuffer.from_bag(bag, tf_topics)
+        parent, child = _frame(map_frame), _frame(mag_frame)
+        if buffer.connected(parent, child):
+            return PoseSource("tf", parent=parent, child=child), buffer
+        raise NoPoseSourceError(
+            f"no pose source in {bag.path}: no {', '.join(POSE_TYPES)} topic, and the tf tree does not connect "
+            f"'{parent}' to the magnetometer frame '{child}' (frames in tf: {', '.join(buffer.frames) or 'none'}); "
+            "pass --pose-topic TOPIC or --tf PARENT CHILD")
+    raise NoPoseSourceError(f"no pose source in {bag.path}: it has no {', '.join(POSE_TYPES)} topic and no "
+                            f"/tf; {bag.describe_topics()}")
+
+
+class _Edge:
+    """One parent → child edge of the tf tree: static (one transform for all times) or a time series."""
+
+    def __init__(self, parent: str, child: str, static: bool) -> None:
+        self.parent, self.child, self.static = parent, child, static
+        self._stamps: list[float] = []
+        self._translations: list[np.ndarray] = []
+        self._rotations: list[np.ndarray] = []
+        self.stamps = np.zeros(0)
+        self.translations = np.zeros((0, 3))
+        self.rotations = np.zeros((0, 4))
+
+    def add(self, s: TransformSample) -> None:
+        if self.static:  # a later /tf_static message replaces the transform
+            self._stamps, self._translations, self._rotations = [s.stamp], [s.translation], [s.rotation]
+        else:
+            self._stamps.append(s.stamp)
+            self._translations.append(s.translation)
+            self._rotations.append(s.rotation)
+
+    def freeze(self) -> None:
+        order = np.argsort(np.asarray(self._stamps), kind="stable")
+        self.stamps = np.asarray(self._stamps, dtype=np.float64)[order]
+        self.translations = np.asarray(self._translations, dtype=np.float64).reshape(-1, 3)[order]
+        self.rotations = normalize_quaternion(np.asarray(self._rotations, dtype=np.float64).reshape(-1, 4)[order])
+
+    def at(self, stamp: float, max_gap: float) -> tuple[np.ndarray, np.ndarray]:
+        """Transform at ``stamp``: linear / spherical interpolation between the two transforms around it.
+
+        TransformError when ``stamp`` is outside the recorded span (tf2 does not extrapolate) or when either
+        of the two transforms is more than ``max_gap`` seconds away (the matching rule of mapping.sync).
+        """
+        if self.static:
+            return self.translations[0], self.rotations[0]
+        stamps = self.stamps
+        if stamps.size == 0 or stamp < stamps[0] or stamp > stamps[-1]:
+            span = f"[{stamps[0]:.3f}, {stamps[-1]:.3f}]" if stamps.size else "(empty)"
+            raise TransformError(f"tf {self.parent} -> {self.child} has no transform at {stamp:.3f} s "
+                                 f"(recorded span {span}; no extrapolation)")
+        i = int(np.searchsorted(stamps, stamp, side="left"))  # stamps[i-1] < stamp <= stamps[i]
+        if stamps[i] == stamp:
+            return self.translations[i], self.rotations[i]
+        t0, t1 = stamps[i - 1], stamps[i]
+        if stamp - t0 > max_gap or t1 - stamp > max_gap:  # the rule of mapping.sync for pose topics
+            raise TransformError(f"tf {self.parent} -> {self.child}: the transforms around {stamp:.3f} s are "
+                                 f"{stamp - t0:.3f} s before and {t1 - stamp:.3f} s after it "
+                                 f"(sync.max_pose_gap {max_gap} s)")
+        w = (stamp - t0) / (t1 - t0)
+        translation = (1.0 - w) * self.translations[i - 1] + w * self.translations[i]
+        return translation, slerp(self.rotations[i - 1], self.rotations[i], w)
+
+
+def compose(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``T_a * T_b`` of two (translation, rotation) transforms: apply ``b`` first, then ``a``."""
+    return a[0] + rotate_vectors(a[1], b[0]), normalize_quaternion(quaternion_multiply(a[1], b[1]))
+
+
+def invert(a: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``T^-1`` of a (translation, rotation) transform."""
+    q_inv = quaternion_inverse(a[1])
+    return -rotate_vectors(q_inv, a[0]), q_inv
+
+
+IDENTITY = (np.zeros(3), np.array([0.0, 0.0, 0.0, 1.0]))
+
+
+class TransformBuffer:
+    """The whole tf tree of a bag, for looking up ``parent`` → ``child`` at any recorded time.
+
+    Edges from /tf_static hold for all times; edges from /tf are interpolated between their two nearest
+    transforms (as tf2's BufferCore does, without extrapolation). A lookup walks from both frames up to their
+    common ancestor and composes the edges, so any two connected frames can be asked for.
+    """
+
+    def __init__(self) -> None:
+        self._edges: dict[str, _Edge] = {}  # by child: a tf tree gives each frame one parent
+        self.rejected = 0  # transforms refused: a non-unit quaternion, a non-finite value, or a second parent
+
+    @classmethod
+    def from_bag(cls, bag: Bag, topics: Sequence[str] | None = None) -> "TransformBuffer":
+        buffer = cls()
+        for topic, bag_time, _, msg in bag.messages(list(topics) if topics else bag.topics_of_type(TF_TYPES)):
+            for sample in decode_tf(msg, bag_time):
+                buffer.add(sample, static=topic == TF_STATIC_TOPIC)
+        buffer.freeze()
+        return buffer
+
+    def add(self, sample: TransformSample, static: bool = False) -> None:
+        ok = np.all(np.isfinite(sample.translation)) and np.all(np.isfinite(sample.rotation))
+        if not ok or abs(np.linalg.norm(sample.rotation) - 1.0) > 1e-3 or sample.parent == sample.child:
+            self.rejected += 1
+            return
+        edge = self._edges.get(sample.child)
+        if edge is None:
+            edge = self._edges[sample.child] = _Edge(sample.parent, sample.child, static)
+        elif edge.parent != sample.parent:
+            self.rejected += 1  # tf2 would re-parent; a bag with two parents for one frame is broken here
+            return
+        edge.add(sample)
+
+    def freeze(self) -> None:
+        """Sort every edge by time; call after the last :meth:`add` and before lookups."""
+        for edge in self._edges.values():
+            edge.freeze()
+
+    @property
+    def frames(self) -> list[str]:
+        names = set(self._edges)
+        names.update(e.parent for e in self._edges.values())
+        return sorted(names)
+
+    def _ancestors(self, frame: str) -> list[str]:
+        """``frame`` and its parents up to the root (stops on a loop)."""
+        chain = [frame]
+        while chain[-1] in self._edges and self._edges[chain[-1]].parent not in chain:
+            chain.append(self._edges[chain[-1]].parent)
+        return chain
+
+    def _paths(self, parent: str, child: str) -> tuple[list[_Edge], list[_Edge]]:
+        """Edges from the common ancestor down to ``parent`` and down to ``child``."""
+        up_parent, up_child = self._ancestors(parent), self._ancestors(child)
+        common = next((f for f in up_child if f in up_parent), None)
+        if common is None:
+            raise TransformError(f"tf frames '{parent}' and '{child}' are not connected "
+                                 f"(frames in the bag's tf: {', '.join(self.frames) or 'none'})")
+        to_parent = [self._edges[f] for f in up_parent[:up_parent.index(common)]]
+        to_child = [self._edges[f] for f in up_child[:up_child.index(common)]]
+        return to_parent, to_child
+
+    def connected(self, parent: str, child: str) -> bool:
+        try:
+            self._paths(parent, child)
+        except TransformError:
+            return False
+        return True
+
+    def check_connected(self, parent: str, child: str) -> None:
+        """TransformError naming the frames when ``parent`` and ``child`` have no common tf ancestor."""
+        self._paths(parent, child)
+
+    def chain_is_static(self, parent: str, child: str) -> bool:
+        up, down = self._paths(parent, child)
+        return all(e.static for e in up + down)
+
+    def lookup(self, parent: str, child: str, stamp: float, max_gap: float = math.inf
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """Pose of ``child`` in ``parent`` at ``stamp``: (translation (3,), rotation [x, y, z, w])."""
+        to_parent, to_child = self._paths(parent, child)
+
+        def down(edges: list[_Edge]) -> tuple[np.ndarray, np.ndarray]:
+            # edges run from the frame up to the common ancestor; compose from the ancestor down.
+            out = IDENTITY
+            for edge in reversed(edges):
+                out = compose(out, edge.at(stamp, max_gap))
+            return out
+
+        return compose(invert(down(to_parent)), down(to_child))
+
+
+def is_identity_extrinsic(translation: Sequence[float], rotation: Sequence[float], tol: float = 1e-9) -> bool:
+    """True when a sensor extrinsic (translation, [x, y, z, w]) is the identity (q and -q alike)."""
+    try:
+        q = normalize_quaternion(rotation)
+    except FrameError:
+        return False
+    return bool(np.all(np.abs(np.asarray(translation, dtype=np.float64)) <= tol) and abs(abs(q[3]) - 1.0) <= tol)
