@@ -1,0 +1,357 @@
+"""Match magnetometer samples with the robot's pose: interpolation, sensor extrinsic, units, rejection counts.
+
+Matching rule. A field sample at time ``t`` is matched with the latest pose at or before ``t`` (stamp ``t0``)
+and the earliest pose at or after ``t`` (``t1``); it is accepted when both exist and ``t - t0`` and ``t1 - t``
+are each at most ``sync.max_pose_gap``. The body pose at ``t`` is the linear interpolation of the two
+positions and the slerp of the two orientations. A sample newer than every pose waits (bounded) for the pose
+that follows it, because the two topics arrive independently.
+
+Frames. ``sync.sensor_translation`` and ``sync.sensor_rotation`` place the sensor in the body frame, so the
+sensor sits at ``p + R(q) t_s`` in the map frame and a reading ``b`` (sensor frame) is ``R(q) R_s b`` in the
+map frame. The model input ``x`` is the sensor position's first ``sync.input_dims`` coordinates.
+
+Every sample or pose that is not used is counted under a named reason (:data:`REJECTION_REASONS`).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from gp_mapping.config import SyncConfig
+from gp_mapping.mapping.frames import normalize_quaternion, quaternion_multiply, quaternion_norm_ok, rotate_vectors, slerp
+
+# Multiply a value in tesla by this to get the named unit (the one table of field units).
+UNIT_PER_TESLA: dict[str, float] = {
+    "tesla": 1.0,
+    "millitesla": 1e3,
+    "microtesla": 1e6,
+    "nanotesla": 1e9,
+    "gauss": 1e4,
+}
+UNIT_SYMBOL: dict[str, str] = {"tesla": "T", "millitesla": "mT", "microtesla": "uT", "nanotesla": "nT",
+                               "gauss": "G"}
+
+# Why a pose or a field sample was not used; each is a key of MeasurementSync.rejected.
+REJECTION_REASONS: dict[str, str] = {
+    "field_nonfinite": "a field component is NaN or infinite",
+    "field_stamp_nonfinite": "the field sample's stamp is NaN or infinite",
+    "field_stamp_backwards": "the field sample is older than the previous field sample",
+    "pose_nonfinite": "a pose position or orientation entry is NaN or infinite",
+    "pose_bad_quaternion": "the pose orientation has (near-)zero norm",
+    "pose_stamp_nonfinite": "the pose stamp is NaN or infinite",
+    "pose_stamp_backwards": "the pose is older than the previous pose",
+    "pose_stamp_duplicate": "the pose has the same stamp as the previous pose",
+    "no_pose_before": "no buffered pose at or before the sample (before the first pose, or beyond the pose "
+                      "buffer)",
+    "pose_gap": "the nearest pose before or after the sample is more than sync.max_pose_gap away",
+    "pose_timeout": "no pose followed the sample within sync.pose_buffer_seconds of field time",
+    "no_pose_after": "the stream ended before a pose followed the sample",
+    "sync_overflow": "more samples waited than the bound allows; the oldest were dropped",
+}
+
+
+class SyncError(ValueError):
+    """A pose or field sample has the wrong shape (a programming error, not a data error)."""
+
+
+def field_scale(unit: str) -> float:
+    """Factor from tesla to ``unit``; raises SyncError naming the known units."""
+    try:
+        return UNIT_PER_TESLA[unit]
+    except KeyError:
+        raise SyncError(f"unknown field unit {unit!r}; known: {', '.join(UNIT_PER_TESLA)}") from None
+
+
+def output_dims(target: str) -> int:
+    """Number of model outputs P for a ``sync.target``: 1 for 'magnitude', 3 for 'vector'."""
+    if target == "magnitude":
+        return 1
+    if target == "vector":
+        return 3
+    raise SyncError(f"unknown sync.target {target!r}; known: 'magnitude', 'vector'")
+
+
+@dataclass
+class Measurements:
+    """Matched samples: model inputs ``x (N, D)``, targets ``y (N, P)`` in the field unit, stamps ``t (N,)``.
+
+    ``position`` holds the full 3-D sensor positions (map frame), used for coverage and plots.
+    """
+
+    x: np.ndarray
+    y: np.ndarray
+    t: np.ndarray
+    position: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.t.shape[0])
+
+    @classmethod
+    def empty(cls, input_dims: int, output_dims: int) -> "Measurements":
+        return cls(np.zeros((0, input_dims)), np.zeros((0, output_dims)), np.zeros(0), np.zeros((0, 3)))
+
+    @classmethod
+    def concatenate(cls, parts: list["Measurements"]) -> "Measurements":
+        if not parts:
+            raise ValueError("Measurements.concatenate needs at least one part")
+        return cls(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("x", "y", "t", "position")))
+
+    def slice(self, start: int, stop: int | None = None) -> "Measurements":
+        sl = slice(start, stop)
+        return Measurements(self.x[sl], self.y[sl], self.t[sl], self.position[sl])
+
+
+class _PoseBuffer:
+    """Time-ordered poses in growable numpy arrays, trimmed to a time window (cheap searchsorted lookups)."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._t = np.empty(capacity)
+        self._p = np.empty((capacity, 3))
+        self._q = np.empty((capacity, 4))
+        self._lo = 0
+        self._hi = 0
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    @property
+    def stamps(self) -> np.ndarray:
+        return self._t[self._lo:self._hi]
+
+    @property
+    def newest(self) -> float:
+        return float(self._t[self._hi - 1])
+
+    def append(self, t: float, p: np.ndarray, q: np.ndarray) -> None:
+        if self._hi == self._t.shape[0]:
+            n = len(self)
+            cap = self._t.shape[0] * (2 if n > self._t.shape[0] // 2 else 1)
+            for name in ("_t", "_p", "_q"):
+                old = getattr(self, name)
+                new = np.empty((cap,) + old.shape[1:])
+                new[:n] = old[self._lo:self._hi]
+                setattr(self, name, new)
+            self._lo, self._hi = 0, n
+        self._t[self._hi], self._p[self._hi], self._q[self._hi] = t, p, q
+        self._hi += 1
+
+    def trim_before(self, cutoff: float) -> None:
+        """Drop poses older than ``cutoff``, keeping the last one at or before it (a sample at the cutoff still
+        has its left neighbour)."""
+        k = int(np.searchsorted(self.stamps, cutoff, side="right")) - 1
+        if k > 0:
+            self._lo += k
+
+    def interpolate(self, t: np.ndarray, max_gap: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Positions, orientations, and the masks (has a pose before, both within max_gap) at stamps ``t``.
+
+        Every ``t`` must be at or before the newest pose.
+        """
+        st = self.stamps
+        i1 = np.searchsorted(st, t, side="left")  # first pose at or after t
+        exact = (i1 < st.shape[0]) & (st[np.minimum(i1, st.shape[0] - 1)] == t)
+        i0 = np.where(exact, i1, i1 - 1)          # last pose at or before t
+        has_before = i0 >= 0
+        i0c = np.clip(i0, 0, st.shape[0] - 1)
+        i1c = np.clip(i1, 0, st.shape[0] - 1)
+        t0, t1 = st[i0c], st[i1c]
+        within = has_before & (t - t0 <= max_gap) & (t1 - t <= max_gap)
+        span = t1 - t0
+        alpha = np.where(span > 0, (t - t0) / np.where(span > 0, span, 1.0), 0.0)
+        p0, p1 = self._p[self._lo + i0c], self._p[self._lo + i1c]
+        q0, q1 = self._q[self._lo + i0c], self._q[self._lo + i1c]
+        pos = p0 + alpha[:, None] * (p1 - p0)
+        quat = slerp(q0, q1, alpha) if t.shape[0] else np.zeros((0, 4))
+        return pos, quat, has_before, within
+
+
+class MeasurementSync:
+    """Pose buffer plus waiting field samples; turns (pose, field) streams into :class:`Measurements`.
+
+    ``add_pose`` and ``add_field`` take SI units (metres, tesla) and stamps in seconds; ``pop_ready`` returns
+    every sample decided so far as accepted, in stamp order. ``rejected`` counts unused inputs by reason.
+    ``max_pending`` bounds the samples held (waiting for a pose, plus accepted and not yet popped).
+    """
+
+    def __init__(self, config: SyncConfig | None = None, max_pending: int = 10_000) -> None:
+        self.config = config or SyncConfig()
+        if max_pending < 1:
+            raise SyncError(f"max_pending must be at least 1, got {max_pending}")
+        self.max_pending = int(max_pending)
+        self.output_dims = output_dims(self.config.target)
+        self.input_dims = int(self.config.input_dims)
+        self._scale = field_scale(self.config.field_unit)
+        self._t_sensor = np.asarray(self.config.sensor_translation, dtype=np.float64).reshape(3)
+        try:
+            self._q_sensor = normalize_quaternion(self.config.sensor_rotation)
+        except ValueError as err:
+            raise SyncError(f"sync.sensor_rotation: {err}") from err
+        self.rejected: dict[str, int] = {reason: 0 for reason in REJECTION_REASONS}
+        self.accepted = 0
+        self.poses_accepted = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget poses and samples (the counters are kept; see ``reset_counters``)."""
+        self._poses = _PoseBuffer()
+        self._waiting: deque[tuple[float, np.ndarray]] = deque()  # (stamp, field in tesla), stamp order
+        self._ready: list[Measurements] = []
+        self._ready_count = 0
+        self._last_field_stamp = -math.inf
+        self._last_pose_stamp = -math.inf
+
+    def reset_counters(self) -> None:
+        self.rejected = {reason: 0 for reason in REJECTION_REASONS}
+        self.accepted = 0
+        self.poses_accepted = 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Samples waiting for a pose that follows them."""
+        return len(self._waiting)
+
+    @property
+    def num_ready(self) -> int:
+        """Accepted samples not yet returned by ``pop_ready``."""
+        return self._ready_count
+
+    @property
+    def last_stamp(self) -> float:
+        """Newest stamp seen on either stream (-inf before any)."""
+        return max(self._last_field_stamp, self._last_pose_stamp)
+
+    def _reject(self, reason: str, count: int = 1) -> None:
+        self.rejected[reason] += count
+
+    def add_pose(self, stamp: float, position, orientation_xyzw) -> bool:
+        """Buffer one body pose (map frame). Returns False, counting the reason, when it is rejected."""
+        p = np.asarray(position, dtype=np.float64)
+        q = np.asarray(orientation_xyzw, dtype=np.float64)
+        if p.shape != (3,) or q.shape != (4,):
+            raise SyncError(f"a pose needs position (3,) and orientation [x, y, z, w] (4,), got {p.shape} and "
+                            f"{q.shape}")
+        stamp = float(stamp)
+        if not math.isfinite(stamp):
+            self._reject("pose_stamp_nonfinite")
+            return False
+        if not (np.all(np.isfinite(p)) and np.all(np.isfinite(q))):
+            self._reject("pose_nonfinite")
+            return False
+        if not quaternion_norm_ok(q):
+            self._reject("pose_bad_quaternion")
+            return False
+        if stamp < self._last_pose_stamp:
+            self._reject("pose_stamp_backwards")
+            return False
+        if stamp == self._last_pose_stamp:
+            self._reject("pose_stamp_duplicate")
+            return False
+        self._last_pose_stamp = stamp
+        self._poses.append(stamp, p, normalize_quaternion(q))
+        self.poses_accepted += 1
+        # Samples now bracketed are decided before the buffer trim can drop their left neighbour.
+        self._decide_waiting()
+        self._poses.trim_before(stamp - self.config.pose_buffer_seconds)
+        return True
+
+    def add_field(self, stamp: float, field_tesla) -> None:
+        """Queue one magnetometer reading (sensor frame, tesla); decided now or when its next pose arrives."""
+        b = np.asarray(field_tesla, dtype=np.float64)
+        if b.shape != (3,):
+            raise SyncError(f"a magnetic field sample must have shape (3,), got {b.shape}")
+        stamp = float(stamp)
+        if not math.isfinite(stamp):
+            self._reject("field_stamp_nonfinite")
+            return
+        if not np.all(np.isfinite(b)):
+            self._reject("field_nonfinite")
+            return
+        if stamp < self._last_field_stamp:
+            self._reject("field_stamp_backwards")
+            return
+        self._last_field_stamp = stamp
+        self._waiting.append((stamp, b))
+        # A pose stream that stopped long ago (in field time) will not bracket the oldest samples any more.
+        limit = stamp - self.config.pose_buffer_seconds
+        while self._waiting and self._waiting[0][0] < limit and (
+                len(self._poses) == 0 or self._waiting[0][0] > self._poses.newest):
+            self._waiting.popleft()
+            self._reject("pose_timeout")
+        self._decide_waiting()
+        self._enforce_bound()
+
+    def _decide_waiting(self) -> None:
+        """Decide every waiting sample that is at or before the newest pose (its bracket is now known)."""
+        if not self._waiting or len(self._poses) == 0:
+            return
+        newest = self._poses.newest
+        n = 0
+        for stamp, _ in self._waiting:
+            if stamp > newest:
+                break
+            n += 1
+        if n == 0:
+            return
+        items = [self._waiting.popleft() for _ in range(n)]
+        t = np.array([s for s, _ in items])
+        b = np.stack([f for _, f in items])
+        pos, quat, has_before, within = self._poses.interpolate(t, self.config.max_pose_gap)
+        self._reject("no_pose_before", int(np.count_nonzero(~has_before)))
+        self._reject("pose_gap", int(np.count_nonzero(has_before & ~within)))
+        if not np.any(within):
+            return
+        t, b, pos, quat = t[within], b[within], pos[within], quat[within]
+        sensor_pos = pos + rotate_vectors(quat, self._t_sensor)
+        if self.output_dims == 1:
+            y = np.linalg.norm(b, axis=1, keepdims=True) * self._scale  # |B| does not depend on the frame
+        else:
+            y = rotate_vectors(quaternion_multiply(quat, self._q_sensor), b) * self._scale
+        self._ready.append(Measurements(sensor_pos[:, :self.input_dims].copy(), y, t, sensor_pos))
+        self._ready_count += t.shape[0]
+        self.accepted += t.shape[0]
+
+    def _enforce_bound(self) -> None:
+        excess = len(self._waiting) + self._ready_count - self.max_pending
+        if excess <= 0:
+            return
+        # Oldest first: accepted-but-unpopped samples are older than every waiting one.
+        while excess > 0 and self._ready:
+            head = self._ready[0]
+            k = min(excess, len(head))
+            self._ready[0] = head.slice(k)
+            if len(self._ready[0]) == 0:
+                self._ready.pop(0)
+            self._ready_count -= k
+            self.accepted -= k
+            self._reject("sync_overflow", k)
+            excess -= k
+        while excess > 0 and self._waiting:
+            self._waiting.popleft()
+            self._reject("sync_overflow")
+            excess -= 1
+
+    def pop_ready(self) -> Measurements:
+        """Every accepted sample not returned before, oldest first (possibly empty)."""
+        if not self._ready:
+            return Measurements.empty(self.input_dims, self.output_dims)
+        out = Measurements.concatenate(self._ready)
+        self._ready, self._ready_count = [], 0
+        return out
+
+    def finish(self) -> None:
+        """End of stream: samples still waiting for a following pose can never be matched; count them."""
+        self._reject("no_pose_after", len(self._waiting))
+        self._waiting.clear()
+
+    def counters(self) -> dict[str, int | dict[str, int]]:
+        """Plain numbers: accepted samples, poses, samples waiting/ready, rejections by reason."""
+        return {
+            "accepted": self.accepted,
+            "poses_accepted": self.poses_accepted,
+            "waiting": self.num_waiting,
+            "ready": self.num_ready,
+            "rejected": dict(self.rejected),
+        }

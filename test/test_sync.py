@@ -1,0 +1,183 @@
+"""Pose/field matching against closed forms, the sensor extrinsic, units and every rejection reason."""
+import math
+
+import numpy as np
+import pytest
+from scipy.spatial.transform import Rotation
+
+from gp_mapping.config import SyncConfig
+from gp_mapping.mapping.frames import quaternion_from_rpy
+from gp_mapping.mapping.sync import REJECTION_REASONS, UNIT_PER_TESLA, MeasurementSync, SyncError
+
+V = np.array([0.5, -0.2, 0.05])   # m/s, straight line
+P0 = np.array([1.0, 2.0, 0.3])
+YAW_RATE = 0.4                    # rad/s about z
+B_MAP = np.array([20e-6, -5e-6, -42e-6])  # tesla, constant in the map frame
+
+
+def pose_at(t):
+    return P0 + V * t, quaternion_from_rpy(0.0, 0.0, YAW_RATE * t)
+
+
+def field_in_sensor(t, sensor_rotation):
+    """Reading of the constant map-frame field by a sensor rotated by yaw(t) * sensor_rotation."""
+    r = Rotation.from_euler("z", YAW_RATE * t) * Rotation.from_quat(sensor_rotation)
+    return r.inv().apply(B_MAP)
+
+
+def run_stream(sync, pose_stamps, field_stamps, sensor_rotation=(0, 0, 0, 1)):
+    """Feed both streams merged by stamp, each field arriving just before the pose that follows it."""
+    events = [(t, 1, "pose") for t in pose_stamps] + [(t, 0, "field") for t in field_stamps]
+    for t, _, kind in sorted(events):
+        if kind == "pose":
+            assert sync.add_pose(t, *pose_at(t))
+        else:
+            sync.add_field(t, field_in_sensor(t, sensor_rotation))
+    return sync.pop_ready()
+
+
+def test_interpolation_straight_line_constant_yaw_rate_with_extrinsic():
+    t_s = [0.3, -0.1, 0.2]
+    q_s = list(Rotation.from_euler("xyz", [0.3, -0.2, 1.1]).as_quat())
+    sync = MeasurementSync(SyncConfig(target="vector", input_dims=3, sensor_translation=t_s, sensor_rotation=q_s))
+    poses = np.arange(0.0, 3.0001, 0.1)
+    fields = np.arange(0.013, 2.99, 0.02)
+    m = run_stream(sync, poses, fields, q_s)
+    assert len(m) == fields.size and sync.accepted == fields.size
+    np.testing.assert_allclose(m.t, fields)
+    # closed form: body at P0 + V t with yaw w t; sensor at p + Rz(w t) t_s
+    expect = P0 + V * fields[:, None] + Rotation.from_euler("z", YAW_RATE * fields[:, None]).apply(t_s)
+    np.testing.assert_allclose(m.x, expect, atol=1e-12)
+    np.testing.assert_allclose(m.position, expect, atol=1e-12)
+    # the reading rotated back into the map frame is the constant field, in microtesla by default
+    np.testing.assert_allclose(m.y, np.tile(B_MAP * 1e6, (fields.size, 1)), atol=1e-9)
+    assert sum(sync.rejected.values()) == 0
+
+
+def test_magnitude_target_and_2d_inputs():
+    sync = MeasurementSync(SyncConfig(target="magnitude", input_dims=2, sensor_translation=[0.5, 0, 0]))
+    fields = np.array([0.05, 0.55, 1.25])
+    m = run_stream(sync, np.arange(0, 1.5, 0.1), fields)
+    assert m.x.shape == (3, 2) and m.y.shape == (3, 1)
+    expect = P0[:2] + V[:2] * fields[:, None] + 0.5 * np.stack(
+        [np.cos(YAW_RATE * fields), np.sin(YAW_RATE * fields)], axis=1)
+    np.testing.assert_allclose(m.x, expect, atol=1e-12)
+    np.testing.assert_allclose(m.y[:, 0], np.linalg.norm(B_MAP) * 1e6, rtol=1e-12)
+
+
+@pytest.mark.parametrize("unit", list(UNIT_PER_TESLA))
+def test_units(unit):
+    sync = MeasurementSync(SyncConfig(field_unit=unit))
+    sync.add_pose(0.0, [0, 0, 0], [0, 0, 0, 1])
+    sync.add_field(0.0, [3e-6, 4e-6, 0.0])
+    m = sync.pop_ready()
+    assert m.y[0, 0] == pytest.approx(5e-6 * UNIT_PER_TESLA[unit])
+    assert UNIT_PER_TESLA["gauss"] == 1e4 and UNIT_PER_TESLA["nanotesla"] == 1e9
+
+
+def test_slerp_midpoint_between_two_poses():
+    sync = MeasurementSync(SyncConfig(target="vector", max_pose_gap=1.0))
+    sync.add_field(0.5, [1e-6, 0, 0])  # arrives before both poses: waits
+    assert sync.num_waiting == 1
+    sync.add_pose(0.0, [0, 0, 0], quaternion_from_rpy(0, 0, 0.0))
+    assert sync.num_waiting == 1
+    sync.add_pose(1.0, [2, 0, 0], quaternion_from_rpy(0, 0, math.pi / 2))
+    m = sync.pop_ready()
+    np.testing.assert_allclose(m.x, [[1.0, 0.0]])
+    # halfway: yaw pi/4, the sensor x axis points to (1, 1)/sqrt 2 in the map frame
+    np.testing.assert_allclose(m.y, [[math.sqrt(0.5), math.sqrt(0.5), 0.0]], atol=1e-12)
+
+
+def test_exact_pose_stamp_and_late_sample_within_buffer():
+    sync = MeasurementSync(SyncConfig(max_pose_gap=0.1, pose_buffer_seconds=5.0))
+    for t in np.arange(0.0, 4.01, 0.1):
+        sync.add_pose(t, [t, 0, 0], [0, 0, 0, 1])
+    sync.add_field(0.3, [1e-6, 0, 0])   # 3.7 s late, still in the buffer, exactly a pose stamp (up to float)
+    sync.add_field(1.25, [1e-6, 0, 0])
+    m = sync.pop_ready()
+    np.testing.assert_allclose(m.x[:, 0], [0.3, 1.25], atol=1e-12)
+
+
+def test_rejection_reasons_each_counted():
+    cfg = SyncConfig(max_pose_gap=0.1, pose_buffer_seconds=2.0)
+    sync = MeasurementSync(cfg)
+    ok = [0, 0, 0, 1]
+    # poses
+    assert sync.add_pose(1.0, [0, 0, 0], ok)
+    assert not sync.add_pose(float("nan"), [0, 0, 0], ok)
+    assert not sync.add_pose(1.1, [np.nan, 0, 0], ok)
+    assert not sync.add_pose(1.1, [0, 0, 0], [0, 0, 0, np.inf])
+    assert not sync.add_pose(1.1, [0, 0, 0], [0, 0, 0, 0])
+    assert not sync.add_pose(0.5, [0, 0, 0], ok)
+    assert not sync.add_pose(1.0, [0, 0, 0], ok)
+    assert sync.add_pose(1.05, [0, 0, 0], ok)
+    # fields
+    sync.add_field(0.9, [1e-6, 0, 0])             # before the first pose
+    sync.add_field(1.02, [np.nan, 0, 0])           # NaN component
+    sync.add_field(float("inf"), [1e-6, 0, 0])     # bad stamp
+    sync.add_field(1.03, [1e-6, 0, 0])             # accepted
+    sync.add_field(1.01, [1e-6, 0, 0])             # older than the previous field sample
+    sync.add_field(1.3, [1e-6, 0, 0])              # waits; next pose is 0.5 s later: pose gap
+    assert sync.add_pose(1.8, [0, 0, 0], ok)
+    sync.add_field(1.9, [1e-6, 0, 0])              # waits for a pose that never comes ...
+    sync.add_field(4.5, [1e-6, 0, 0])              # ... and 2.6 s of field time later it times out
+    assert sync.num_waiting == 1
+    sync.finish()                                   # the 4.5 s sample never gets its following pose
+    expected = {"pose_stamp_nonfinite": 1, "pose_nonfinite": 2, "pose_bad_quaternion": 1,
+                "pose_stamp_backwards": 1, "pose_stamp_duplicate": 1, "no_pose_before": 1, "field_nonfinite": 1,
+                "field_stamp_nonfinite": 1, "field_stamp_backwards": 1, "pose_gap": 1, "pose_timeout": 1,
+                "no_pose_after": 1, "sync_overflow": 0}
+    assert sync.rejected == expected
+    assert set(sync.rejected) == set(REJECTION_REASONS)
+    assert sync.accepted == 1 and sync.poses_accepted == 3
+    assert len(sync.pop_ready()) == 1
+    c = sync.counters()
+    assert c["accepted"] == 1 and c["rejected"] == expected and c["waiting"] == 0
+
+
+def test_pose_gap_on_the_near_side():
+    sync = MeasurementSync(SyncConfig(max_pose_gap=0.1))
+    sync.add_pose(0.0, [0, 0, 0], [0, 0, 0, 1])
+    sync.add_pose(1.0, [1, 0, 0], [0, 0, 0, 1])
+    sync.add_field(0.05, [1e-6, 0, 0])   # 0.05 after a pose but 0.95 before the next: rejected
+    sync.add_field(0.95, [1e-6, 0, 0])
+    assert sync.rejected["pose_gap"] == 2 and sync.accepted == 0
+
+
+def test_buffer_bound_and_old_samples():
+    sync = MeasurementSync(SyncConfig(max_pose_gap=0.2, pose_buffer_seconds=1.0))
+    for t in np.arange(0.0, 10.01, 0.1):
+        sync.add_pose(t, [t, 0, 0], [0, 0, 0, 1])
+    assert len(sync._poses) <= 12   # 1 s of 10 Hz poses plus the one at the cutoff
+    sync.add_field(5.0, [1e-6, 0, 0])  # its poses were dropped from the buffer
+    assert sync.rejected["no_pose_before"] == 1
+
+
+def test_overflow_drops_oldest_and_accounting_balances():
+    sync = MeasurementSync(SyncConfig(max_pose_gap=0.5), max_pending=5)
+    sync.add_pose(0.0, [0, 0, 0], [0, 0, 0, 1])
+    sync.add_pose(0.1, [0, 0, 0], [0, 0, 0, 1])
+    for k in range(8):
+        sync.add_field(0.01 * k, [1e-6, 0, 0])  # accepted but not popped
+    for k in range(3):
+        sync.add_field(0.15 + 0.01 * k, [1e-6, 0, 0])  # waiting for a following pose
+    assert sync.rejected["sync_overflow"] == 6
+    assert sync.num_ready + sync.num_waiting == 5
+    m = sync.pop_ready()
+    np.testing.assert_allclose(m.t, [0.06, 0.07])
+    sync.add_pose(0.3, [0, 0, 0], [0, 0, 0, 1])
+    assert len(sync.pop_ready()) == 3
+    assert sync.accepted + sum(sync.rejected.values()) == 11
+
+
+def test_wrong_shapes_raise():
+    sync = MeasurementSync()
+    with pytest.raises(SyncError, match="shape"):
+        sync.add_field(0.0, [1.0, 2.0])
+    with pytest.raises(SyncError, match="orientation"):
+        sync.add_pose(0.0, [0, 0, 0], [0, 0, 1])
+
+
+def test_bad_extrinsic_refused():
+    with pytest.raises(SyncError, match="sensor_rotation"):
+        MeasurementSync(SyncConfig(sensor_rotation=[0.0, 0.0, 0.0, 0.0]))
