@@ -1,0 +1,387 @@
+"""The Mapper: one object that the ROS node and the offline replay both drive, so equal messages give equal maps.
+
+Flow: ``add_pose`` / ``add_magnetic_field`` (SI units, stamps in seconds) feed a :class:`MeasurementSync`;
+``process`` moves matched samples into a pending queue, cuts it into batches (``batching.mode``) and runs one
+``model.update`` per full batch; ``grid`` predicts the map over the grid on the model's device. Batches are cut
+in *data* time (sample stamps), never wall-clock time, so a replay reproduces the live node's batches. How often
+the map is published is the caller's business.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gp_mapping.config import ConfigError, MapperConfig, config_from_dict, to_dict
+from gp_mapping.mapping.grid import Coverage, GridSpec, fixed_grid_spec, predict_grid
+from gp_mapping.mapping.state import MapState, MapStateError, read_state, write_state
+from gp_mapping.mapping.sync import REJECTION_REASONS, UNIT_SYMBOL, Measurements, MeasurementSync, output_dims
+
+# Config keys that decide what the saved model means; a state file refuses a config that changes them.
+STATE_DEFINING_KEYS = (("model", "engine"), ("model", "kernel"), ("model", "likelihood"), ("model", "ard"),
+                       ("model", "constant_kernel"), ("sync", "target"), ("sync", "input_dims"),
+                       ("sync", "field_unit"))
+TRAJECTORY_MAX_POINTS = 20_000
+UPDATE_TIMES_KEPT = 100
+
+
+@dataclass
+class MapGrid:
+    """A predicted map over a grid.
+
+    ``layers[name] = (mean (H, W), var (H, W))`` in ``field_unit`` (variance in unit squared): the posterior of
+    the latent field f, not of a noisy reading. Target 'magnitude' gives the layer ``'magnitude'``; target
+    'vector' gives ``'x'``, ``'y'``, ``'z'`` (map-frame components) and ``'norm'``, whose variance is the delta
+    method's ``sum_i (m_i / |m|)^2 var_i`` (first order in the per-component uncertainty, components taken
+    as independent; where ``|m|`` is 0 it falls back to ``sum_i var_i``). ``known`` (H, W) is False for cells
+    farther than ``grid.unknown_distance`` from every sample. ``stamp`` is the newest sample stamp in the
+    model; ``height`` the z of the cells when the inputs are 3-D (else 0).
+    """
+
+    spec: GridSpec
+    frame_id: str
+    field_unit: str
+    layers: dict[str, tuple[np.ndarray, np.ndarray]]
+    known: np.ndarray
+    stamp: float
+    height: float = 0.0
+
+    @property
+    def unit_symbol(self) -> str:
+        return UNIT_SYMBOL[self.field_unit]
+
+
+def vector_layers(mean: np.ndarray, var: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Layers 'x', 'y', 'z', 'norm' from a vector prediction ``(H, W, 3)`` (see :class:`MapGrid`)."""
+    norm = np.linalg.norm(mean, axis=-1)
+    safe = np.where(norm > 0, norm, 1.0)
+    var_norm = np.where(norm > 0, np.sum((mean / safe[..., None]) ** 2 * var, axis=-1), np.sum(var, axis=-1))
+    layers = {name: (mean[..., k].copy(), var[..., k].copy()) for k, name in enumerate("xyz")}
+    layers["norm"] = (norm, var_norm)
+    return layers
+
+
+class _Trajectory:
+    """Accepted 2-D positions for plots: a point is kept when it is ``spacing`` from the last kept one; past
+    TRAJECTORY_MAX_POINTS every other point is dropped and the spacing doubles (bounded memory)."""
+
+    def __init__(self, spacing: float) -> None:
+        self.base_spacing = spacing
+        self.clear()
+
+    def clear(self) -> None:
+        self.spacing = self.base_spacing
+        self.points: list[tuple[float, float]] = []
+
+    def add(self, xy: np.ndarray) -> None:
+        for x, y in np.asarray(xy, dtype=np.float64)[:, :2].tolist():
+            if self.points:
+                lx, ly = self.points[-1]
+                if math.hypot(x - lx, y - ly) < self.spacing:
+                    continue
+            self.points.append((x, y))
+            if len(self.points) > TRAJECTORY_MAX_POINTS:
+                self.points = self.points[::2]
+                self.spacing *= 2
+
+    def array(self) -> np.ndarray:
+        return np.array(self.points, dtype=np.float64).reshape(-1, 2)
+
+
+class Mapper:
+    """Online GP map of the magnetic field from pose and magnetometer streams (see the module docstring)."""
+
+    def __init__(self, config: MapperConfig | None = None, model=None) -> None:
+        self.config = config if config is not None else MapperConfig()
+        cfg = self.config
+        self.input_dims = int(cfg.sync.input_dims)
+        self.output_dims = output_dims(cfg.sync.target)
+        if cfg.batching.mode == "count" and cfg.batching.size > cfg.batching.max_pending:
+            raise ConfigError(f"config key 'batching.size': {cfg.batching.size} is larger than batching.max_pending "
+                              f"= {cfg.batching.max_pending}, so no batch could ever fill")
+        # A fixed grid is checked (max_cells) here, before any data, rather than at the first publication.
+        self._fixed_spec = fixed_grid_spec(cfg.grid) if cfg.grid.mode == "fixed" else None
+        if model is None:
+            from gp_mapping.gp import build_model
+            model = build_model(cfg.model, input_dims=self.input_dims, output_dims=self.output_dims)
+        self.model = model
+        # reset() returns the model to exactly this state (whether built here or passed in).
+        self._initial_model_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self._sync = MeasurementSync(cfg.sync, max_pending=cfg.batching.max_pending)
+        self._coverage = Coverage(cfg.grid.resolution)
+        self._trajectory = _Trajectory(spacing=cfg.grid.resolution / 2)
+        self._clear()
+
+    # ------------------------------------------------------------------------------------------------ input
+
+    def _clear(self) -> None:
+        self._pending: deque[Measurements] = deque()
+        self._pending_count = 0
+        self.dropped = 0
+        self.updates = 0
+        self._update_seconds: deque[float] = deque(maxlen=UPDATE_TIMES_KEPT)
+        self.last_stamp = -math.inf  # newest sample stamp used in an update
+
+    def add_pose(self, stamp: float, position, orientation_xyzw) -> bool:
+        """Body pose in the map frame (metres, quaternion [x, y, z, w]); False when rejected (counted)."""
+        return self._sync.add_pose(stamp, position, orientation_xyzw)
+
+    def add_magnetic_field(self, stamp: float, field_tesla) -> None:
+        """Magnetometer reading in the sensor frame, tesla (``sensor_msgs/MagneticField.magnetic_field``)."""
+        self._sync.add_field(stamp, field_tesla)
+
+    # ------------------------------------------------------------------------------------------------ updates
+
+    @property
+    def num_pending(self) -> int:
+        """Matched samples waiting for their batch (including those not yet moved out of the sync)."""
+        return self._pending_count + self._sync.num_ready
+
+    def _collect(self) -> None:
+        new = self._sync.pop_ready()
+        if len(new):
+            self._pending.append(new)
+            self._pending_count += len(new)
+            self._trajectory.add(new.position)
+        excess = self._pending_count - self.config.batching.max_pending
+        while excess > 0:
+            head = self._pending[0]
+            k = min(excess, len(head))
+            if k == len(head):
+                self._pending.popleft()
+            else:
+                self._pending[0] = head.slice(k)
+            self._pending_count -= k
+            self.dropped += k
+            excess -= k
+
+    def _take(self, n: int) -> Measurements:
+        parts, need = [], n
+        while need > 0:
+            head = self._pending[0]
+            if len(head) <= need:
+                parts.append(self._pending.popleft())
+                need -= len(head)
+            else:
+                parts.append(head.slice(0, need))
+                self._pending[0] = head.slice(need)
+                need = 0
+        self._pending_count -= n
+        return Measurements.concatenate(parts)
+
+    def _full_batch_size(self) -> int:
+        """Samples in the next full batch, or 0 while it is still filling."""
+        b = self.config.batching
+        if b.mode == "count":
+            return b.size if self._pending_count >= b.size else 0
+        if self._pending_count == 0:
+            return 0
+        # Time mode: a batch spans [t_first, t_first + period); it is full once a later sample has arrived.
+        t = np.concatenate([m.t for m in self._pending])
+        end = t[0] + b.period
+        if t[-1] < end:
+            return 0
+        return int(np.searchsorted(t, end, side="left"))
+
+    def _update(self, batch: Measurements) -> dict[str, Any]:
+        start = time.perf_counter()
+        stats = self.model.update(batch.x, batch.y)
+        device = getattr(self.model, "device", None)
+        if device is not None and str(device).startswith("cuda"):
+            import torch
+            torch.cuda.synchronize(device)  # honest timing: wait for the queued kernels
+        seconds = time.perf_counter() - start
+        self._coverage.add(batch.position)
+        self.updates += 1
+        self._update_seconds.append(seconds)
+        self.last_stamp = max(self.last_stamp, float(batch.t[-1]))
+        out = dict(stats or {})
+        out.update({"update": self.updates, "batch_size": len(batch), "update_seconds": seconds,
+                    "stamp": float(batch.t[-1]), "num_seen": int(self.model.num_seen)})
+        return out
+
+    def process(self, max_updates: int | None = None) -> list[dict[str, Any]]:
+        """Move matched samples into the pending queue (bounded by ``batching.max_pending``: the oldest are
+        dropped and counted) and run one model update per full batch, at most ``max_updates`` of them.
+
+        Returns the update statistics (the model's plus ``update``, ``batch_size``, ``update_seconds``,
+        ``stamp``, ``num_seen``), one dict per update, oldest first.
+        """
+        self._collect()
+        out: list[dict[str, Any]] = []
+        while max_updates is None or len(out) < max_updates:
+            n = self._full_batch_size()
+            if n == 0:
+                break
+            out.append(self._update(self._take(n)))
+        return out
+
+    def flush(self, end_of_stream: bool = True) -> list[dict[str, Any]]:
+        """Run every full batch and then the partial one. With ``end_of_stream``, samples still waiting for a
+        following pose can never be matched and are counted as ``no_pose_after``; pass False to flush
+        mid-stream (before saving, say) and keep them waiting."""
+        if end_of_stream:
+            self._sync.finish()
+        out = self.process()
+        if self._pending_count:
+            out.append(self._update(self._take(self._pending_count)))
+        return out
+
+    # ------------------------------------------------------------------------------------------------ outputs
+
+    def grid_spec(self) -> GridSpec | None:
+        """The grid the next map is predicted on (fixed, or grown over the visited area); None before data."""
+        if self._fixed_spec is not None:
+            return self._fixed_spec
+        return self._coverage.grow_spec(self.config.grid)
+
+    def grid(self) -> MapGrid | None:
+        """Predict the map (tiled, on the model's device); None before the first update.
+
+        Raises GridTooLargeError when a grown grid would exceed ``grid.max_cells``.
+        """
+        if int(self.model.num_seen) == 0:
+            return None
+        spec = self.grid_spec()
+        if spec is None:
+            return None
+        g = self.config.grid
+        mean, var = predict_grid(self.model, spec, g.tile_size, height=g.height, input_dims=self.input_dims)
+        if self.output_dims == 1:
+            layers = {"magnitude": (mean[..., 0], var[..., 0])}
+        else:
+            layers = vector_layers(mean, var)
+        return MapGrid(spec=spec, frame_id=g.frame_id, field_unit=self.config.sync.field_unit, layers=layers,
+                       known=self._coverage.known_mask(spec, g.unknown_distance),
+                       stamp=float(self.last_stamp) if math.isfinite(self.last_stamp) else 0.0,
+                       height=float(g.height) if self.input_dims == 3 else 0.0)
+
+    @property
+    def trajectory(self) -> np.ndarray:
+        """``(K, 2)`` accepted sensor positions, decimated (bounded), for plots."""
+        return self._trajectory.array()
+
+    @property
+    def coverage(self) -> Coverage:
+        return self._coverage
+
+    def diagnostics(self) -> dict[str, Any]:
+        """Counters and timings as plain numbers (``rejected`` is a dict by reason; times are 0.0 before the
+        first update)."""
+        times = list(self._update_seconds)
+        rejected = dict(self._sync.rejected)
+        return {
+            "accepted": self._sync.accepted,
+            "poses_accepted": self._sync.poses_accepted,
+            "rejected": rejected,
+            "rejected_total": sum(rejected.values()),
+            "dropped": self.dropped,
+            "waiting": self._sync.num_waiting,
+            "pending": self.num_pending,
+            "updates": self.updates,
+            "last_update_seconds": times[-1] if times else 0.0,
+            "median_update_seconds": float(np.median(times)) if times else 0.0,
+            "num_seen": int(self.model.num_seen),
+            "coverage_cells": len(self._coverage),
+            "last_stamp": float(self.last_stamp) if math.isfinite(self.last_stamp) else 0.0,
+            "device": str(getattr(self.model, "device", "cpu")),
+        }
+
+    # ------------------------------------------------------------------------------------------------ state
+
+    def reset(self) -> None:
+        """Forget everything: the model returns to its initial state; poses, samples, coverage and counters clear."""
+        self.model.load_state_dict(self._initial_model_state)
+        self._sync.reset()
+        self._sync.reset_counters()
+        self._coverage.clear()
+        self._trajectory.clear()
+        self._clear()
+
+    def save(self, path: str | Path) -> None:
+        """Write the model, coverage, trajectory, pending samples and counters to ``path`` (atomic).
+
+        Samples still waiting for a following pose, and the pose buffer, are not saved.
+        """
+        self._collect()
+        pending = (Measurements.concatenate(list(self._pending)) if self._pending
+                   else Measurements.empty(self.input_dims, self.output_dims))
+        arrays = {
+            "coverage_cells": self._coverage.cells,
+            "trajectory": self.trajectory,
+            "update_seconds": np.array(self._update_seconds, dtype=np.float64),
+            "pending_x": pending.x, "pending_y": pending.y, "pending_t": pending.t,
+            "pending_position": pending.position,
+        }
+        info = {
+            "accepted": self._sync.accepted,
+            "poses_accepted": self._sync.poses_accepted,
+            "rejected": dict(self._sync.rejected),
+            "dropped": self.dropped,
+            "updates": self.updates,
+            "last_stamp": self.last_stamp if math.isfinite(self.last_stamp) else None,
+            "coverage_resolution": self._coverage.resolution,
+            "trajectory_spacing": self._trajectory.spacing,
+        }
+        write_state(path, MapState(config=to_dict(self.config), model_state=self.model.state_dict(),
+                                   arrays=arrays, info=info))
+
+    @classmethod
+    def load(cls, path: str | Path, config: MapperConfig | None = None, model=None) -> "Mapper":
+        """A Mapper restored from ``path``. With ``config``, that config is used (grid, batching, node settings
+        may differ) but it must agree with the saved one on STATE_DEFINING_KEYS; otherwise the saved config.
+        ``model`` (optional) is a fresh model to load the saved state into instead of one built from the config.
+        """
+        state = read_state(path)
+        try:
+            saved = config_from_dict(state.config)
+        except ConfigError as err:
+            raise MapStateError(f"map state file {path} holds an invalid config: {err}") from err
+        if config is not None:
+            for section, key in STATE_DEFINING_KEYS:
+                a, b = getattr(getattr(saved, section), key), getattr(getattr(config, section), key)
+                if a != b:
+                    raise MapStateError(f"map state file {path} was made with {section}.{key} = {a!r}, but the "
+                                        f"config asks for {b!r}; they must agree to reuse the map")
+        mapper = cls(config if config is not None else saved, model=model)
+        try:
+            mapper.model.load_state_dict(state.model_state)
+        except (RuntimeError, KeyError, ValueError) as err:
+            raise MapStateError(f"map state file {path} does not fit the model built from the config: {err}") from err
+        try:
+            mapper._restore(state)
+        except (KeyError, TypeError, ValueError) as err:
+            raise MapStateError(f"map state file {path} has missing or malformed mapper data: {err}") from err
+        return mapper
+
+    def _restore(self, state: MapState) -> None:
+        a, info = state.arrays, state.info
+        if float(info["coverage_resolution"]) == self._coverage.resolution:
+            self._coverage.set_cells(a["coverage_cells"])
+        else:
+            # Another grid resolution: re-bin the saved visited cells by their centres.
+            old = float(info["coverage_resolution"])
+            self._coverage.add((np.asarray(a["coverage_cells"], dtype=np.float64) + 0.5) * old)
+        self._trajectory.points = [tuple(p) for p in np.asarray(a["trajectory"], dtype=np.float64).tolist()]
+        self._trajectory.spacing = max(float(info["trajectory_spacing"]), self._trajectory.base_spacing)
+        self._update_seconds.extend(np.asarray(a["update_seconds"], dtype=np.float64).tolist())
+        pending = Measurements(*(np.asarray(a[k], dtype=np.float64) for k in
+                                 ("pending_x", "pending_y", "pending_t", "pending_position")))
+        if pending.x.shape[1:] != (self.input_dims,) or pending.y.shape[1:] != (self.output_dims,):
+            raise ValueError(f"pending samples have shapes {pending.x.shape}, {pending.y.shape}")
+        if len(pending):
+            self._pending.append(pending)
+            self._pending_count = len(pending)
+        rejected = {reason: int(info["rejected"].get(reason, 0)) for reason in REJECTION_REASONS}
+        self._sync.rejected = rejected
+        self._sync.accepted = int(info["accepted"])
+        self._sync.poses_accepted = int(info["poses_accepted"])
+        self.dropped = int(info["dropped"])
+        self.updates = int(info["updates"])
+        self.last_stamp = -math.inf if info["last_stamp"] is None else float(info["last_stamp"])
+
