@@ -318,6 +318,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"path patterns driven in order, from {', '.join(PATTERNS)} (default lawnmower loop)")
     parser.add_argument("--line-spacing", type=float, default=1.0, help="lawnmower row spacing [m] (default 1)")
     parser.add_argument("--height", type=float, default=0.0, help="z of base_link [m] (default 0)")
+    parser.add_argument("--height-amplitude", type=float, default=0.0, help="slow up-and-down motion of the "
+                        "path [m], for 3-D maps (default 0: a 2-D survey at a fixed height)")
     parser.add_argument("--roll-pitch", type=float, default=2.0, help="roll and pitch wobble amplitude [deg] "
                         "(default 2)")
     parser.add_argument("--dipoles", type=int, default=14, help="number of buried steel objects (default 14)")
@@ -363,7 +365,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[WorldConfig, Trajectory
     trajectory = TrajectoryConfig(
         patterns=tuple(args.patterns), area=tuple(args.area), height=args.height, speed=args.speed,
         duration=args.duration, rate=args.rate, line_spacing=args.line_spacing,
-        roll_amplitude_deg=args.roll_pitch, pitch_amplitude_deg=args.roll_pitch)
+        roll_amplitude_deg=args.roll_pitch, pitch_amplitude_deg=args.roll_pitch,
+        height_amplitude=args.height_amplitude)
     world = WorldConfig(
         intensity=args.intensity / UT, inclination_deg=args.inclination, declination_deg=args.declination,
         area=tuple(args.area), plane_height=args.height + translation[2], n_dipoles=args.dipoles,
@@ -382,24 +385,23 @@ def command_line(args: argparse.Namespace) -> str:
     """The full `gp-mapping demo-bag` command that reproduces ``args`` (every option spelled out); it is
     stored in the bag's metadata (custom_data ``gp_mapping.command``)."""
     def fmt(v) -> str:
-        return " ".join(fmt(x) for x in v) if isinstance(v, (list, tuple)) else (repr(v) if isinstance(v, float)
-                                                                                 else str(v))
+        if isinstance(v, (list, tuple)):
+            return " ".join(fmt(x) for x in v)
+        return repr(v) if isinstance(v, float) else shlex.quote(str(v))
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
     parts = ["gp-mapping", "demo-bag", shlex.quote(str(args.out))]
-    for action in _OPTION_ORDER:
-        value = getattr(args, action)
-        flag = "--" + action.replace("_", "-")
-        if action == "no_compression":
+    for action in parser._actions:  # the options in the order add_arguments declares them
+        if not action.option_strings:
+            continue
+        value = getattr(args, action.dest)
+        if action.nargs == 0:  # a flag
             if value:
-                parts.append(flag)
+                parts.append(action.option_strings[0])
         elif value is not None:
-            parts += [flag, fmt(value)]
+            parts += [action.option_strings[0], fmt(value)]
     return " ".join(parts)
-
-
-_OPTION_ORDER = ("seed", "duration", "rate", "pose_rate", "odom_rate", "speed", "area", "patterns", "line_spacing",
-                 "height", "roll_pitch", "dipoles", "depth_range", "anomaly_range", "intensity", "inclination",
-                 "declination", "noise_std", "bias", "spike_rate", "dropout_rate", "sensor_translation",
-                 "sensor_rotation", "grid_resolution", "start_time", "storage", "no_compression")
 
 
 def run(args: argparse.Namespace) -> int:

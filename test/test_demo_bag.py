@@ -209,7 +209,8 @@ def test_body_twist_of_a_circle():
 def test_cli_writes_a_bag(tmp_path, capsys):
     out = tmp_path / "cli_bag"
     rc = cli.main(["demo-bag", str(out), "--duration", "3", "--seed", "4", "--odom-rate", "10",
-                   "--patterns", "random_walk", "--storage", "mcap"])
+                   "--patterns", "random_walk", "--storage", "mcap", "--height", "0.5", "--height-amplitude", "0.2",
+                   "--no-compression"])
     assert rc == 0
     assert "wrote" in capsys.readouterr().out
     got = _read_all(out)
@@ -217,9 +218,21 @@ def test_cli_writes_a_bag(tmp_path, capsys):
     assert 140 <= len(got["/mag"]) <= 150
     gt = load_ground_truth(out)
     assert int(gt.seed) == 4
+    z = gt.position[:, 2]
+    assert np.all(np.abs(z - 0.5) <= 0.2 + 1e-12) and np.ptp(z) > 0.01  # a 3-D path about z = 0.5
+    assert np.all(gt.dipole_positions[:, 2] <= 0.5 - 0.5)  # buried at least 0.5 m below the sensor's plane
     # the metadata records the command that reproduces it
     command = _custom_data(out)["gp_mapping.command"]
     assert command.startswith(f"gp-mapping demo-bag {out} --seed 4 --duration 3.0")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    again = parser.parse_args(shlex.split(command)[2:])
+    assert again.no_compression and again.patterns == ["random_walk"] and again.height_amplitude == 0.2
+    assert configs_from_args(again) == configs_from_args(parser.parse_args([str(out), "--duration", "3", "--seed",
+                                                                             "4", "--patterns", "random_walk",
+                                                                             "--height", "0.5",
+                                                                             "--height-amplitude", "0.2"]))
+    assert b"zstd" not in next(out.glob("*.mcap")).read_bytes()
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -234,6 +247,7 @@ def test_cli_writes_a_bag(tmp_path, capsys):
     (["--sensor-rotation", "0", "0", "0", "0"], "sensor-rotation"),
     (["--area", "0", "0", "-1", "5"], "area"),
     (["--grid-resolution", "0"], "grid-resolution"),
+    (["--height-amplitude", "-1"], "height_amplitude"),
 ])
 def test_cli_refuses_bad_arguments(tmp_path, capsys, extra, message):
     out = tmp_path / "bad"
