@@ -148,6 +148,8 @@ class Mapper:
             self._pending.append(new)
             self._pending_count += len(new)
             self._trajectory.add(new.position)
+
+    def _enforce_bound(self) -> None:
         excess = self._pending_count - self.config.batching.max_pending
         while excess > 0:
             head = self._pending[0]
@@ -181,12 +183,14 @@ class Mapper:
             return b.size if self._pending_count >= b.size else 0
         if self._pending_count == 0:
             return 0
-        # Time mode: a batch spans [t_first, t_first + period); it is full once a later sample has arrived.
+        # Time mode: a batch spans [t_first, t_first + period) of data time and is full once a later sample
+        # has arrived; it is also cut at batching.max_pending samples, so that a bound smaller than a period's
+        # worth of samples still lets batches close.
         t = np.concatenate([m.t for m in self._pending])
-        end = t[0] + b.period
-        if t[-1] < end:
-            return 0
-        return int(np.searchsorted(t, end, side="left"))
+        n = int(np.searchsorted(t, t[0] + b.period, side="left"))
+        if n < t.shape[0]:
+            return min(n, b.max_pending)
+        return b.max_pending if t.shape[0] >= b.max_pending else 0
 
     def _update(self, batch: Measurements) -> dict[str, Any]:
         start = time.perf_counter()
@@ -206,8 +210,9 @@ class Mapper:
         return out
 
     def process(self, max_updates: int | None = None) -> list[dict[str, Any]]:
-        """Move matched samples into the pending queue (bounded by ``batching.max_pending``: the oldest are
-        dropped and counted) and run one model update per full batch, at most ``max_updates`` of them.
+        """Move matched samples into the pending queue and run one model update per full batch, at most
+        ``max_updates`` of them (None: all). What is left pending beyond ``batching.max_pending`` afterwards
+        (a caller that limits updates and falls behind) is dropped, oldest first, and counted as ``dropped``.
 
         Returns the update statistics (the model's plus ``update``, ``batch_size``, ``update_seconds``,
         ``stamp``, ``num_seen``), one dict per update, oldest first.
@@ -219,6 +224,7 @@ class Mapper:
             if n == 0:
                 break
             out.append(self._update(self._take(n)))
+        self._enforce_bound()
         return out
 
     def flush(self, end_of_stream: bool = True) -> list[dict[str, Any]]:
