@@ -128,7 +128,7 @@ def test_magnitude_map_matches_truth_on_visited_cells(mapped):
 def test_counts_and_batches(mapped):
     mapper, stats, n_fields = mapped
     d = mapper.diagnostics()
-    assert d["accepted"] + d["rejected_total"] == n_fields
+    assert d["accepted"] + d["samples_rejected"] == n_fields and d["poses_rejected"] == 0
     assert d["rejected_total"] == d["rejected"]["no_pose_after"] <= 1  # only a last sample after the last pose
     sizes = [s["batch_size"] for s in stats]
     assert all(s == 150 for s in sizes[:-1]) and 0 < sizes[-1] <= 150
@@ -361,3 +361,24 @@ def test_loaded_state_with_mismatched_model_is_refused(tmp_path):
     with pytest.raises(MapStateError, match="invalid config"):
         Mapper.load(path)
     assert json.loads(json.dumps(mapper.diagnostics()))  # diagnostics are plain JSON
+
+
+@pytest.mark.gpu
+def test_cuda_mapper_matches_cpu_and_its_state_loads_on_cpu(tmp_path):
+    """The same messages give the same map on CUDA as on the CPU (float64 both), and a state file saved
+    from the GPU loads into a CPU mapper with the identical grid."""
+    cpu = Mapper(config(model={"device": "cpu"}))
+    gpu = Mapper(config(model={"device": "cuda"}))
+    for m in (cpu, gpu):
+        feed(m, until=20.0)
+        m.flush()
+    assert gpu.diagnostics()["device"].startswith("cuda")
+    a, b = cpu.grid(), gpu.grid()
+    assert a.spec == b.spec
+    np.testing.assert_array_equal(a.known, b.known)
+    np.testing.assert_allclose(b.layers["magnitude"][0], a.layers["magnitude"][0], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(b.layers["magnitude"][1], a.layers["magnitude"][1], rtol=1e-4, atol=1e-10)
+    path = tmp_path / "gpu.safetensors"
+    gpu.save(path)
+    moved = Mapper.load(path, config(model={"device": "cpu"}))
+    np.testing.assert_allclose(moved.grid().layers["magnitude"][0], b.layers["magnitude"][0], rtol=0, atol=1e-9)

@@ -181,3 +181,41 @@ def test_wrong_shapes_raise():
 def test_bad_extrinsic_refused():
     with pytest.raises(SyncError, match="sensor_rotation"):
         MeasurementSync(SyncConfig(sensor_rotation=[0.0, 0.0, 0.0, 0.0]))
+
+
+def test_every_field_sample_is_accounted_for_in_a_messy_stream():
+    """A random stream with bad values, late samples, repeated poses and pose stalls:
+    accepted + sample rejections + waiting = samples given, and poses likewise."""
+    rng = np.random.default_rng(11)
+    sync = MeasurementSync(SyncConfig(max_pose_gap=0.08, pose_buffer_seconds=1.0), max_pending=300)
+    n_fields = n_poses = 0
+    last_pose = 0.0
+    popped = []
+    for step in range(4000):
+        clock = 0.01 * step
+        stalled = 1500 <= step < 1560  # 0.6 s without poses
+        if rng.uniform() < 0.3 and not stalled:
+            stamp = last_pose if rng.uniform() < 0.05 else clock  # some repeated stamps
+            q = [0, 0, 0, 0] if rng.uniform() < 0.02 else quaternion_from_rpy(0, 0, clock)
+            sync.add_pose(stamp, [clock, 0, 0], q)
+            last_pose, n_poses = stamp, n_poses + 1
+        if rng.uniform() < 0.5:
+            delay = rng.choice([0.0, 0.0, 0.0, 0.03])  # some late samples arrive out of order
+            b = [np.nan, 0, 0] if rng.uniform() < 0.02 else [1e-6, 2e-6, 0]
+            sync.add_field(clock - delay, b)
+            n_fields += 1
+        if step % 100 == 0:
+            popped.append(sync.pop_ready())
+    popped.append(sync.pop_ready())
+    got = np.concatenate([m.t for m in popped])
+    c = sync.counters()
+    assert c["accepted"] == got.size and np.all(np.diff(got) >= 0)
+    assert c["accepted"] + c["samples_rejected"] + c["waiting"] == n_fields
+    assert c["poses_accepted"] + c["poses_rejected"] == n_poses
+    sync.finish()
+    c = sync.counters()
+    assert c["accepted"] + c["samples_rejected"] == n_fields
+    for reason in ("field_nonfinite", "field_stamp_backwards", "pose_gap", "pose_stamp_duplicate",
+                   "pose_bad_quaternion"):
+        assert sync.rejected[reason] > 0, reason
+    assert c["accepted"] > 0.6 * n_fields  # most of the stream is clean

@@ -5,12 +5,14 @@ from gp_mapping.mapping.grid import (Coverage, GridError, GridSpec, GridTooLarge
                                      encode_occupancy, fixed_grid_spec, predict_grid)
 from gp_mapping.mapping.mapper import MapGrid, Mapper, vector_layers
 from gp_mapping.mapping.state import MapState, MapStateError, read_state, write_state
-from gp_mapping.mapping.sync import (REJECTION_REASONS, UNIT_PER_TESLA, UNIT_SYMBOL, Measurements, MeasurementSync,
-                                     SyncError, field_scale, output_dims)
+from gp_mapping.mapping.sync import (POSE_REJECTION_REASONS, REJECTION_REASONS, SAMPLE_REJECTION_REASONS,
+                                     UNIT_PER_TESLA, UNIT_SYMBOL, Measurements, MeasurementSync, SyncError, field_scale,
+                                     output_dims)
 
 __all__ = [
     "Coverage", "FrameError", "GridError", "GridSpec", "GridTooLargeError", "MapGrid", "MapState", "MapStateError",
-    "Mapper", "MeasurementSync", "Measurements", "REJECTION_REASONS", "SyncError", "UNIT_PER_TESLA", "UNIT_SYMBOL",
+    "Mapper", "MeasurementSync", "Measurements", "POSE_REJECTION_REASONS", "REJECTION_REASONS",
+    "SAMPLE_REJECTION_REASONS", "SyncError", "UNIT_PER_TESLA", "UNIT_SYMBOL",
     "decode_occupancy", "encode_occupancy", "field_scale", "fixed_grid_spec", "normalize_quaternion",
     "output_dims", "predict_grid", "quaternion_from_rpy", "quaternion_inverse", "quaternion_multiply",
     "quaternion_to_matrix", "read_state", "rotate_vectors", "slerp", "vector_layers", "write_state",

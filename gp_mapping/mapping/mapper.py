@@ -278,14 +278,17 @@ class Mapper:
 
     def diagnostics(self) -> dict[str, Any]:
         """Counters and timings as plain numbers (``rejected`` is a dict by reason; times are 0.0 before the
-        first update)."""
+        first update). Field samples balance: ``accepted + samples_rejected + waiting`` = samples given, and
+        ``accepted = num_seen + pending + dropped`` (for a mapper that was not loaded from a file)."""
         times = list(self._update_seconds)
-        rejected = dict(self._sync.rejected)
+        sync = self._sync.counters()
         return {
-            "accepted": self._sync.accepted,
-            "poses_accepted": self._sync.poses_accepted,
-            "rejected": rejected,
-            "rejected_total": sum(rejected.values()),
+            "accepted": sync["accepted"],
+            "poses_accepted": sync["poses_accepted"],
+            "rejected": sync["rejected"],
+            "rejected_total": sum(sync["rejected"].values()),
+            "samples_rejected": sync["samples_rejected"],
+            "poses_rejected": sync["poses_rejected"],
             "dropped": self.dropped,
             "waiting": self._sync.num_waiting,
             "pending": self.num_pending,

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from gp_mapping.config import SyncConfig
-from gp_mapping.mapping.frames import normalize_quaternion, quaternion_multiply, quaternion_norm_ok, rotate_vectors, slerp
+from gp_mapping.mapping.frames import (normalize_quaternion, quaternion_multiply, quaternion_norm_ok, rotate_vectors,
+                                       slerp)
 
 # Multiply a value in tesla by this to get the named unit (the one table of field units).
 UNIT_PER_TESLA: dict[str, float] = {
@@ -51,6 +52,11 @@ REJECTION_REASONS: dict[str, str] = {
     "no_pose_after": "the stream ended before a pose followed the sample",
     "sync_overflow": "more samples waited than the bound allows; the oldest were dropped",
 }
+# Reasons that count rejected poses; every other reason counts rejected field samples, so that
+# accepted + sum(rejected[r] for r in SAMPLE_REJECTION_REASONS) + waiting = field samples given.
+POSE_REJECTION_REASONS = ("pose_nonfinite", "pose_bad_quaternion", "pose_stamp_nonfinite", "pose_stamp_backwards",
+                          "pose_stamp_duplicate")
+SAMPLE_REJECTION_REASONS = tuple(r for r in REJECTION_REASONS if r not in POSE_REJECTION_REASONS)
 
 
 class SyncError(ValueError):
@@ -347,10 +353,12 @@ class MeasurementSync:
         self._waiting.clear()
 
     def counters(self) -> dict[str, int | dict[str, int]]:
-        """Plain numbers: accepted samples, poses, samples waiting/ready, rejections by reason."""
+        """Plain numbers: accepted samples, poses, samples waiting/ready, rejections by reason and totals."""
         return {
             "accepted": self.accepted,
+            "samples_rejected": sum(self.rejected[r] for r in SAMPLE_REJECTION_REASONS),
             "poses_accepted": self.poses_accepted,
+            "poses_rejected": sum(self.rejected[r] for r in POSE_REJECTION_REASONS),
             "waiting": self.num_waiting,
             "ready": self.num_ready,
             "rejected": dict(self.rejected),
