@@ -257,6 +257,26 @@ def test_pending_bound_drops_oldest_when_updates_fall_behind():
     assert d["accepted"] == d["dropped"] + d["num_seen"] + d["pending"]
 
 
+def test_failed_update_is_counted_and_mapping_goes_on(monkeypatch):
+    mapper = Mapper(config(batching={"size": 100}))
+    real_update = mapper.model.update
+    calls = []
+
+    def flaky(x, y, mode=None):
+        calls.append(len(x))
+        if len(calls) == 2:
+            raise RuntimeError("simulated numerical failure")
+        return real_update(x, y, mode)
+
+    monkeypatch.setattr(mapper.model, "update", flaky)
+    with pytest.raises(RuntimeError, match="simulated"):
+        feed(mapper, until=10.0)
+    feed_rest = mapper.process()
+    d = mapper.diagnostics()
+    assert d["failed_updates"] == 1 and d["dropped"] == 100 and d["updates"] == 1 + len(feed_rest)
+    assert d["accepted"] == d["dropped"] + d["num_seen"] + d["pending"]
+
+
 def test_count_batch_larger_than_pending_bound_is_refused():
     with pytest.raises(ConfigError, match="batching.size"):
         Mapper(config(batching={"size": 200, "max_pending": 100}), model=object())

@@ -124,6 +124,7 @@ class Mapper:
         self._pending_count = 0
         self.dropped = 0
         self.updates = 0
+        self.failed_updates = 0
         self._update_seconds: deque[float] = deque(maxlen=UPDATE_TIMES_KEPT)
         self.last_stamp = -math.inf  # newest sample stamp used in an update
 
@@ -194,7 +195,13 @@ class Mapper:
 
     def _update(self, batch: Measurements) -> dict[str, Any]:
         start = time.perf_counter()
-        stats = self.model.update(batch.x, batch.y)
+        try:
+            stats = self.model.update(batch.x, batch.y)
+        except Exception:
+            # The batch is gone either way; count it so the sample accounting still balances, then re-raise.
+            self.failed_updates += 1
+            self.dropped += len(batch)
+            raise
         device = getattr(self.model, "device", None)
         if device is not None and str(device).startswith("cuda"):
             import torch
@@ -215,7 +222,8 @@ class Mapper:
         (a caller that limits updates and falls behind) is dropped, oldest first, and counted as ``dropped``.
 
         Returns the update statistics (the model's plus ``update``, ``batch_size``, ``update_seconds``,
-        ``stamp``, ``num_seen``), one dict per update, oldest first.
+        ``stamp``, ``num_seen``), one dict per update, oldest first. An exception from ``model.update``
+        propagates after its batch is counted in ``dropped`` and ``failed_updates``.
         """
         self._collect()
         out: list[dict[str, Any]] = []
@@ -293,6 +301,7 @@ class Mapper:
             "waiting": self._sync.num_waiting,
             "pending": self.num_pending,
             "updates": self.updates,
+            "failed_updates": self.failed_updates,
             "last_update_seconds": times[-1] if times else 0.0,
             "median_update_seconds": float(np.median(times)) if times else 0.0,
             "num_seen": int(self.model.num_seen),
@@ -333,6 +342,7 @@ class Mapper:
             "rejected": dict(self._sync.rejected),
             "dropped": self.dropped,
             "updates": self.updates,
+            "failed_updates": self.failed_updates,
             "last_stamp": self.last_stamp if math.isfinite(self.last_stamp) else None,
             "coverage_resolution": self._coverage.resolution,
             "trajectory_spacing": self._trajectory.spacing,
@@ -392,5 +402,6 @@ class Mapper:
         self._sync.poses_accepted = int(info["poses_accepted"])
         self.dropped = int(info["dropped"])
         self.updates = int(info["updates"])
+        self.failed_updates = int(info.get("failed_updates", 0))
         self.last_stamp = -math.inf if info["last_stamp"] is None else float(info["last_stamp"])
 
