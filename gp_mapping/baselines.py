@@ -1,0 +1,486 @@
+"""Reference predictors that the online engine is judged against.
+
+* :class:`NearestNeighbour` and :class:`ConstantMean`: the floor any map must beat by a wide margin.
+* :class:`OfflineSVGP`: the gold standard for a sparse map, a batch SVGP (GPyTorch) with the same number
+  of inducing points and the same kernel as the engine, trained on all data at once.
+* :class:`ExactGPBaseline`: the exact GP (GPyTorch ExactGP, Cholesky), on a random subsample when the data
+  are too many for an O(N^3) factorisation.
+
+The GP baselines share the engine's interface: ``predict(x) -> (mean, var)`` of the latent f in the units
+of y, and ``log_predictive_density(x, y)``. Targets are standardised inside, as the engine does. GPyTorch is
+a test and benchmark dependency, imported only when a GP baseline is built.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+KERNELS = {"matern12": 0.5, "matern32": 1.5, "matern52": 2.5, "rbf": None}
+
+
+class BaselineError(ValueError):
+    """Bad input to a baseline (shapes, non-finite values, too few points) or a baseline used before fit."""
+
+
+def _gpytorch():
+    try:
+        import gpytorch
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("the GP baselines need GPyTorch: pip install 'gpytorch>=1.11' "
+                          "(it is a test/benchmark dependency of gp_mapping, `pip install gp_mapping[test]`)") from err
+    return gpytorch
+
+
+def _as_2d(name: str, a: Any, dims: int | None = None) -> np.ndarray:
+    """(N, D) float64 array from a numpy array, a torch tensor or a list; a 1-D input becomes one column."""
+    if isinstance(a, torch.Tensor):
+        a = a.detach().cpu().numpy()
+    arr = np.asarray(a, dtype=np.float64)
+    if arr.ndim == 1:
+        arr = arr[:, None]
+    if arr.ndim != 2:
+        raise BaselineError(f"{name} must be 1-D or 2-D, got shape {arr.shape}")
+    if arr.shape[0] == 0:
+        raise BaselineError(f"{name} is empty")
+    if dims is not None and arr.shape[1] != dims:
+        raise BaselineError(f"{name} has {arr.shape[1]} columns, expected {dims}")
+    if not np.isfinite(arr).all():
+        raise BaselineError(f"{name} holds non-finite values")
+    return arr
+
+
+def _check_pair(x: Any, y: Any, x_dims: int | None = None, y_dims: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    xa, ya = _as_2d("x", x, x_dims), _as_2d("y", y, y_dims)
+    if xa.shape[0] != ya.shape[0]:
+        raise BaselineError(f"x has {xa.shape[0]} rows but y has {ya.shape[0]}")
+    return xa, ya
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
+
+def rmse(prediction: Any, truth: Any) -> float:
+    """Root mean squared error over all points and outputs."""
+    p, t = _as_2d("prediction", prediction), _as_2d("truth", truth)
+    if p.shape != t.shape:
+        raise BaselineError(f"prediction shape {p.shape} differs from truth shape {t.shape}")
+    return float(np.sqrt(np.mean((p - t) ** 2)))
+
+
+def gaussian_log_density(y: Any, mean: Any, var: Any) -> np.ndarray:
+    """(N, P) log N(y | mean, var) elementwise; var is the predictive variance of y (noise included)."""
+    y, mean, var = _as_2d("y", y), _as_2d("mean", mean), _as_2d("var", var)
+    if not (y.shape == mean.shape == var.shape):
+        raise BaselineError(f"shapes differ: y {y.shape}, mean {mean.shape}, var {var.shape}")
+    if (var <= 0).any():
+        raise BaselineError("predictive variances must be positive")
+    return -0.5 * (np.log(2 * math.pi * var) + (y - mean) ** 2 / var)
+
+
+def nlpd(log_density: Any) -> float:
+    """Negative log predictive density averaged over points and outputs (per scalar observation)."""
+    ld = log_density.detach().cpu().numpy() if isinstance(log_density, torch.Tensor) else np.asarray(log_density)
+    if ld.size == 0 or not np.isfinite(ld).all():
+        raise BaselineError("log densities must be a non-empty finite array")
+    return float(-np.mean(ld))
+
+
+# ------------------------------------------------------------------------------------------- simple baselines
+
+class NearestNeighbour:
+    """Predict each test point's target as the target of its nearest training input (Euclidean, cKDTree)."""
+
+    def __init__(self, x: Any, y: Any):
+        from scipy.spatial import cKDTree
+
+        self.x, self.y = _check_pair(x, y)
+        self._tree = cKDTree(self.x)
+
+    def predict(self, x: Any) -> np.ndarray:
+        """(G, P) targets of the nearest training inputs."""
+        xq = _as_2d("x", x, self.x.shape[1])
+        _, index = self._tree.query(xq)
+        return self.y[index]
+
+
+class ConstantMean:
+    """Predict the training mean of each output everywhere."""
+
+    def __init__(self, y: Any):
+        self.mean = _as_2d("y", y).mean(axis=0)
+
+    def predict(self, x: Any) -> np.ndarray:
+        """(G, P) the training mean repeated."""
+        return np.broadcast_to(self.mean, (_as_2d("x", x).shape[0], self.mean.shape[0])).copy()
+
+
+# ----------------------------------------------------------------------------------------------- GP baselines
+
+@dataclass
+class KernelSpec:
+    """Kernel and initial hyperparameters shared by the GP baselines (standardised-target units)."""
+
+    kernel: str = "matern52"
+    ard: bool = True
+    constant_kernel: bool = True
+    lengthscale: float = 1.0
+    signal_variance: float = 1.0
+    constant_variance: float = 1.0
+    noise_variance: float = 0.01
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise BaselineError(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
+        for name in ("lengthscale", "signal_variance", "constant_variance", "noise_variance"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise BaselineError(f"{name} must be a positive finite number, got {value!r}")
+
+    @classmethod
+    def from_model_config(cls, config: Any) -> "KernelSpec":
+        """The kernel of a :class:`gp_mapping.config.ModelConfig`, so a baseline matches the engine."""
+        return cls(kernel=config.kernel, ard=config.ard, constant_kernel=config.constant_kernel,
+                   lengthscale=config.lengthscale, signal_variance=config.signal_variance,
+                   constant_variance=config.constant_variance, noise_variance=config.noise_variance)
+
+    def build(self, input_dims: int):
+        """A GPyTorch covariance module: scale * stationary (+ constant)."""
+        gpytorch = _gpytorch()
+        ard = input_dims if self.ard else None
+        nu = KERNELS[self.kernel]
+        base = (gpytorch.kernels.RBFKernel(ard_num_dims=ard) if nu is None
+                else gpytorch.kernels.MaternKernel(nu=nu, ard_num_dims=ard))
+        base.lengthscale = torch.full_like(base.lengthscale, self.lengthscale)
+        covar = gpytorch.kernels.ScaleKernel(base)
+        covar.outputscale = torch.tensor(self.signal_variance)
+        if self.constant_kernel:
+            const = gpytorch.kernels.ConstantKernel()
+            const.constant = torch.tensor(self.constant_variance)
+            covar = covar + const
+        return covar
+
+
+def _kernel_hyperparameters(covar) -> dict[str, Any]:
+    """Readable hyperparameters of a module built by :meth:`KernelSpec.build` (standardised units)."""
+    gpytorch = _gpytorch()
+    parts = covar.kernels if isinstance(covar, gpytorch.kernels.AdditiveKernel) else [covar]
+    out: dict[str, Any] = {}
+    for part in parts:
+        if isinstance(part, gpytorch.kernels.ScaleKernel):
+            out["signal_variance"] = float(part.outputscale.detach())
+            out["lengthscale"] = part.base_kernel.lengthscale.detach().cpu().numpy().ravel().tolist()
+        elif isinstance(part, gpytorch.kernels.ConstantKernel):
+            out["constant_variance"] = float(part.constant.detach())
+    return out
+
+
+@dataclass
+class _Standardiser:
+    mean: np.ndarray
+    std: np.ndarray
+
+    @classmethod
+    def fit(cls, y: np.ndarray) -> "_Standardiser":
+        std = y.std(axis=0)
+        return cls(mean=y.mean(axis=0), std=np.where(std > 0, std, 1.0))
+
+
+@dataclass
+class BaselineScores:
+    """Test-set scores of a baseline: RMSE of the mean and NLPD (noise included), in the units of y."""
+
+    rmse: float
+    nlpd: float
+    extra: dict = field(default_factory=dict)
+
+
+class _GPBaseline:
+    """Common prediction and scoring for the GP baselines: one independent GP per output column."""
+
+    def __init__(self, spec: KernelSpec | None, seed: int, device: str, dtype: torch.dtype):
+        self.spec = spec or KernelSpec()
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise BaselineError(f"seed must be a non-negative integer, got {seed!r}")
+        self.seed = seed
+        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                                   ("cpu" if device == "auto" else device))
+        self.dtype = dtype
+        self._models: list = []
+        self._likelihoods: list = []
+        self._scaler: _Standardiser | None = None
+        self.input_dims: int | None = None
+        self.train_seconds = 0.0
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(a, dtype=self.dtype, device=self.device)
+
+    def _check_fitted(self) -> None:
+        if not self._models:
+            raise BaselineError(f"{type(self).__name__} is used before fit()")
+
+    def _latent(self, model, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def predict(self, x: Any, batch_size: int = 8192) -> tuple[np.ndarray, np.ndarray]:
+        """Latent mean and variance of f at x, (G, P) each, in the units of y."""
+        self._check_fitted()
+        xa = _as_2d("x", x, self.input_dims)
+        means, vars_ = [], []
+        for p, model in enumerate(self._models):
+            m_chunks, v_chunks = [], []
+            for start in range(0, xa.shape[0], batch_size):
+                m, v = self._latent(model, self._tensor(xa[start:start + batch_size]))
+                m_chunks.append(m.cpu().numpy())
+                v_chunks.append(v.cpu().numpy())
+            scale = self._scaler.std[p]
+            means.append(np.concatenate(m_chunks) * scale + self._scaler.mean[p])
+            vars_.append(np.concatenate(v_chunks) * scale ** 2)
+        return np.stack(means, axis=1), np.stack(vars_, axis=1)
+
+    @property
+    def noise_variance(self) -> np.ndarray:
+        """(P,) learned observation-noise variance in the squared units of y."""
+        self._check_fitted()
+        return np.array([float(lik.noise.detach()) * self._scaler.std[p] ** 2
+                         for p, lik in enumerate(self._likelihoods)])
+
+    def log_predictive_density(self, x: Any, y: Any) -> np.ndarray:
+        """(G, P) log p(y* | data) under the Gaussian likelihood (latent variance plus noise)."""
+        xa, ya = _check_pair(x, y, self.input_dims, len(self._models) or None)
+        mean, var = self.predict(xa)
+        return gaussian_log_density(ya, mean, var + self.noise_variance[None, :])
+
+    def evaluate(self, x: Any, y: Any) -> BaselineScores:
+        """RMSE and NLPD on a test set."""
+        xa, ya = _check_pair(x, y, self.input_dims, len(self._models) or None)
+        mean, var = self.predict(xa)
+        ld = gaussian_log_density(ya, mean, var + self.noise_variance[None, :])
+        return BaselineScores(rmse=rmse(mean, ya), nlpd=nlpd(ld))
+
+    def hyperparameters(self) -> list[dict[str, Any]]:
+        """Per output: kernel hyperparameters (standardised units) and the noise variance (units of y^2)."""
+        self._check_fitted()
+        out = []
+        for p, model in enumerate(self._models):
+            h = _kernel_hyperparameters(model.covar_module)
+            h["noise_variance"] = float(self.noise_variance[p])
+            out.append(h)
+        return out
+
+
+def _make_svgp_class():
+    gpytorch = _gpytorch()
+
+    class _SVGPModel(gpytorch.models.ApproximateGP):
+        def __init__(self, inducing: torch.Tensor, covar):
+            dist = gpytorch.variational.NaturalVariationalDistribution(inducing.shape[0])
+            strategy = gpytorch.variational.VariationalStrategy(self, inducing, dist, learn_inducing_locations=True)
+            super().__init__(strategy)
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = covar
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    return _SVGPModel
+
+
+class OfflineSVGP(_GPBaseline):
+    """Batch SVGP (Hensman et al. 2013) trained on all data: the gold standard for an online sparse GP.
+
+    Per output: M inducing inputs initialised on a seeded random subset of the training inputs and learned;
+    natural-gradient steps on q(u) and Adam on the kernel, noise and inducing inputs, over shuffled
+    minibatches (the schedule of Salimbeni et al. 2018). Training ends with one full-batch natural-gradient
+    step of length 1, which for a Gaussian likelihood puts q(u) at its exact optimum given Z and the
+    hyperparameters (Titsias' optimal q), so the result does not depend on minibatch noise in q(u).
+    """
+
+    def __init__(self, num_inducing: int = 100, spec: KernelSpec | None = None, *, iterations: int = 1500,
+                 batch_size: int = 1024, lr: float = 0.02, ngd_lr: float = 0.1, seed: int = 0,
+                 device: str = "cpu", dtype: torch.dtype = torch.float64):
+        super().__init__(spec, seed, device, dtype)
+        for name, value, low in (("num_inducing", num_inducing, 1), ("iterations", iterations, 0),
+                                 ("batch_size", batch_size, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise BaselineError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name, value in (("lr", lr), ("ngd_lr", ngd_lr)):
+            if not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise BaselineError(f"{name} must be in (0, 1], got {value!r}")
+        self.num_inducing, self.iterations, self.batch_size = num_inducing, iterations, batch_size
+        self.lr, self.ngd_lr = float(lr), float(ngd_lr)
+        self.final_elbo: list[float] = []
+
+    @classmethod
+    def from_model_config(cls, config: Any, **kwargs) -> "OfflineSVGP":
+        """Same M and kernel (and initial hyperparameters) as the engine built from ``config``."""
+        return cls(config.num_inducing, KernelSpec.from_model_config(config), **kwargs)
+
+    def fit(self, x: Any, y: Any) -> "OfflineSVGP":
+        """Train one SVGP per column of y; returns self."""
+        gpytorch = _gpytorch()
+        xa, ya = _check_pair(x, y)
+        if xa.shape[0] < self.num_inducing:
+            raise BaselineError(f"{xa.shape[0]} training points are fewer than num_inducing={self.num_inducing}")
+        self.input_dims = xa.shape[1]
+        self._scaler = _Standardiser.fit(ya)
+        ys = (ya - self._scaler.mean) / self._scaler.std
+        svgp_class = _make_svgp_class()
+        generator = torch.Generator().manual_seed(self.seed)
+        n = xa.shape[0]
+        xt = self._tensor(xa)
+        self._models, self._likelihoods, self.final_elbo = [], [], []
+        # The same initial inducing inputs for every output.
+        index = torch.randperm(n, generator=generator)[: self.num_inducing]
+        start = time.perf_counter()
+        for p in range(ys.shape[1]):
+            torch.manual_seed(self.seed + p)
+            yt = self._tensor(ys[:, p])
+            model = svgp_class(xt[index].clone(), self.spec.build(self.input_dims)).to(self.device, self.dtype)
+            likelihood = gpytorch.likelihoods.GaussianLikelihood().to(self.device, self.dtype)
+            likelihood.noise = torch.tensor(self.spec.noise_variance)
+            model.train()
+            likelihood.train()
+            elbo = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=n)
+            ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=n, lr=self.ngd_lr)
+            adam = torch.optim.Adam([{"params": model.hyperparameters()},
+                                     {"params": likelihood.parameters()}], lr=self.lr)
+            order = torch.randperm(n, generator=generator)
+            cursor = 0
+            for _ in range(self.iterations):
+                if cursor + self.batch_size > n:
+                    order, cursor = torch.randperm(n, generator=generator), 0
+                batch = order[cursor: cursor + self.batch_size].to(self.device)
+                cursor += self.batch_size
+                ngd.zero_grad()
+                adam.zero_grad()
+                loss = -elbo(model(xt[batch]), yt[batch])
+                loss.backward()
+                ngd.step()
+                adam.step()
+            self.final_elbo.append(self._polish(model, likelihood, elbo, xt, yt))
+            model.eval()
+            likelihood.eval()
+            self._models.append(model)
+            self._likelihoods.append(likelihood)
+        self.train_seconds = time.perf_counter() - start
+        return self
+
+    def _polish(self, model, likelihood, elbo, xt: torch.Tensor, yt: torch.Tensor, chunk: int = 16384) -> float:
+        """Full-batch natural-gradient step of length 1 on q(u) (exact for a Gaussian likelihood); ELBO/N."""
+        gpytorch = _gpytorch()
+        ngd = gpytorch.optim.NGD(model.variational_parameters(), num_data=xt.shape[0], lr=1.0)
+        ngd.zero_grad()
+        n = xt.shape[0]
+        for start in range(0, n, chunk):  # the full-data gradient, accumulated chunk by chunk
+            sl = slice(start, start + chunk)
+            part = xt[sl].shape[0]
+            (-elbo(model(xt[sl]), yt[sl]) * part / n).backward()
+        ngd.step()
+        with torch.no_grad():
+            total = sum(float(elbo(model(xt[s:s + chunk]), yt[s:s + chunk])) * xt[s:s + chunk].shape[0]
+                        for s in range(0, n, chunk))
+        return total / n
+
+    def _latent(self, model, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            f = model(xt)
+            return f.mean, f.variance.clamp_min(0.0)
+
+    def inducing_points(self, output: int = 0) -> np.ndarray:
+        """(M, D) learned inducing inputs of one output's GP."""
+        self._check_fitted()
+        return self._models[output].variational_strategy.inducing_points.detach().cpu().numpy()
+
+
+def _make_exact_class():
+    gpytorch = _gpytorch()
+
+    class _ExactModel(gpytorch.models.ExactGP):
+        def __init__(self, x, y, likelihood, covar):
+            super().__init__(x, y, likelihood)
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = covar
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    return _ExactModel
+
+
+class ExactGPBaseline(_GPBaseline):
+    """Exact GP regression (Cholesky), hyperparameters by maximising the marginal likelihood with Adam.
+
+    With more than ``max_points`` training points, a seeded uniform subsample of ``max_points`` is used
+    (``subsampled`` and ``n_used`` record it): the exact GP is then exact on that subsample only.
+    ``iterations=0`` keeps the :class:`KernelSpec` hyperparameters (for closed-form comparisons).
+    """
+
+    def __init__(self, spec: KernelSpec | None = None, *, max_points: int = 3000, iterations: int = 100,
+                 lr: float = 0.05, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float64):
+        super().__init__(spec, seed, device, dtype)
+        if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 1:
+            raise BaselineError(f"max_points must be a positive integer, got {max_points!r}")
+        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
+            raise BaselineError(f"iterations must be a non-negative integer, got {iterations!r}")
+        self.max_points, self.iterations, self.lr = max_points, iterations, float(lr)
+        self.subsampled = False
+        self.n_used = 0
+
+    def fit(self, x: Any, y: Any) -> "ExactGPBaseline":
+        gpytorch = _gpytorch()
+        xa, ya = _check_pair(x, y)
+        self.input_dims = xa.shape[1]
+        self.subsampled = xa.shape[0] > self.max_points
+        if self.subsampled:
+            keep = np.random.default_rng(self.seed).choice(xa.shape[0], self.max_points, replace=False)
+            xa, ya = xa[np.sort(keep)], ya[np.sort(keep)]
+        self.n_used = xa.shape[0]
+        self._scaler = _Standardiser.fit(ya)
+        ys = (ya - self._scaler.mean) / self._scaler.std
+        exact_class = _make_exact_class()
+        xt = self._tensor(xa)
+        self._models, self._likelihoods = [], []
+        start = time.perf_counter()
+        with self._exact_settings():
+            for p in range(ys.shape[1]):
+                torch.manual_seed(self.seed + p)
+                yt = self._tensor(ys[:, p])
+                likelihood = gpytorch.likelihoods.GaussianLikelihood().to(self.device, self.dtype)
+                likelihood.noise = torch.tensor(self.spec.noise_variance)
+                model = exact_class(xt, yt, likelihood, self.spec.build(self.input_dims)).to(self.device, self.dtype)
+                if self.iterations:
+                    model.train()
+                    likelihood.train()
+                    mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
+                    adam = torch.optim.Adam(model.parameters(), lr=self.lr)
+                    for _ in range(self.iterations):
+                        adam.zero_grad()
+                        (-mll(model(xt), yt)).backward()
+                        adam.step()
+                model.eval()
+                likelihood.eval()
+                self._models.append(model)
+                self._likelihoods.append(likelihood)
+        self.train_seconds = time.perf_counter() - start
+        return self
+
+    @staticmethod
+    def _exact_settings():
+        """Cholesky everywhere (GPyTorch would otherwise switch to CG/Lanczos for N > 800)."""
+        gpytorch = _gpytorch()
+        from contextlib import ExitStack
+
+        stack = ExitStack()
+        stack.enter_context(gpytorch.settings.max_cholesky_size(10 ** 7))
+        stack.enter_context(gpytorch.settings.fast_computations(False, False, False))
+        stack.enter_context(gpytorch.settings.fast_pred_var(False))
+        return stack
+
+    def _latent(self, model, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad(), self._exact_settings():
+            f = model(xt)
+            return f.mean, f.variance.clamp_min(0.0)

@@ -1,0 +1,154 @@
+"""GP baselines against closed forms written here in numpy (exact GP posterior, Titsias' optimal q(u))."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gpytorch")
+
+from gp_mapping.baselines import (BaselineError, ExactGPBaseline, KernelSpec, OfflineSVGP,  # noqa: E402
+                                  gaussian_log_density, nlpd)
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small problems: one thread avoids oversubscribing the two shared cores (6x faster under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+SPEC = KernelSpec(kernel="matern52", ard=True, constant_kernel=True, lengthscale=0.7, signal_variance=1.3,
+                  constant_variance=0.4, noise_variance=0.05)
+
+
+def _matern52_plus_constant(a: np.ndarray, b: np.ndarray, spec: KernelSpec) -> np.ndarray:
+    d = (a[:, None, :] - b[None, :, :]) / spec.lengthscale
+    r = np.sqrt(np.maximum(np.sum(d * d, axis=-1), 0.0))
+    s5 = np.sqrt(5.0) * r
+    return spec.signal_variance * (1.0 + s5 + s5 ** 2 / 3.0) * np.exp(-s5) + spec.constant_variance
+
+
+def _data(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-2.0, 2.0, size=(n, 2))
+    y = 40.0 + 3.0 * np.sin(1.5 * x[:, 0]) * np.cos(x[:, 1]) + 0.3 * rng.standard_normal(n)
+    return x, y[:, None]
+
+
+def _standardise(y):
+    mean, std = y.mean(), y.std()
+    return (y[:, 0] - mean) / std, mean, std
+
+
+def _exact_posterior(x, y, xs, spec):
+    ys, mean, std = _standardise(y)
+    k = _matern52_plus_constant(x, x, spec) + spec.noise_variance * np.eye(len(x))
+    ks = _matern52_plus_constant(xs, x, spec)
+    mu = ks @ np.linalg.solve(k, ys)
+    var = spec.signal_variance + spec.constant_variance - np.einsum("ij,ji->i", ks, np.linalg.solve(k, ks.T))
+    return mu * std + mean, var * std ** 2
+
+
+def test_exact_gp_matches_closed_form_posterior():
+    x, y = _data(80)
+    xs = np.random.default_rng(1).uniform(-2.5, 2.5, size=(30, 2))
+    model = ExactGPBaseline(SPEC, iterations=0).fit(x, y)
+    mean, var = model.predict(xs)
+    ref_mean, ref_var = _exact_posterior(x, y, xs, SPEC)
+    np.testing.assert_allclose(mean[:, 0], ref_mean, rtol=1e-8, atol=1e-8)
+    np.testing.assert_allclose(var[:, 0], ref_var, rtol=1e-6, atol=1e-9)
+    noise = SPEC.noise_variance * y.std() ** 2
+    np.testing.assert_allclose(model.noise_variance, [noise], rtol=1e-4)  # GPyTorch stores it softplus-constrained
+    ld = model.log_predictive_density(xs, np.zeros((30, 1)) + 40.0)
+    np.testing.assert_allclose(ld[:, 0], -0.5 * (np.log(2 * np.pi * (ref_var + noise)) + (40.0 - ref_mean) ** 2
+                                                 / (ref_var + noise)), rtol=1e-5)
+
+
+def test_exact_gp_subsamples_and_says_so():
+    x, y = _data(300)
+    model = ExactGPBaseline(SPEC, max_points=120, iterations=5).fit(x, y)
+    assert model.subsampled and model.n_used == 120
+    assert not ExactGPBaseline(SPEC, iterations=0).fit(x, y).subsampled
+
+
+def test_svgp_with_inducing_points_on_all_data_is_the_exact_gp():
+    """With Z = X and q(u) at its optimum (the final full-batch natural step), the SVGP equals the exact GP."""
+    x, y = _data(60)
+    xs = np.random.default_rng(2).uniform(-2.5, 2.5, size=(25, 2))
+    svgp = OfflineSVGP(60, SPEC, iterations=0).fit(x, y)
+    mean, var = svgp.predict(xs)
+    ref_mean, ref_var = _exact_posterior(x, y, xs, SPEC)
+    np.testing.assert_allclose(mean[:, 0], ref_mean, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(var[:, 0], ref_var, rtol=1e-4, atol=1e-6)
+
+
+def test_svgp_final_step_gives_titsias_optimal_q():
+    """M < N: the predictive equals the SGPR closed form of Titsias (2009) at the same Z and hyperparameters."""
+    x, y = _data(200)
+    xs = np.random.default_rng(3).uniform(-2.5, 2.5, size=(25, 2))
+    svgp = OfflineSVGP(20, SPEC, iterations=0, seed=4).fit(x, y)
+    z = svgp.inducing_points()
+    ys, ymean, ystd = _standardise(y)
+    s2 = SPEC.noise_variance
+    kzz = _matern52_plus_constant(z, z, SPEC)
+    kzx = _matern52_plus_constant(z, x, SPEC)
+    ksz = _matern52_plus_constant(xs, z, SPEC)
+    sigma = kzz + kzx @ kzx.T / s2
+    mu = ksz @ np.linalg.solve(sigma, kzx @ ys) / s2
+    qss = np.einsum("ij,ji->i", ksz, np.linalg.solve(kzz, ksz.T))
+    var = SPEC.signal_variance + SPEC.constant_variance - qss + np.einsum("ij,ji->i", ksz, np.linalg.solve(sigma, ksz.T))
+    mean, v = svgp.predict(xs)
+    np.testing.assert_allclose(mean[:, 0], mu * ystd + ymean, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v[:, 0], var * ystd ** 2, rtol=1e-3, atol=1e-5)
+
+
+def test_svgp_training_learns_the_noise_and_beats_its_start():
+    x, y = _data(1500)
+    xs, ys = _data(400, seed=9)
+    start = OfflineSVGP(30, KernelSpec(), iterations=0, seed=1).fit(x, y)
+    trained = OfflineSVGP(30, KernelSpec(), iterations=300, batch_size=256, lr=0.05, seed=1).fit(x, y)
+    assert trained.final_elbo[0] > start.final_elbo[0]
+    assert trained.evaluate(xs, ys).nlpd < start.evaluate(xs, ys).nlpd
+    assert trained.noise_variance[0] == pytest.approx(0.09, rel=0.35)  # simulated noise std 0.3
+    # Deterministic given the seed.
+    again = OfflineSVGP(30, KernelSpec(), iterations=300, batch_size=256, lr=0.05, seed=1).fit(x, y)
+    np.testing.assert_allclose(again.predict(xs)[0], trained.predict(xs)[0], rtol=1e-10)
+
+
+def test_svgp_multi_output_is_one_gp_per_column():
+    x, y = _data(120)
+    y2 = np.hstack([y, 2.0 * y - 5.0])
+    both = OfflineSVGP(15, SPEC, iterations=0).fit(x, y2)
+    mean, var = both.predict(x[:10])
+    assert mean.shape == var.shape == (10, 2)
+    # Standardisation makes the second column's fit the same up to the affine map.
+    np.testing.assert_allclose(mean[:, 1], 2.0 * mean[:, 0] - 5.0, rtol=1e-6)
+    np.testing.assert_allclose(var[:, 1], 4.0 * var[:, 0], rtol=1e-6)
+
+
+def test_gp_baselines_refuse_bad_input():
+    x, y = _data(20)
+    with pytest.raises(BaselineError, match="before fit"):
+        OfflineSVGP(5).predict(x)
+    with pytest.raises(BaselineError, match="fewer than num_inducing"):
+        OfflineSVGP(50, iterations=0).fit(x, y)
+    with pytest.raises(BaselineError, match="non-finite"):
+        ExactGPBaseline(iterations=0).fit(x, np.full((20, 1), np.nan))
+    with pytest.raises(BaselineError, match="kernel must be one of"):
+        KernelSpec(kernel="cosine")
+    with pytest.raises(BaselineError, match="noise_variance"):
+        KernelSpec(noise_variance=0.0)
+    with pytest.raises(BaselineError, match="num_inducing"):
+        OfflineSVGP(0)
+    model = ExactGPBaseline(SPEC, iterations=0).fit(x, y)
+    with pytest.raises(BaselineError, match="columns, expected 2"):
+        model.predict(np.zeros((3, 3)))
+    with pytest.raises(BaselineError, match="positive"):
+        gaussian_log_density(np.zeros(2), np.zeros(2), np.array([1.0, 0.0]))
+    with pytest.raises(BaselineError, match="finite"):
+        nlpd(np.array([np.inf]))
+    assert nlpd(torch.tensor([[-1.0], [-3.0]])) == pytest.approx(2.0)
