@@ -1,0 +1,52 @@
+"""GP engines for magnetic-field mapping (pure PyTorch, no ROS, no I/O).
+
+Every engine is a ``torch.nn.Module`` with ``update(x, y, mode=None) -> dict``, ``predict(x) -> (mean, var)``,
+``log_predictive_density(x, y)``, ``num_seen``, ``device`` and a tensors-only ``state_dict``; it is built from
+the ``model`` section of the configuration by :func:`build_model`, which looks the engine up by name.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from ..config import ConfigError, ModelConfig, section_from_dict
+from .dual_svgp import DualSVGP, ModelInputError
+from .kernels import GPNumericalError
+from .likelihoods import BernoulliLikelihood, GaussianLikelihood, StudentTLikelihood
+
+EngineFactory = Callable[[ModelConfig, int, int], Any]
+
+#: engine name (``model.engine``) -> factory(model_config, input_dims, output_dims)
+ENGINES: dict[str, EngineFactory] = {}
+
+
+def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
+    """Decorator: make a factory available as ``model.engine: <name>``."""
+    def decorate(factory: EngineFactory) -> EngineFactory:
+        if name in ENGINES:
+            raise ValueError(f"GP engine {name!r} is already registered")
+        ENGINES[name] = factory
+        return factory
+    return decorate
+
+
+register_engine("dual_svgp")(DualSVGP)
+
+
+def build_model(model_config: ModelConfig | Mapping[str, Any], input_dims: int, output_dims: int):
+    """The engine ``model_config.engine`` names, for ``input_dims`` inputs and ``output_dims`` outputs.
+
+    ``model_config`` is a ModelConfig, or a mapping of its keys (validated like the YAML).
+    """
+    if isinstance(model_config, Mapping):
+        model_config = section_from_dict(ModelConfig, model_config, "model.")
+    try:
+        factory = ENGINES[model_config.engine]
+    except KeyError:
+        raise ConfigError(f"config key 'model.engine': unknown engine {model_config.engine!r}; "
+                          f"registered: {', '.join(sorted(ENGINES))}") from None
+    return factory(model_config, int(input_dims), int(output_dims))
+
+
+__all__ = ["BernoulliLikelihood", "DualSVGP", "ENGINES", "GPNumericalError", "GaussianLikelihood",
+           "ModelInputError", "StudentTLikelihood", "build_model", "register_engine"]

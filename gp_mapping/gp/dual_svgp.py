@@ -1,0 +1,679 @@
+"""Memory-based dual sparse variational GP (seed 004: Chang, Verma, John, Solin, Khan, ICML 2023).
+
+State: inducing inputs Z (M x D), dual parameters a (M x P) and B (P x M x M), kernel and likelihood
+hyperparameters. q(u) = N(m, S) with m = K (K+B)^{-1} a and S = K (K+B)^{-1} K, K = K_ZZ + jitter I, and
+
+    E[f(x)]   = k_x^T (K+B)^{-1} a
+    Var[f(x)] = k(x,x) - k_x^T K^{-1} k_x + k_x^T (K+B)^{-1} k_x,
+
+evaluated through L = chol(K) and R = chol(I + L^{-1} B L^{-T}); chol(K+B) = L R, and I + L^{-1}BL^{-T} has
+every eigenvalue >= 1, so only K can ever need more jitter. The P outputs are independent latent GPs that
+share Z and the kernel; each has its own likelihood parameter (noise variance).
+
+Bookkeeping (every datum seen contributes exactly once):
+    a = a_old + sum_{i held} k_i lambda1_i,     B = B_old + sum_{i held} lambda2_i k_i k_i^T
+  * "held" data are the memory and the pending points (batches conditioned on in fast mode since the last
+    full update). Each holds its own site (lambda1, lambda2) = (beta*ytilde, beta) as a tensor row, so its
+    contribution is recomputed exactly whenever Z or the hyperparameters change and is refitted by the BLR
+    steps of every full update (the paper's "remove the memory's sites and re-fit", eqs. 18-20).
+  * (a_old, B_old) is the sum of the sites of every datum no longer held. A datum moves there exactly once:
+    when its batch is done and it is not kept in memory, or when it is evicted from memory (with the site it
+    had then). A point entering memory is never also added to (a_old, B_old) - the reference code counts
+    such a point twice (once in the batch's sites, again in the memory's).
+
+Memory (bounded by memory_size): from each full update's batch, memory_per_batch candidates are drawn without
+replacement, in proportion to their Bayesian leverage score (or uniformly). The candidates then compete in a
+weighted reservoir (Efraimidis & Spirakis A-Res): each gets the key log(U)/w, U ~ Uniform(0, 1), with
+w = batch size / number of candidates (the number of data it stands for), and the memory keeps the
+memory_size largest keys among old members and new candidates. With equal weights this is exactly reservoir
+sampling: the memory is a uniform sample of all candidates ever offered, so every stretch of the stream is
+represented in proportion to its amount of data, however long the robot runs. Losers are folded into
+(a_old, B_old).
+
+Hyperparameters (full mode): Adam on the dual-fixed objective (seed 004 sec. 3.4)
+    l(theta) = sum_{batch} E_q[log p(y|f)] + (N_old / |memory|) sum_{memory} E_q[log p(y|f)] - KL[q || p_theta]
+with N_old the number of data seen before this batch: reservoir sampling makes the memory a uniform sample of
+the old data, so each member stands for N_old/|memory| of them (unbiased for a uniform memory; the reference
+code's num_seen/num_mem_per_batch over-weights a memory that has grown). The optimiser is reset per update.
+Sites stay fixed during the steps. When theta changes, held data's contributions are recomputed with the new
+k_i (their sites are per datum), while the old part is kept fixed as a pseudo-likelihood on u = f(Z): its
+natural parameters K^{-1} a_old and K^{-1} B_old K^{-1} (eqs. 14-17: ytilde_u, Sigma_u) do not depend on theta,
+so a_old <- K_new K_old^{-1} a_old and B_old <- K_new K_old^{-1} B_old K_old^{-1} K_new, the same A_p transport
+as a move of Z (A_p = K_old^{-1} K_new). This is exact for a change of signal variance (k_i and K scale
+together), where keeping (a_old, B_old) fixed, as the reference code does, is not. After the steps the held
+sites are refitted under the new hyperparameters (n_steps BLR steps) before any is folded into the old part.
+
+Inducing inputs: a fixed grid, or pivoted Cholesky over [Z; X_batch] in every full update (Z listed first,
+so ties keep existing points), stopping at num_inducing points or when no candidate's residual prior variance
+exceeds 1e-4 of the largest, so the number of inducing points starts small (a few for a first batch along a
+short stretch of path) and grows up to num_inducing as the robot explores; no point ever duplicates another.
+When Z changes, (a_old, B_old) are projected with A_p = K_old^{-1} K_{old,new} (eq. 27); held data need no
+projection (recomputed exactly).
+
+Modes: 'fast' conditions on the batch with hyperparameters and Z frozen, one dual step (exact for the
+Gaussian likelihood): O(N M^2 + M^3). The batch is held as pending, so the next full update treats all data
+since the previous full update as its batch (inducing re-selection, BLR, memory sampling). 'full' does
+re-selection of Z, n_steps BLR steps on batch and memory, hyperparameter steps, refit, memory sampling.
+
+New data's first BLR step is undamped (rho = 1): the new site is the site evaluated at the current posterior,
+which for a Gaussian likelihood is already exact; damping towards the empty site would just under-count it.
+Later steps are damped with rho.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from .inducing import DEFAULT_REL_TOL, grid_points, pivoted_cholesky, project_duals, projection_matrix
+from .kernels import GPNumericalError, build_kernel, jittered_cholesky
+from .likelihoods import build_likelihood
+
+#: Pending (fast-mode) points kept before the oldest are folded into the old part.
+DEFAULT_MAX_PENDING = 8192
+
+
+class ModelInputError(ValueError):
+    """Inputs or targets given to the model have the wrong shape, type or non-finite values."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """'cpu', 'cuda', or 'auto' (cuda when available)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("config key 'model.device': 'cuda' was requested but CUDA is not available "
+                          "(use 'auto' or 'cpu')")
+    if name not in ("cpu", "cuda"):
+        raise ConfigError(f"config key 'model.device': {name!r} is not allowed; allowed: 'auto', 'cpu', 'cuda'")
+    return torch.device(name)
+
+
+class DualSVGP(nn.Module):
+    """Online dual-parameter SVGP with bounded memory. See the module docstring for the method."""
+
+    #: buffers whose size changes as data arrive (resized on load_state_dict)
+    RESIZABLE = ("Z", "a", "B", "a_old", "B_old", "mem_x", "mem_y", "mem_lam1", "mem_lam2", "mem_logkey",
+                 "pend_x", "pend_y", "pend_lam1", "pend_lam2", "rng_state")
+
+    def __init__(self, config: ModelConfig, input_dims: int, output_dims: int, *,
+                 max_pending: int = DEFAULT_MAX_PENDING, inducing_rel_tol: float = DEFAULT_REL_TOL) -> None:
+        super().__init__()
+        if int(input_dims) < 1 or int(output_dims) < 1:
+            raise ValueError(f"input_dims and output_dims must be >= 1, got {input_dims}, {output_dims}")
+        self.config = copy.deepcopy(config)
+        self.input_dims = d = int(input_dims)
+        self.output_dims = p = int(output_dims)
+        self.max_pending = int(max_pending)
+        self.inducing_rel_tol = float(inducing_rel_tol)
+        device = resolve_device(config.device)
+        self.kernel = build_kernel(config, d)
+        self.likelihood = build_likelihood(config, p)
+        f64 = dict(dtype=torch.float64)
+        z_fixed = config.inducing == "grid"
+        if z_fixed:
+            if d != 2:
+                raise ConfigError(f"config key 'model.inducing': 'grid' needs 2-D inputs, got input_dims {d}; "
+                                  "use 'pivoted_cholesky'")
+            z0 = grid_points(config.inducing_bounds, config.num_inducing)
+        else:
+            z0 = torch.zeros(0, d, **f64)
+        m = z0.shape[0]
+        self.register_buffer("Z", z0)
+        self.register_buffer("a", torch.zeros(m, p, **f64))
+        self.register_buffer("B", torch.zeros(p, m, m, **f64))
+        self.register_buffer("a_old", torch.zeros(m, p, **f64))
+        self.register_buffer("B_old", torch.zeros(p, m, m, **f64))
+        self.register_buffer("jitter_t", torch.tensor(float(config.jitter), **f64))
+        self.register_buffer("z_fixed", torch.tensor(z_fixed))
+        self.register_buffer("y_mean", torch.zeros(p, **f64))
+        self.register_buffer("y_std", torch.ones(p, **f64))
+        self.register_buffer("standardised", torch.tensor(False))
+        self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
+        for prefix in ("mem", "pend"):
+            self.register_buffer(f"{prefix}_x", torch.zeros(0, d, **f64))
+            self.register_buffer(f"{prefix}_y", torch.zeros(0, p, **f64))
+            self.register_buffer(f"{prefix}_lam1", torch.zeros(0, p, **f64))
+            self.register_buffer(f"{prefix}_lam2", torch.zeros(0, p, **f64))
+        self.register_buffer("mem_logkey", torch.zeros(0, **f64))
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(int(config.seed))
+        self.register_buffer("rng_state", self._generator.get_state())
+        self._cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.to(device)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device(self) -> torch.device:
+        return self.Z.device
+
+    @property
+    def num_seen(self) -> int:
+        return int(self.num_seen_t)
+
+    @property
+    def num_inducing(self) -> int:
+        return int(self.Z.shape[0])
+
+    @property
+    def memory_size(self) -> int:
+        return int(self.mem_x.shape[0])
+
+    @property
+    def jitter(self) -> float:
+        return float(self.jitter_t)
+
+    # ------------------------------------------------------------------ torch.nn.Module plumbing
+    def _apply(self, fn, *args, **kwargs):
+        self._cache = None  # cached factors live on the old device
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # Variable-size buffers take the saved shape before the copy.
+        for name in self.RESIZABLE:
+            key = prefix + name
+            if key in state_dict:
+                old = self._buffers[name]
+                self._buffers[name] = torch.empty(state_dict[key].shape, dtype=old.dtype, device=old.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        self._generator.set_state(self.rng_state.detach().to("cpu", torch.uint8))
+        self._cache = None
+
+    # ------------------------------------------------------------------ input checking
+    def _to_tensor(self, value, name: str) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            if value.dtype == torch.bool or value.is_complex() or not (value.is_floating_point()
+                                                                       or value.dtype in (torch.int8, torch.int16,
+                                                                                          torch.int32, torch.int64,
+                                                                                          torch.uint8)):
+                raise ModelInputError(f"{name} must hold real numbers, got dtype {value.dtype}")
+            return value.detach().to(device=self.device, dtype=torch.float64)
+        try:
+            arr = np.asarray(value)
+        except Exception as err:  # ragged lists and the like
+            raise ModelInputError(f"{name} cannot be read as a numeric array: {err}") from err
+        if arr.dtype.kind not in "fiu":
+            try:
+                arr = arr.astype(np.float64)
+            except (TypeError, ValueError) as err:
+                raise ModelInputError(f"{name} must hold real numbers, got dtype {arr.dtype}") from err
+        return torch.as_tensor(np.ascontiguousarray(arr, dtype=np.float64), device=self.device)
+
+    def _check_x(self, x, name: str = "x") -> torch.Tensor:
+        t = self._to_tensor(x, name)
+        if t.dim() == 1 and self.input_dims == 1:
+            t = t[:, None]
+        if t.dim() != 2 or t.shape[1] != self.input_dims:
+            raise ModelInputError(f"{name} must have shape (N, {self.input_dims}), got {tuple(t.shape)}")
+        bad = ~torch.isfinite(t).all(dim=1)
+        if bool(bad.any()):
+            raise ModelInputError(f"{name} holds NaN or Inf in {int(bad.sum())} of {t.shape[0]} rows")
+        return t
+
+    def _check_y(self, y, n: int, name: str = "y") -> torch.Tensor:
+        t = self._to_tensor(y, name)
+        if t.dim() == 1 and self.output_dims == 1:
+            t = t[:, None]
+        if t.dim() != 2 or t.shape[1] != self.output_dims:
+            raise ModelInputError(f"{name} must have shape (N, {self.output_dims}), got {tuple(t.shape)}")
+        if t.shape[0] != n:
+            raise ModelInputError(f"x has {n} rows but {name} has {t.shape[0]}")
+        bad = ~torch.isfinite(t).all(dim=1)
+        if bool(bad.any()):
+            raise ModelInputError(f"{name} holds NaN or Inf in {int(bad.sum())} of {t.shape[0]} rows")
+        why = self.likelihood.validate_targets(t)
+        if why is not None:
+            raise ModelInputError(f"{name}: {why}")
+        return t
+
+    def _standardise(self, y: torch.Tensor) -> torch.Tensor:
+        return (y - self.y_mean) / self.y_std
+
+    def _set_standardisation(self, y: torch.Tensor) -> None:
+        if self.likelihood.standardise_targets:
+            mean = y.mean(0)
+            std = y.std(0, unbiased=False) if y.shape[0] > 1 else torch.zeros_like(mean)
+            # A constant first batch has no scale: keep the original units for that output.
+            ok = std > 1e-9 * torch.clamp(mean.abs(), min=1.0)
+            self.y_mean.copy_(mean)
+            self.y_std.copy_(torch.where(ok, std, torch.ones_like(std)))
+        self.standardised.fill_(True)
+
+    # ------------------------------------------------------------------ linear algebra
+    def _chol_K(self) -> torch.Tensor:
+        """chol(K_ZZ + jitter I); the jitter escalates (and stays) if needed."""
+        kzz = self.kernel(self.Z, self.Z)
+        factor, used = jittered_cholesky(kzz, self.jitter)
+        if used > self.jitter:
+            self.jitter_t.fill_(used)
+        return factor
+
+    @staticmethod
+    def _whiten(L: torch.Tensor, a: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(L^{-1} a, L^{-1} B L^{-T})."""
+        a_w = torch.linalg.solve_triangular(L, a, upper=False)
+        LiB = torch.linalg.solve_triangular(L, B, upper=False)
+        W = torch.linalg.solve_triangular(L, LiB.transpose(-1, -2), upper=False)
+        return a_w, 0.5 * (W + W.transpose(-1, -2))
+
+    @staticmethod
+    def _posterior(a_w: torch.Tensor, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """R = chol(I + W) (P, M, M) and c = R^{-1} L^{-1} a (P, M) from the whitened duals."""
+        m = W.shape[-1]
+        eye = torch.eye(m, dtype=W.dtype, device=W.device)
+        R, _ = jittered_cholesky(eye + W, 0.0)
+        c = torch.linalg.solve_triangular(R, a_w.T[..., None], upper=False)[..., 0]
+        return R, c
+
+    @staticmethod
+    def _marginals(V: torch.Tensor, R: torch.Tensor, c: torch.Tensor, kxx: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Latent mean, variance (N, P) and q_i = k_i^T K^{-1} S K^{-1} k_i (N, P), from V = L^{-1} K_ZX."""
+        U = torch.linalg.solve_triangular(R, V.expand(R.shape[0], *V.shape), upper=False)  # (P, M, N)
+        mean = torch.einsum("pmn,pm->np", U, c)
+        explained = (U * U).sum(1).T
+        var = kxx[:, None] - (V * V).sum(0)[:, None] + explained
+        return mean, var.clamp_min(0.0), explained
+
+    @staticmethod
+    def _site_sums(K_zx: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum_i k_i lambda1_i (M, P), sum_i lambda2_i k_i k_i^T (P, M, M))."""
+        a = K_zx @ lam1
+        B = torch.einsum("mn,np,kn->pmk", K_zx, lam2, K_zx)
+        return a, 0.5 * (B + B.transpose(-1, -2))
+
+    def _refresh_cache(self) -> None:
+        """Factors for prediction, always computed from the stored state (so a reload predicts identically)."""
+        with torch.no_grad():
+            if self.num_inducing == 0:
+                self._cache = None
+                return
+            L = self._chol_K()
+            a_w, W = self._whiten(L, self.a, self.B)
+            R, c = self._posterior(a_w, W)
+            self._cache = (L, R, c)
+
+    def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Standardised latent mean and variance (N, P) at checked inputs."""
+        kxx = self.kernel.diag(x)
+        if self.num_inducing == 0:
+            return (torch.zeros(x.shape[0], self.output_dims, dtype=x.dtype, device=x.device),
+                    kxx[:, None].expand(-1, self.output_dims).clone())
+        if self._cache is None:
+            self._refresh_cache()
+        L, R, c = self._cache
+        V = torch.linalg.solve_triangular(L, self.kernel(self.Z, x), upper=False)
+        mean, var, _ = self._marginals(V, R, c, kxx)
+        return mean, var
+
+    # ------------------------------------------------------------------ public prediction API
+    def predict(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and variance (G, P) of the latent f at x, in the original target units."""
+        xt = self._check_x(x)
+        with torch.no_grad():
+            mean, var = self._latent(xt)
+            return mean * self.y_std + self.y_mean, var * self.y_std ** 2
+
+    def log_predictive_density(self, x, y) -> torch.Tensor:
+        """log p(y*|x*) (N, P) in the original units (includes the Jacobian of the standardisation)."""
+        xt = self._check_x(x)
+        yt = self._check_y(y, xt.shape[0])
+        with torch.no_grad():
+            mean, var = self._latent(xt)
+            lpd = self.likelihood.log_predictive_density(self._standardise(yt), mean, var)
+            if self.likelihood.standardise_targets:
+                lpd = lpd - torch.log(self.y_std)
+            return lpd
+
+    # ------------------------------------------------------------------ site fitting
+    def _fit_sites(self, L: torch.Tensor, K_zh: torch.Tensor, kxx: torch.Tensor, y: torch.Tensor,
+                   lam1: torch.Tensor, lam2: torch.Tensor, fresh: torch.Tensor, n_steps: int, rho: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Damped BLR steps on the held data's sites (eq. 23), the old part fixed.
+
+        ``fresh`` marks data without a site yet (lambda = 0): their first step is undamped.
+        Returns the new sites and V = L^{-1} K_ZH.
+        """
+        a_w_old, W_old = self._whiten(L, self.a_old, self.B_old)
+        V = torch.linalg.solve_triangular(L, K_zh, upper=False)
+        for step in range(n_steps):
+            a_w = a_w_old + V @ lam1
+            W = W_old + torch.einsum("mn,np,kn->pmk", V, lam2, V)
+            R, c = self._posterior(a_w, 0.5 * (W + W.transpose(-1, -2)))
+            mean, var, _ = self._marginals(V, R, c, kxx)
+            new1, new2 = self.likelihood.dual_sites(y, mean, var)
+            r = torch.full((y.shape[0], 1), float(rho), dtype=y.dtype, device=y.device)
+            if step == 0:
+                r[fresh] = 1.0
+            lam1 = (1.0 - r) * lam1 + r * new1
+            lam2 = (1.0 - r) * lam2 + r * new2
+        return lam1, lam2, V
+
+    def _leverage(self, L: torch.Tensor, V: torch.Tensor, kxx: torch.Tensor, lam1: torch.Tensor,
+                  lam2: torch.Tensor, V_q: torch.Tensor, kxx_q: torch.Tensor, lam2_q: torch.Tensor
+                  ) -> torch.Tensor:
+        """Bayesian leverage scores (eq. 30) of the points with features V_q under the posterior with sites
+        (V, lam1, lam2) plus the old part: beta_i k_i^T K^{-1} S K^{-1} k_i, summed over outputs."""
+        a_w_old, W_old = self._whiten(L, self.a_old, self.B_old)
+        W = W_old + torch.einsum("mn,np,kn->pmk", V, lam2, V)
+        R, c = self._posterior(a_w_old + V @ lam1, 0.5 * (W + W.transpose(-1, -2)))
+        _, _, explained = self._marginals(V_q, R, c, kxx_q)
+        return (lam2_q * explained).sum(1)
+
+    def leverage_scores(self, x, y) -> torch.Tensor:
+        """Bayesian leverage scores (N,) of (x, y) under the current posterior (sites at the current q)."""
+        xt = self._check_x(x)
+        yt = self._standardise(self._check_y(y, xt.shape[0]))
+        with torch.no_grad():
+            if self.num_inducing == 0:
+                return torch.zeros(xt.shape[0], dtype=xt.dtype, device=xt.device)
+            self._refresh_cache()
+            L, R, c = self._cache
+            V = torch.linalg.solve_triangular(L, self.kernel(self.Z, xt), upper=False)
+            mean, var, explained = self._marginals(V, R, c, self.kernel.diag(xt))
+            _, lam2 = self.likelihood.dual_sites(yt, mean, var)
+            return (lam2 * explained).sum(1)
+
+    # ------------------------------------------------------------------ state changes
+    def _recompute_totals(self) -> None:
+        """a, B = old part + held (memory and pending) contributions at the current Z and hyperparameters."""
+        hx = torch.cat([self.mem_x, self.pend_x])
+        a_h, B_h = self._site_sums(self.kernel(self.Z, hx), torch.cat([self.mem_lam1, self.pend_lam1]),
+                                   torch.cat([self.mem_lam2, self.pend_lam2]))
+        self.a = self.a_old + a_h
+        self.B = self.B_old + B_h
+
+    def _transport_old_part(self, L_old: torch.Tensor, cross: torch.Tensor) -> None:
+        """Move (a_old, B_old) to a new prior: A_p = K_old^{-1} cross with cross = Cov(u_old, u_new)."""
+        if self.a_old.shape[0] == 0:
+            self.a_old = self.a_old.new_zeros(cross.shape[1], self.output_dims)
+            self.B_old = self.B_old.new_zeros(self.output_dims, cross.shape[1], cross.shape[1])
+            return
+        A = projection_matrix(L_old, cross)
+        self.a_old, self.B_old = project_duals(self.a_old, self.B_old, A)
+
+    def _cross_with_jitter(self, z_old: torch.Tensor, z_new: torch.Tensor) -> torch.Tensor:
+        # Identical points keep their dual exactly: K_old's jitter belongs to the covariance of u with itself.
+        same = (z_old[:, None, :] == z_new[None, :, :]).all(-1)
+        return self.kernel(z_old, z_new) + self.jitter * same.to(z_old.dtype)
+
+    def _move_inducing(self, z_new: torch.Tensor) -> None:
+        """Set Z, projecting the old part (held data are recomputed by the caller)."""
+        if self.num_inducing > 0:
+            L_old = self._chol_K()
+            self._transport_old_part(L_old, self._cross_with_jitter(self.Z, z_new))
+        else:
+            self._transport_old_part(self.Z.new_zeros(0, 0), self.Z.new_zeros(0, z_new.shape[0]))
+        self.Z = z_new.clone()
+        self.jitter_t.fill_(float(self.config.jitter))
+
+    def set_inducing_points(self, z, fixed: bool = True) -> None:
+        """Use these inducing inputs (old part projected onto them); ``fixed`` stops re-selection."""
+        zt = self._check_x(z, "z")
+        if zt.shape[0] == 0:
+            raise ModelInputError("z must hold at least one inducing point")
+        with torch.no_grad():
+            self._move_inducing(zt)
+            self.z_fixed.fill_(bool(fixed))
+            self._recompute_totals()
+        self._refresh_cache()
+
+    @contextlib.contextmanager
+    def hyperparameter_change(self) -> Iterator[None]:
+        """Change kernel or likelihood parameters inside this block; on exit the old part is transported to
+        the new prior (its pseudo-likelihood on u = f(Z) kept) and held contributions are recomputed."""
+        with torch.no_grad():
+            L_old = self._chol_K() if self.num_inducing else None
+        yield
+        with torch.no_grad():
+            if L_old is not None:
+                self._transport_old_part(L_old, self._cross_with_jitter(self.Z, self.Z))
+                self._recompute_totals()
+        self._refresh_cache()
+
+    def _reselect_inducing(self, bx: torch.Tensor) -> bool:
+        cand = torch.cat([self.Z, bx])
+        idx, _ = pivoted_cholesky(self.kernel, self.kernel.diag(cand), cand, self.config.num_inducing,
+                                  self.inducing_rel_tol)
+        m_old = self.num_inducing
+        if idx.numel() == m_old and bool((idx < m_old).all()):
+            return False
+        self._move_inducing(cand[idx])
+        return True
+
+    # ------------------------------------------------------------------ hyperparameters
+    def _hyper_parameters(self) -> list[nn.Parameter]:
+        return [p for p in list(self.kernel.parameters()) + list(self.likelihood.parameters())]
+
+    def _hyper_objective(self, L0, a_w0, W0, hx, hy, lam1, lam2, weights) -> torch.Tensor:
+        """Dual-fixed objective l(theta) (sites fixed, old part fixed on u = f(Z))."""
+        L = self._chol_K()
+        G = torch.linalg.solve_triangular(L0, L, upper=False)  # L0^{-1} L: transport of the old part
+        V = torch.linalg.solve_triangular(L, self.kernel(self.Z, hx), upper=False)
+        a_w = G.T @ a_w0 + V @ lam1
+        W = G.T @ W0 @ G + torch.einsum("mn,np,kn->pmk", V, lam2, V)
+        R, c = self._posterior(a_w, 0.5 * (W + W.transpose(-1, -2)))
+        mean, var, _ = self._marginals(V, R, c, self.kernel.diag(hx))
+        data = (self.likelihood.expected_log_lik(hy, mean, var) * weights[:, None]).sum()
+        eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
+        R_inv = torch.linalg.solve_triangular(R, eye.expand_as(R), upper=False)
+        mean_w = torch.linalg.solve_triangular(R.transpose(-1, -2), c[..., None], upper=True)[..., 0]
+        kl = (torch.log(torch.diagonal(R, dim1=-2, dim2=-1)).sum()
+              + 0.5 * ((R_inv * R_inv).sum() - R.shape[0] * R.shape[-1] + (mean_w * mean_w).sum()))
+        return data - kl
+
+    def _learn_hyperparameters(self, hx, hy, lam1, lam2, weights) -> tuple[int, float]:
+        """Adam steps on l(theta); returns (steps taken, final objective per datum). The old part is transported
+        to the new prior at the end; held contributions are the caller's."""
+        params = self._hyper_parameters()
+        if not params or self.config.hyper_steps == 0:
+            return 0, 0.0
+        with torch.no_grad():
+            L0 = self._chol_K()
+            a_w0, W0 = self._whiten(L0, self.a_old, self.B_old)
+        optimiser = torch.optim.Adam(params, lr=self.config.hyper_lr)
+        scale = 1.0 / max(1.0, float(weights.sum()))
+        good = [p.detach().clone() for p in params]
+        steps, value = 0, 0.0
+        with torch.enable_grad():
+            for _ in range(self.config.hyper_steps):
+                optimiser.zero_grad()
+                try:
+                    objective = self._hyper_objective(L0, a_w0, W0, hx, hy, lam1, lam2, weights) * scale
+                except GPNumericalError:
+                    objective = None
+                if objective is None or not bool(torch.isfinite(objective)):
+                    with torch.no_grad():  # back to the last parameters that evaluated cleanly
+                        for p, g in zip(params, good):
+                            p.copy_(g)
+                    break
+                (-objective).backward()
+                if not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
+                    break
+                with torch.no_grad():
+                    good = [p.detach().clone() for p in params]
+                value = float(objective.detach())
+                optimiser.step()
+                steps += 1
+        with torch.no_grad():
+            try:
+                self._chol_K()
+            except GPNumericalError:
+                for p, g in zip(params, good):
+                    p.copy_(g)
+            self._transport_old_part(L0, self._cross_with_jitter(self.Z, self.Z))
+        return steps, value
+
+    # ------------------------------------------------------------------ memory
+    def _draw_candidates(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        n = scores.shape[0]
+        if k >= n:
+            return torch.arange(n)
+        w = scores.detach().to("cpu", torch.float64).clamp_min(0.0)
+        if self.config.memory_selection == "random" or not bool(torch.isfinite(w).all()) or float(w.sum()) <= 0:
+            w = torch.ones(n, dtype=torch.float64)
+        w = w + 1e-12 * float(w.max())  # every point keeps a chance, so k distinct picks always exist
+        return torch.multinomial(w, k, replacement=False, generator=self._generator)
+
+    def _reservoir(self, n_batch: int, cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A-Res keys for the candidates; returns (keys of candidates, indices into [memory; candidates] kept)."""
+        k = cand.shape[0]
+        weight = n_batch / max(k, 1)
+        u = torch.rand(k, generator=self._generator, dtype=torch.float64).clamp_min(1e-300)
+        keys = (torch.log(u) / weight).to(self.device)
+        all_keys = torch.cat([self.mem_logkey, keys])
+        cap = self.config.memory_size
+        if all_keys.shape[0] <= cap:
+            keep = torch.arange(all_keys.shape[0], device=self.device)
+        else:
+            keep = torch.sort(torch.topk(all_keys, cap).indices).values
+        return keys, keep
+
+    # ------------------------------------------------------------------ updates
+    def update(self, x, y, mode: str | None = None) -> dict:
+        """Condition on a batch (x (N, D), y (N, P)); mode 'fast', 'full' or None (follow full_update_every)."""
+        start = time.perf_counter()
+        xt = self._check_x(x)
+        yt = self._check_y(y, xt.shape[0])
+        if mode not in (None, "fast", "full"):
+            raise ValueError(f"update mode must be 'fast', 'full' or None, got {mode!r}")
+        if mode is None:
+            mode = "full" if int(self.num_updates_t) % self.config.full_update_every == 0 else "fast"
+        stats: dict = {"mode": mode, "n_batch": int(xt.shape[0]), "z_moved": 0, "hyper_steps": 0,
+                       "objective": 0.0, "folded": 0}
+        if xt.shape[0] > 0:
+            if not bool(self.standardised):
+                self._set_standardisation(yt)
+            ys = self._standardise(yt)
+            with torch.no_grad():
+                if mode == "fast":
+                    stats.update(self._fast_update(xt, ys))
+                else:
+                    stats.update(self._full_update(xt, ys))
+                self.num_seen_t += xt.shape[0]
+                self.num_updates_t += 1
+                self.rng_state = self._generator.get_state()
+            self._refresh_cache()
+        stats.update({"seconds": time.perf_counter() - start, "num_seen": self.num_seen,
+                      "memory_size": self.memory_size, "pending": int(self.pend_x.shape[0]),
+                      "num_inducing": self.num_inducing, "jitter": self.jitter})
+        return stats
+
+    def _fast_update(self, x: torch.Tensor, ys: torch.Tensor) -> dict:
+        z_moved = 0
+        if self.num_inducing == 0:
+            # Nothing to condition on yet: inducing inputs from this batch (no old part to project).
+            idx, _ = pivoted_cholesky(self.kernel, self.kernel.diag(x), x, self.config.num_inducing,
+                                      self.inducing_rel_tol)
+            self._move_inducing(x[idx])
+            self._recompute_totals()
+            z_moved = 1
+        self._refresh_cache()
+        L, R, c = self._cache
+        K_zx = self.kernel(self.Z, x)
+        V = torch.linalg.solve_triangular(L, K_zx, upper=False)
+        mean, var, _ = self._marginals(V, R, c, self.kernel.diag(x))
+        lam1, lam2 = self.likelihood.dual_sites(ys, mean, var)  # one undamped dual step
+        a_n, B_n = self._site_sums(K_zx, lam1, lam2)
+        self.a = self.a + a_n
+        self.B = self.B + B_n
+        self.pend_x = torch.cat([self.pend_x, x])
+        self.pend_y = torch.cat([self.pend_y, ys])
+        self.pend_lam1 = torch.cat([self.pend_lam1, lam1])
+        self.pend_lam2 = torch.cat([self.pend_lam2, lam2])
+        folded = 0
+        excess = self.pend_x.shape[0] - self.max_pending
+        if excess > 0:
+            # Oldest pending points leave: their sites go to the old part (totals unchanged).
+            a_f, B_f = self._site_sums(self.kernel(self.Z, self.pend_x[:excess]), self.pend_lam1[:excess],
+                                       self.pend_lam2[:excess])
+            self.a_old = self.a_old + a_f
+            self.B_old = self.B_old + B_f
+            for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2"):
+                setattr(self, name, getattr(self, name)[excess:])
+            folded = excess
+        return {"z_moved": z_moved, "folded": folded}
+
+    def _full_update(self, x: torch.Tensor, ys: torch.Tensor) -> dict:
+        cfg = self.config
+        n_pend, n_mem = self.pend_x.shape[0], self.mem_x.shape[0]
+        p = self.output_dims
+        # The batch: pending points (with sites) and the new points (without).
+        bx = torch.cat([self.pend_x, x])
+        by = torch.cat([self.pend_y, ys])
+        zeros = x.new_zeros(x.shape[0], p)
+        n_b = bx.shape[0]
+        z_moved = 0
+        if not bool(self.z_fixed):
+            z_moved = int(self._reselect_inducing(bx))
+        hx = torch.cat([self.mem_x, bx])
+        hy = torch.cat([self.mem_y, by])
+        lam1 = torch.cat([self.mem_lam1, self.pend_lam1, zeros])
+        lam2 = torch.cat([self.mem_lam2, self.pend_lam2, zeros])
+        fresh = torch.zeros(hx.shape[0], dtype=torch.bool, device=self.device)
+        fresh[n_mem + n_pend:] = True
+        kxx = self.kernel.diag(hx)
+        L = self._chol_K()
+        K_zh = self.kernel(self.Z, hx)
+        lam1, lam2, V = self._fit_sites(L, K_zh, kxx, hy, lam1, lam2, fresh, cfg.n_steps, cfg.rho)
+        steps, objective = 0, 0.0
+        if cfg.learn_hyperparameters and cfg.hyper_steps > 0:
+            n_old = self.num_seen - n_pend  # data seen before this batch
+            weights = torch.ones(hx.shape[0], dtype=torch.float64, device=self.device)
+            if n_mem:
+                weights[:n_mem] = n_old / n_mem
+            steps, objective = self._learn_hyperparameters(hx, hy, lam1, lam2, weights)
+            if steps:
+                kxx = self.kernel.diag(hx)
+                L = self._chol_K()
+                K_zh = self.kernel(self.Z, hx)
+                lam1, lam2, V = self._fit_sites(L, K_zh, kxx, hy, lam1, lam2,
+                                                torch.zeros_like(fresh), cfg.n_steps, cfg.rho)
+        # Memory: candidates from the batch, then the reservoir over old members and candidates.
+        k = min(cfg.memory_per_batch, n_b) if cfg.memory_size > 0 else 0
+        if k > 0:
+            if cfg.memory_selection == "leverage":
+                scores = self._leverage(L, V, kxx, lam1, lam2, V[:, n_mem:], kxx[n_mem:], lam2[n_mem:])
+            else:
+                scores = torch.ones(n_b, dtype=torch.float64, device=self.device)
+            cand = self._draw_candidates(scores, k).to(self.device)
+            keys, keep = self._reservoir(n_b, cand)
+        else:
+            cand = torch.zeros(0, dtype=torch.long, device=self.device)
+            keys = torch.zeros(0, dtype=torch.float64, device=self.device)
+            keep = torch.arange(n_mem, device=self.device) if cfg.memory_size > 0 else \
+                torch.zeros(0, dtype=torch.long, device=self.device)
+        # Positions in the held arrays: memory 0..n_mem-1, candidates n_mem + cand.
+        pool = torch.cat([torch.arange(n_mem, device=self.device), n_mem + cand])
+        pool_keys = torch.cat([self.mem_logkey, keys])
+        kept = pool[keep]
+        stays = torch.zeros(hx.shape[0], dtype=torch.bool, device=self.device)
+        stays[kept] = True
+        leave = ~stays
+        a_f, B_f = self._site_sums(K_zh[:, leave], lam1[leave], lam2[leave])
+        self.a_old = self.a_old + a_f
+        self.B_old = self.B_old + B_f
+        self.mem_x, self.mem_y = hx[kept], hy[kept]
+        self.mem_lam1, self.mem_lam2 = lam1[kept], lam2[kept]
+        self.mem_logkey = pool_keys[keep]
+        for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2"):
+            setattr(self, name, getattr(self, name)[:0])
+        a_m, B_m = self._site_sums(K_zh[:, kept], self.mem_lam1, self.mem_lam2)
+        self.a = self.a_old + a_m
+        self.B = self.B_old + B_m
+        return {"z_moved": z_moved, "hyper_steps": steps, "objective": objective, "folded": int(leave.sum())}
+
+    def extra_repr(self) -> str:
+        return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, num_inducing={self.num_inducing}"
+                f"/{self.config.num_inducing}, memory={self.memory_size}/{self.config.memory_size}")

@@ -1,0 +1,91 @@
+"""Inducing inputs: greedy selection by pivoted Cholesky, a fixed grid, and moving dual parameters to new Z.
+
+Pivoted Cholesky (Burt et al. 2020; seed 004 eq. 27) picks, one at a time, the candidate with the largest
+residual (conditional) prior variance given the points already picked, and stops at ``max_points`` or when no
+candidate has a residual variance above ``rel_tol`` times the largest prior variance. The threshold is what
+keeps a new inducing point from duplicating (or nearly duplicating) an existing one, so K_ZZ stays well
+conditioned whatever the data (repeated positions, a robot standing still).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+# Default residual-variance threshold, relative to the largest prior variance among the candidates.
+DEFAULT_REL_TOL = 1e-4
+
+KernelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def pivoted_cholesky(kernel: KernelFn, diag: torch.Tensor, candidates: torch.Tensor, max_points: int,
+                     rel_tol: float = DEFAULT_REL_TOL) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy maximum-residual-variance selection among ``candidates`` (C, D).
+
+    ``kernel(x1, x2)`` gives the cross-covariance and ``diag`` (C,) the prior variances of the candidates.
+    Returns (indices (m,) in pick order, R (m, C)) where R^T R is the rank-m Nystrom approximation of K_CC.
+    Only m kernel columns are evaluated (O(C m) memory), so large first batches are fine. Ties go to the
+    lower index, so listing the current Z first keeps it where the new points add nothing.
+    """
+    c = candidates.shape[0]
+    max_points = min(int(max_points), c)
+    with torch.no_grad():
+        d = diag.detach().clone().to(candidates.dtype)
+        rows = torch.zeros(max_points, c, dtype=candidates.dtype, device=candidates.device)
+        if c == 0 or max_points == 0:
+            return torch.zeros(0, dtype=torch.long, device=candidates.device), rows
+        threshold = float(rel_tol) * float(d.max())
+        picked = torch.zeros(c, dtype=torch.bool, device=candidates.device)
+        order: list[int] = []
+        for m in range(max_points):
+            p = int(torch.argmax(torch.where(picked, torch.full_like(d, -math.inf), d)))
+            dp = float(d[p])
+            if not dp > threshold:
+                break
+            column = kernel(candidates, candidates[p:p + 1])[:, 0]
+            r = (column - rows[:m].T @ rows[:m, p]) / math.sqrt(dp)
+            rows[m] = r
+            d = d - r * r
+            picked[p] = True
+            order.append(p)
+        return torch.as_tensor(order, dtype=torch.long, device=candidates.device), rows[:len(order)]
+
+
+def grid_points(bounds, num_points: int, dtype=torch.float64, device=None) -> torch.Tensor:
+    """A regular 2-D grid of at most ``num_points`` points over [xmin, ymin, xmax, ymax], edges included.
+
+    The grid's aspect follows the box: nx/ny ~ width/height, nx*ny <= num_points.
+    """
+    xmin, ymin, xmax, ymax = (float(v) for v in bounds)
+    if not (xmax > xmin and ymax > ymin):
+        raise ValueError(f"inducing_bounds must be [xmin, ymin, xmax, ymax] with xmin < xmax and ymin < ymax, "
+                         f"got {list(bounds)}")
+    if num_points < 1:
+        raise ValueError(f"a grid needs at least one point, got {num_points}")
+    w, h = xmax - xmin, ymax - ymin
+    nx = max(1, min(num_points, int(round(math.sqrt(num_points * w / h)))))
+    ny = max(1, num_points // nx)
+    xs = torch.linspace(xmin, xmax, nx, dtype=dtype, device=device) if nx > 1 else \
+        torch.tensor([(xmin + xmax) / 2], dtype=dtype, device=device)
+    ys = torch.linspace(ymin, ymax, ny, dtype=dtype, device=device) if ny > 1 else \
+        torch.tensor([(ymin + ymax) / 2], dtype=dtype, device=device)
+    gx, gy = torch.meshgrid(xs, ys, indexing="ij")
+    return torch.stack([gx.reshape(-1), gy.reshape(-1)], dim=1)
+
+
+def projection_matrix(chol_old: torch.Tensor, cross: torch.Tensor) -> torch.Tensor:
+    """A_p = K_old^{-1} K_{old,new} (M_old, M_new) from the Cholesky factor of K_old and the cross-covariance.
+
+    Nystrom: k(Z_new, x) ~ A_p^T k(Z_old, x), exact when k(Z_new, x) lies in the span of the old columns.
+    """
+    if chol_old.shape[0] == 0:
+        return cross.new_zeros(0, cross.shape[1])
+    return torch.cholesky_solve(cross, chol_old)
+
+
+def project_duals(a: torch.Tensor, B: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move dual parameters a (M_old, P), B (P, M_old, M_old) to new inducing inputs: (A^T a, A^T B A)."""
+    a_new = A.T @ a
+    B_new = A.T @ B @ A
+    return a_new, 0.5 * (B_new + B_new.transpose(-1, -2))

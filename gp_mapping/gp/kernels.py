@@ -1,0 +1,217 @@
+"""Covariance functions and the jittered Cholesky factorisation of kernel matrices.
+
+Stationary kernels (Matern-1/2, 3/2, 5/2 and RBF) with one lengthscale per input dimension (ARD) or a shared
+one, a constant (bias) kernel, and their sum. Positive hyperparameters are stored as logarithms so that Adam
+steps are multiplicative (a lengthscale moves from 1 m to 0.5 m in as many steps as from 0.1 m to 0.05 m).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+# The largest diagonal jitter, relative to the mean of the matrix diagonal, tried before giving up.
+MAX_RELATIVE_JITTER = 1e-1
+
+
+class GPNumericalError(ArithmeticError):
+    """A matrix that must be positive definite could not be factorised even with the largest jitter."""
+
+
+class PositiveParameter(nn.Module):
+    """Holds log(value) as the trainable parameter; ``value`` is always positive and finite."""
+
+    def __init__(self, init: torch.Tensor | float, shape: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        init_t = torch.as_tensor(init, dtype=torch.float64).expand(shape).clone()
+        if not bool(torch.all(init_t > 0)):
+            raise ValueError(f"positive hyperparameter needs a positive initial value, got {init_t.tolist()}")
+        self.raw = nn.Parameter(torch.log(init_t))
+
+    @property
+    def value(self) -> torch.Tensor:
+        # Clamping the log keeps exp finite even if an optimiser step goes wild.
+        return torch.exp(self.raw.clamp(-50.0, 50.0))
+
+    def set(self, value: torch.Tensor | float) -> None:
+        with torch.no_grad():
+            self.raw.copy_(torch.log(torch.as_tensor(value, dtype=self.raw.dtype, device=self.raw.device)))
+
+
+class Kernel(nn.Module):
+    """A covariance function k(x1, x2) on inputs of ``input_dims`` columns."""
+
+    def __init__(self, input_dims: int) -> None:
+        super().__init__()
+        self.input_dims = int(input_dims)
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:  # (N1, N2)
+        raise NotImplementedError
+
+    def diag(self, x: torch.Tensor) -> torch.Tensor:  # (N,)
+        raise NotImplementedError
+
+
+class StationaryKernel(Kernel):
+    """sigma^2 * g(r) with r the lengthscale-scaled Euclidean distance; subclasses define g."""
+
+    def __init__(self, input_dims: int, lengthscale: float = 1.0, variance: float = 1.0, ard: bool = True) -> None:
+        super().__init__(input_dims)
+        self.ard = bool(ard)
+        self.lengthscale_param = PositiveParameter(lengthscale, (self.input_dims if ard else 1,))
+        self.variance_param = PositiveParameter(variance)
+
+    @property
+    def lengthscale(self) -> torch.Tensor:
+        return self.lengthscale_param.value
+
+    @property
+    def variance(self) -> torch.Tensor:
+        return self.variance_param.value
+
+    def scaled_distance(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        # Differences, one input dimension at a time: exact zeros for coincident points (the expansion
+        # |a|^2 + |b|^2 - 2ab leaves ~1e-8 in r, a first-order error for Matern-1/2) at the speed of the
+        # expansion for the few dimensions of a map; (N1, N2, D) temporaries are several times slower.
+        a = x1 / self.lengthscale
+        b = x2 / self.lengthscale
+        r2 = None
+        for d in range(a.shape[1]):
+            diff = a[:, d, None] - b[None, :, d]
+            r2 = diff * diff if r2 is None else r2 + diff * diff
+        # The clamp keeps d(sqrt)/dr2 finite at r = 0 (its gradient is then zero, which is the true value).
+        return torch.sqrt(r2.clamp_min(1e-36))
+
+    def profile(self, r: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        return self.variance * self.profile(self.scaled_distance(x1, x2))
+
+    def diag(self, x: torch.Tensor) -> torch.Tensor:
+        return self.variance.expand(x.shape[0]).clone()
+
+
+class Matern12Kernel(StationaryKernel):
+    """Matern nu=1/2 (exponential): exp(-r)."""
+
+    def profile(self, r: torch.Tensor) -> torch.Tensor:
+        return torch.exp(-r)
+
+
+class Matern32Kernel(StationaryKernel):
+    """Matern nu=3/2: (1 + sqrt3 r) exp(-sqrt3 r)."""
+
+    def profile(self, r: torch.Tensor) -> torch.Tensor:
+        s = math.sqrt(3.0) * r
+        return (1.0 + s) * torch.exp(-s)
+
+
+class Matern52Kernel(StationaryKernel):
+    """Matern nu=5/2: (1 + sqrt5 r + 5 r^2 / 3) exp(-sqrt5 r)."""
+
+    def profile(self, r: torch.Tensor) -> torch.Tensor:
+        s = math.sqrt(5.0) * r
+        return (1.0 + s + s * s / 3.0) * torch.exp(-s)
+
+
+class RBFKernel(StationaryKernel):
+    """Squared exponential: exp(-r^2 / 2)."""
+
+    def profile(self, r: torch.Tensor) -> torch.Tensor:
+        return torch.exp(-0.5 * r * r)
+
+
+class ConstantKernel(Kernel):
+    """k(x1, x2) = c: a learned bias (an unknown constant offset of the whole map)."""
+
+    def __init__(self, input_dims: int, variance: float = 1.0) -> None:
+        super().__init__(input_dims)
+        self.variance_param = PositiveParameter(variance)
+
+    @property
+    def variance(self) -> torch.Tensor:
+        return self.variance_param.value
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        return self.variance.expand(x1.shape[0], x2.shape[0]).clone()
+
+    def diag(self, x: torch.Tensor) -> torch.Tensor:
+        return self.variance.expand(x.shape[0]).clone()
+
+
+class SumKernel(Kernel):
+    """k = sum of the parts (independent processes added)."""
+
+    def __init__(self, *parts: Kernel) -> None:
+        if not parts:
+            raise ValueError("SumKernel needs at least one kernel")
+        super().__init__(parts[0].input_dims)
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        out = self.parts[0](x1, x2)
+        for part in self.parts[1:]:
+            out = out + part(x1, x2)
+        return out
+
+    def diag(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.parts[0].diag(x)
+        for part in self.parts[1:]:
+            out = out + part.diag(x)
+        return out
+
+
+STATIONARY_KERNELS: dict[str, type[StationaryKernel]] = {
+    "matern12": Matern12Kernel,
+    "matern32": Matern32Kernel,
+    "matern52": Matern52Kernel,
+    "rbf": RBFKernel,
+}
+
+
+def build_kernel(model_config, input_dims: int) -> Kernel:
+    """The kernel a ModelConfig names: a stationary kernel, plus a constant kernel when asked."""
+    try:
+        cls = STATIONARY_KERNELS[model_config.kernel]
+    except KeyError:
+        raise ValueError(f"unknown kernel {model_config.kernel!r}; known: {', '.join(STATIONARY_KERNELS)}") from None
+    main = cls(input_dims, lengthscale=model_config.lengthscale, variance=model_config.signal_variance,
+               ard=model_config.ard)
+    if model_config.constant_kernel:
+        return SumKernel(main, ConstantKernel(input_dims, variance=model_config.constant_variance))
+    return main
+
+
+def jittered_cholesky(matrix: torch.Tensor, jitter: float, max_jitter: float | None = None
+                      ) -> tuple[torch.Tensor, float]:
+    """Lower Cholesky factor of ``matrix + jitter I`` and the jitter that was needed.
+
+    Starts at ``jitter`` and multiplies it by 10 until the factorisation succeeds, up to ``max_jitter``
+    (default MAX_RELATIVE_JITTER times the mean diagonal). Works on a batch (..., M, M) with one shared
+    jitter. Raises GPNumericalError if even the largest jitter fails or the matrix is not finite.
+    """
+    m = matrix.shape[-1]
+    if m == 0:
+        return matrix.clone(), float(jitter)
+    if not bool(torch.isfinite(matrix).all()):
+        raise GPNumericalError("cannot factorise a matrix with NaN or Inf entries")
+    scale = float(matrix.diagonal(dim1=-2, dim2=-1).abs().mean().detach().clamp_min(1e-300))
+    cap = MAX_RELATIVE_JITTER * scale if max_jitter is None else float(max_jitter)
+    eye = torch.eye(m, dtype=matrix.dtype, device=matrix.device)
+    current = float(jitter)
+    if current <= 0.0:
+        # Try the matrix as it is first, then escalate from a tiny relative jitter.
+        factor, info = torch.linalg.cholesky_ex(matrix)
+        if not bool((info != 0).any()):
+            return factor, 0.0
+        current = 1e-12 * scale
+    while True:
+        factor, info = torch.linalg.cholesky_ex(matrix + current * eye)
+        if not bool((info != 0).any()):
+            return factor, current
+        if current >= cap:
+            raise GPNumericalError(f"Cholesky factorisation failed even with jitter {current:.3g} "
+                                   f"(matrix size {m}, mean diagonal {scale:.3g})")
+        current = min(current * 10.0, cap)

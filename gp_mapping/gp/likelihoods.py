@@ -1,0 +1,170 @@
+"""Observation models p(y | f) for P independent outputs, with what the dual (BLR) updates need.
+
+For each likelihood:
+  * ``expected_log_lik(y, mu, var)``: e(mu, var) = E_{N(f|mu,var)}[log p(y|f)], closed form for the Gaussian,
+    Gauss-Hermite quadrature otherwise;
+  * ``dual_sites(y, mu, var)``: the site natural parameters (lambda1, lambda2) = (beta*ytilde, beta) of the
+    dual form, from the gradients of e: lambda2 = -2 de/dvar and lambda1 = de/dmu - 2 (de/dvar) mu, with
+    de/dvar clamped to <= -1e-8 so that every site has positive precision (non-log-concave likelihoods such as
+    the Student-t can have positive curvature);
+  * ``log_predictive_density(y, mu, var)``: log integral p(y|f) N(f|mu, var) df (for NLPD).
+
+All tensors are (N, P); per-output likelihood parameters are (P,).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from .kernels import PositiveParameter
+
+# The largest allowed de/dvar: every site keeps a precision of at least 2e-8.
+CURVATURE_CLAMP = -1e-8
+# Latent variances below this are treated as this (sqrt(var) has an infinite derivative at 0).
+VAR_FLOOR = 1e-12
+
+
+class Likelihood(nn.Module):
+    """p(y|f) for ``num_outputs`` independent outputs; the generic paths use Gauss-Hermite quadrature."""
+
+    #: whether targets are standardised (mean/std from the first batch) before they reach the likelihood
+    standardise_targets: bool = True
+
+    def __init__(self, num_outputs: int, quadrature_points: int = 20) -> None:
+        super().__init__()
+        self.num_outputs = int(num_outputs)
+        nodes, weights = np.polynomial.hermite.hermgauss(int(quadrature_points))
+        self.register_buffer("gh_nodes", torch.as_tensor(nodes, dtype=torch.float64), persistent=False)
+        self.register_buffer("gh_log_weights", torch.as_tensor(np.log(weights) - 0.5 * math.log(math.pi),
+                                                                 dtype=torch.float64), persistent=False)
+
+    def validate_targets(self, y: torch.Tensor) -> str | None:
+        """None when the targets are valid for this likelihood, else a message saying what is wrong."""
+        return None
+
+    def log_prob(self, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        """log p(y|f) elementwise; y and f are (N, P) or (N, P, S) with S quadrature points."""
+        raise NotImplementedError
+
+    def _per_output(self, param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        # (P,) -> (P, 1, ..., 1) so that it broadcasts over (N, P, ...) tensors.
+        return param.reshape((-1,) + (1,) * (like.dim() - 2))
+
+    def _quadrature_points(self, mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        std = torch.sqrt(2.0 * var.clamp_min(VAR_FLOOR))
+        return mu[..., None] + std[..., None] * self.gh_nodes
+
+    def expected_log_lik(self, y: torch.Tensor, mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        logp = self.log_prob(y[..., None], self._quadrature_points(mu, var))
+        return (logp * torch.exp(self.gh_log_weights)).sum(-1)
+
+    def log_predictive_density(self, y: torch.Tensor, mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        logp = self.log_prob(y[..., None], self._quadrature_points(mu, var))
+        return torch.logsumexp(logp + self.gh_log_weights, dim=-1)
+
+    def dual_sites(self, y: torch.Tensor, mu: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lambda1, lambda2) = (beta*ytilde, beta) at q(f) = N(mu, var), by autograd of e(mu, var)."""
+        with torch.enable_grad():
+            mu_ = mu.detach().clone().requires_grad_(True)
+            var_ = var.detach().clamp_min(VAR_FLOOR).requires_grad_(True)
+            e = self.expected_log_lik(y, mu_, var_).sum()
+            g_m, g_v = torch.autograd.grad(e, (mu_, var_))
+        g_v = g_v.clamp_max(CURVATURE_CLAMP)
+        lam2 = -2.0 * g_v
+        lam1 = g_m + lam2 * mu_.detach()
+        return lam1.detach(), lam2.detach()
+
+
+class GaussianLikelihood(Likelihood):
+    """y = f + eps, eps ~ N(0, sigma_p^2), one learned noise variance per output. Everything in closed form."""
+
+    def __init__(self, num_outputs: int, noise_variance: float = 0.01, **kw) -> None:
+        super().__init__(num_outputs, **kw)
+        self.noise_param = PositiveParameter(noise_variance, (self.num_outputs,))
+
+    @property
+    def noise_variance(self) -> torch.Tensor:
+        return self.noise_param.value
+
+    def log_prob(self, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        s2 = self._per_output(self.noise_variance, f)
+        return -0.5 * (math.log(2 * math.pi) + torch.log(s2) + (y - f) ** 2 / s2)
+
+    def expected_log_lik(self, y, mu, var):
+        s2 = self.noise_variance
+        return -0.5 * (math.log(2 * math.pi) + torch.log(s2) + ((y - mu) ** 2 + var) / s2)
+
+    def log_predictive_density(self, y, mu, var):
+        v = var.clamp_min(0.0) + self.noise_variance
+        return -0.5 * (math.log(2 * math.pi) + torch.log(v) + (y - mu) ** 2 / v)
+
+    def dual_sites(self, y, mu, var):
+        # beta = 1/sigma^2 and ytilde = y, whatever q is: the conjugate (exact) sites.
+        beta = (1.0 / self.noise_variance).detach().expand_as(y)
+        return (y * beta).detach(), beta.clone()
+
+
+class StudentTLikelihood(Likelihood):
+    """y = f + scale * t_nu: heavy tails make the map robust to magnetometer spikes. Learned scale per output."""
+
+    def __init__(self, num_outputs: int, dof: float = 4.0, scale_variance: float = 0.01, **kw) -> None:
+        super().__init__(num_outputs, **kw)
+        if not dof > 0:
+            raise ValueError(f"Student-t degrees of freedom must be positive, got {dof}")
+        self.register_buffer("dof", torch.tensor(float(dof), dtype=torch.float64))
+        self.scale_param = PositiveParameter(scale_variance, (self.num_outputs,))
+
+    @property
+    def scale_variance(self) -> torch.Tensor:
+        return self.scale_param.value
+
+    def log_prob(self, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        nu = self.dof
+        s2 = self._per_output(self.scale_variance, f)
+        const = torch.lgamma((nu + 1) / 2) - torch.lgamma(nu / 2) - 0.5 * torch.log(nu * math.pi * s2)
+        return const - (nu + 1) / 2 * torch.log1p((y - f) ** 2 / (nu * s2))
+
+
+class BernoulliLikelihood(Likelihood):
+    """Binary y in {0, 1}: p(y=1|f) = Phi(f) (probit) or sigmoid(f) (logit). Targets are not standardised."""
+
+    standardise_targets = False
+
+    def __init__(self, num_outputs: int, link: str = "probit", **kw) -> None:
+        super().__init__(num_outputs, **kw)
+        if link not in ("probit", "logit"):
+            raise ValueError(f"Bernoulli link must be 'probit' or 'logit', got {link!r}")
+        self.link = link
+
+    def validate_targets(self, y: torch.Tensor) -> str | None:
+        if not bool(((y == 0) | (y == 1)).all()):
+            return "Bernoulli targets must be 0 or 1"
+        return None
+
+    def log_prob(self, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        sf = (2.0 * y - 1.0) * f
+        if self.link == "probit":
+            return torch.special.log_ndtr(sf)
+        return -torch.nn.functional.softplus(-sf)
+
+    def log_predictive_density(self, y, mu, var):
+        if self.link == "probit":
+            # Closed form: P(y=1) = Phi(mu / sqrt(1 + var)).
+            return torch.special.log_ndtr((2.0 * y - 1.0) * mu / torch.sqrt(1.0 + var.clamp_min(0.0)))
+        return super().log_predictive_density(y, mu, var)
+
+
+def build_likelihood(model_config, num_outputs: int) -> Likelihood:
+    """The likelihood a ModelConfig names (Bernoulli uses the probit link)."""
+    name = model_config.likelihood
+    if name == "gaussian":
+        return GaussianLikelihood(num_outputs, noise_variance=model_config.noise_variance)
+    if name == "student_t":
+        return StudentTLikelihood(num_outputs, dof=model_config.student_t_dof,
+                                  scale_variance=model_config.noise_variance)
+    if name == "bernoulli":
+        return BernoulliLikelihood(num_outputs, link="probit")
+    raise ValueError(f"unknown likelihood {name!r}; known: gaussian, student_t, bernoulli")

@@ -1,0 +1,120 @@
+"""Kernels against closed forms written out independently in numpy, and the jittered Cholesky."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gp_mapping.config import ModelConfig
+from gp_mapping.gp.kernels import (ConstantKernel, GPNumericalError, Matern12Kernel, Matern32Kernel,
+                                   Matern52Kernel, RBFKernel, SumKernel, build_kernel, jittered_cholesky)
+
+
+def _scaled_r(x1, x2, ls):
+    out = np.zeros((len(x1), len(x2)))
+    for i, a in enumerate(x1):
+        for j, b in enumerate(x2):
+            out[i, j] = math.sqrt(sum(((a[d] - b[d]) / ls[d]) ** 2 for d in range(len(a))))
+    return out
+
+
+CLOSED_FORMS = {
+    Matern12Kernel: lambda r: np.exp(-r),
+    Matern32Kernel: lambda r: (1 + math.sqrt(3) * r) * np.exp(-math.sqrt(3) * r),
+    Matern52Kernel: lambda r: (1 + math.sqrt(5) * r + 5 * r ** 2 / 3) * np.exp(-math.sqrt(5) * r),
+    RBFKernel: lambda r: np.exp(-0.5 * r ** 2),
+}
+
+
+@pytest.mark.parametrize("cls", list(CLOSED_FORMS))
+def test_stationary_kernels_match_closed_forms_with_ard(cls):
+    rng = np.random.default_rng(1)
+    x1, x2 = rng.normal(size=(7, 2)) * 2, rng.normal(size=(5, 2)) * 2
+    ls, var = [0.7, 2.3], 1.9
+    k = cls(2, lengthscale=1.0, variance=var, ard=True)
+    k.lengthscale_param.set(torch.tensor(ls, dtype=torch.float64))
+    got = k(torch.tensor(x1), torch.tensor(x2)).detach().numpy()
+    want = var * CLOSED_FORMS[cls](_scaled_r(x1, x2, ls))
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(k.diag(torch.tensor(x1)).detach().numpy(), np.full(7, var), rtol=1e-14)
+
+
+def test_shared_lengthscale_and_far_from_origin():
+    # One lengthscale for all dimensions; coordinates far from the origin must not lose the diagonal.
+    k = Matern12Kernel(2, lengthscale=0.5, variance=1.0, ard=False)
+    assert k.lengthscale.shape == (1,)
+    x = torch.tensor([[1e4, -2e4], [1e4 + 0.3, -2e4 + 0.4]], dtype=torch.float64)
+    got = k(x, x).detach().numpy()
+    want = np.exp(-_scaled_r(x.numpy(), x.numpy(), [0.5, 0.5]))
+    np.testing.assert_allclose(got, want, rtol=1e-9)
+
+
+def test_sum_with_constant_kernel_and_build_from_config():
+    cfg = ModelConfig(kernel="rbf", lengthscale=0.8, signal_variance=2.0, constant_variance=3.0)
+    k = build_kernel(cfg, 3)
+    assert isinstance(k, SumKernel) and isinstance(k.parts[1], ConstantKernel)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    want = 2.0 * np.exp(-0.5 * _scaled_r(x.numpy(), x.numpy(), [0.8] * 3) ** 2) + 3.0
+    np.testing.assert_allclose(k(x, x).detach().numpy(), want, rtol=1e-12)
+    np.testing.assert_allclose(k.diag(x).detach().numpy(), np.full(6, 5.0), rtol=1e-14)
+    plain = build_kernel(ModelConfig(kernel="matern32", constant_kernel=False, ard=False), 2)
+    assert isinstance(plain, Matern32Kernel) and plain.lengthscale.shape == (1,)
+
+
+@pytest.mark.parametrize("cls", list(CLOSED_FORMS))
+def test_gradients_finite_at_zero_distance_and_match_finite_differences(cls):
+    x = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.3, -0.2], [1.0, 0.5]], dtype=torch.float64)
+    k = cls(2, lengthscale=0.9, variance=1.3)
+
+    def total():
+        return (k(x, x) * torch.arange(16, dtype=torch.float64).reshape(4, 4)).sum()
+
+    value = total()
+    grads = torch.autograd.grad(value, [k.lengthscale_param.raw, k.variance_param.raw])
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+    eps = 1e-6
+    with torch.no_grad():
+        for i in range(2):
+            k.lengthscale_param.raw[i] += eps
+            up = total()
+            k.lengthscale_param.raw[i] -= 2 * eps
+            down = total()
+            k.lengthscale_param.raw[i] += eps
+            assert float(grads[0][i]) == pytest.approx(float((up - down) / (2 * eps)), rel=1e-6, abs=1e-8)
+
+
+def test_kernel_matrix_is_positive_definite():
+    x = torch.rand(40, 2, dtype=torch.float64) * 5
+    for cls in CLOSED_FORMS:
+        K = cls(2, lengthscale=0.4)(x, x).detach()
+        assert float(torch.linalg.eigvalsh(K).min()) > -1e-10
+
+
+def test_positive_parameter_refuses_nonpositive_init():
+    with pytest.raises(ValueError, match="positive"):
+        RBFKernel(2, lengthscale=0.0)
+
+
+def test_jittered_cholesky_escalates_and_reports_jitter():
+    # Rank one: needs jitter; the factor must reproduce matrix + jitter I.
+    v = torch.tensor([[1.0], [2.0], [3.0]], dtype=torch.float64)
+    A = v @ v.T
+    L, used = jittered_cholesky(A, 1e-12)
+    assert used >= 1e-12
+    np.testing.assert_allclose((L @ L.T).numpy(), (A + used * torch.eye(3, dtype=torch.float64)).numpy(),
+                               atol=1e-12)
+    # A well-conditioned matrix takes the initial jitter.
+    L2, used2 = jittered_cholesky(torch.eye(3, dtype=torch.float64) * 2, 1e-6)
+    assert used2 == 1e-6
+    # Zero jitter: tried as is first.
+    _, used3 = jittered_cholesky(torch.eye(2, dtype=torch.float64), 0.0)
+    assert used3 == 0.0
+
+
+def test_jittered_cholesky_raises_clear_errors():
+    with pytest.raises(GPNumericalError, match="NaN or Inf"):
+        jittered_cholesky(torch.tensor([[1.0, float("nan")], [0.0, 1.0]], dtype=torch.float64), 1e-6)
+    with pytest.raises(GPNumericalError, match="failed even with jitter"):
+        jittered_cholesky(-torch.eye(3, dtype=torch.float64), 1e-6)
