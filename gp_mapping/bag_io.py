@@ -13,12 +13,13 @@ subclass whose message says what is wrong and what to pass instead.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -457,6 +458,7 @@ class TransformBuffer:
         return buffer
 
     def add(self, sample: TransformSample, static: bool = False) -> None:
+        sample = dataclasses.replace(sample, parent=_frame(sample.parent), child=_frame(sample.child))
         ok = np.all(np.isfinite(sample.translation)) and np.all(np.isfinite(sample.rotation))
         if not ok or abs(np.linalg.norm(sample.rotation) - 1.0) > 1e-3 or sample.parent == sample.child:
             self.rejected += 1
@@ -489,6 +491,7 @@ class TransformBuffer:
 
     def _paths(self, parent: str, child: str) -> tuple[list[_Edge], list[_Edge]]:
         """Edges from the common ancestor down to ``parent`` and down to ``child``."""
+        parent, child = _frame(parent), _frame(child)
         up_parent, up_child = self._ancestors(parent), self._ancestors(child)
         common = next((f for f in up_child if f in up_parent), None)
         if common is None:
@@ -535,3 +538,183 @@ def is_identity_extrinsic(translation: Sequence[float], rotation: Sequence[float
     except FrameError:
         return False
     return bool(np.all(np.abs(np.asarray(translation, dtype=np.float64)) <= tol) and abs(abs(q[3]) - 1.0) <= tol)
+
+
+# --------------------------------------------------------------------------------------------- writing
+
+# The live node's map topics (gp_mapping/ros/mapper_node.py, default node name "mapper"), so that
+# `ros2 bag play maps.mcap` feeds RViz exactly as the node would.
+MAP_NAMESPACE = "/mapper"
+OCCUPANCY_GRID = "nav_msgs/msg/OccupancyGrid"
+POINT_CLOUD = "sensor_msgs/msg/PointCloud2"
+FLOAT64_ARRAY = "std_msgs/msg/Float64MultiArray"
+# Column labels of the scale message (one row per layer); the node's conversions use the same layout.
+SCALE_COLUMNS = ("mean_offset", "mean_scale", "variance_offset", "variance_scale")
+
+
+def map_topics(layers: Sequence[str], namespace: str = MAP_NAMESPACE) -> dict[str, tuple[str, str]]:
+    """Layer -> (mean topic, variance topic): ``mean``/``variance`` for a magnitude map, else one pair per layer
+    (``mean/x`` ... ``mean/norm``), as the node publishes them."""
+    if list(layers) == ["magnitude"]:
+        return {"magnitude": (f"{namespace}/mean", f"{namespace}/variance")}
+    return {name: (f"{namespace}/mean/{name}", f"{namespace}/variance/{name}") for name in layers}
+
+
+class MapBagError(BagError):
+    """The map bag cannot be written (the output exists, or a grid is inconsistent)."""
+
+
+def _latched_qos() -> list:
+    """Reliable + transient-local, depth 1: how the node offers its maps (played back latched for RViz)."""
+    from rosbags.interfaces import Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime
+
+    zero = QosTime(0, 0)
+    return [Qos(QosHistory.KEEP_LAST, 1, QosReliability.RELIABLE, QosDurability.TRANSIENT_LOCAL, zero, zero,
+                QosLiveliness.AUTOMATIC, zero, False)]
+
+
+def _publishable_known(grid) -> np.ndarray:
+    """Known cells whose mean and variance are finite in every layer (the rest are published as unknown)."""
+    known = np.asarray(grid.known, dtype=bool).copy()
+    for mean, var in grid.layers.values():
+        known &= np.isfinite(np.asarray(mean)) & np.isfinite(np.asarray(var))
+    return known
+
+
+class MapBagWriter:
+    """Writes map snapshots into one ROS 2 MCAP file, on the node's topics and in the node's message layout.
+
+    Per snapshot, in the node's publishing order: ``/mapper/scale`` (std_msgs/Float64MultiArray: an L x 4
+    matrix, one row ``[mean_offset, mean_scale, variance_offset, variance_scale]`` per layer, dims labelled
+    ``layer:<names>`` and ``mean_offset,mean_scale,variance_offset,variance_scale;unit:<field unit>``), then
+    per layer the nav_msgs/OccupancyGrid pair of :func:`map_topics` (0..100, -1 unknown, encoded by
+    :func:`gp_mapping.mapping.grid.encode_occupancy`; a cell value ``c`` decodes as ``offset + scale * c``),
+    then ``/mapper/cloud`` (sensor_msgs/PointCloud2, float32 ``x, y, z, mean, variance``, or ``mean_<layer>``
+    ... ``variance_<layer>`` for a vector map, one point per known cell). Headers carry the grid's stamp (the
+    newest sample in the model), as the node's do; the bag's log time is the replay's bag time. All topics are
+    offered reliable + transient local, depth 1, so ``ros2 bag play`` serves them latched to RViz.
+
+    The file is written in a temporary rosbag2 folder beside ``path`` and moved into place on :meth:`close`,
+    so a failed replay leaves no half-written file. The MCAP embeds the rosbag2 metadata: ``ros2 bag play
+    maps.mcap`` and rosbags' readers take the bare file.
+    """
+
+    def __init__(self, path: str | Path, field_unit: str, overwrite: bool = False) -> None:
+        from rosbags.rosbag2 import StoragePlugin, Writer
+        from rosbags.typesys import Stores, get_typestore
+
+        self.path = Path(path)
+        if self.path.exists() and not overwrite:
+            raise MapBagError(f"{self.path} exists already; remove it or choose another output directory")
+        self.field_unit = field_unit
+        self.count = 0
+        self._tmp = Path(tempfile.mkdtemp(prefix=".maps-", dir=self.path.parent))
+        self._ts = get_typestore(getattr(Stores, DEFAULT_ROS2_DISTRO))
+        # rosbag2 names the storage file after the bag folder, so the metadata inside names the final file.
+        self._writer = Writer(self._tmp / self.path.stem, version=9, storage_plugin=StoragePlugin.MCAP)
+        self._writer.open()
+        self._conns: dict[str, Any] = {}
+
+    def _connection(self, topic: str, msgtype: str):
+        if topic not in self._conns:
+            self._conns[topic] = self._writer.add_connection(topic, msgtype, typestore=self._ts,
+                                                             offered_qos_profiles=_latched_qos())
+        return self._conns[topic]
+
+    def _put(self, topic: str, msgtype: str, msg, log_ns: int) -> None:
+        self._writer.write(self._connection(topic, msgtype), log_ns, self._ts.serialize_cdr(msg, msgtype))
+
+    def __enter__(self) -> "MapBagWriter":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _header(self, stamp_ns: int, frame_id: str):
+        T = self._ts.types
+        return T["std_msgs/msg/Header"](stamp=T["builtin_interfaces/msg/Time"](sec=stamp_ns // 10**9,
+                                                                                nanosec=stamp_ns % 10**9),
+                                        frame_id=frame_id)
+
+    def _occupancy(self, grid, data: np.ndarray, stamp_ns: int):
+        T, spec = self._ts.types, grid.spec
+        origin = T["geometry_msgs/msg/Pose"](
+            position=T["geometry_msgs/msg/Point"](x=float(spec.origin_x), y=float(spec.origin_y), z=0.0),
+            orientation=T["geometry_msgs/msg/Quaternion"](x=0.0, y=0.0, z=0.0, w=1.0))
+        info = T["nav_msgs/msg/MapMetaData"](map_load_time=self._header(stamp_ns, "").stamp,
+                                             resolution=float(spec.resolution), width=int(spec.width),
+                                             height=int(spec.height), origin=origin)
+        return T["nav_msgs/msg/OccupancyGrid"](header=self._header(stamp_ns, grid.frame_id), info=info,
+                                               data=np.asarray(data, dtype=np.int8))
+
+    def _cloud(self, grid, known: np.ndarray, stamp_ns: int):
+        T, spec = self._ts.types, grid.spec
+        names = list(grid.layers)
+        fields = ["x", "y", "z"] + (["mean", "variance"] if names == ["magnitude"] else
+                                    [f"mean_{n}" for n in names] + [f"variance_{n}" for n in names])
+        rows, cols = np.nonzero(known)
+        columns = [spec.origin_x + (cols + 0.5) * spec.resolution, spec.origin_y + (rows + 0.5) * spec.resolution,
+                   np.full(rows.shape, float(grid.height))]
+        columns += [np.asarray(grid.layers[n][0])[rows, cols] for n in names]
+        columns += [np.asarray(grid.layers[n][1])[rows, cols] for n in names]
+        points = np.column_stack(columns).astype("<f4").reshape(-1, len(fields))
+        point_field = T["sensor_msgs/msg/PointField"]
+        return T["sensor_msgs/msg/PointCloud2"](
+            header=self._header(stamp_ns, grid.frame_id), height=1, width=int(points.shape[0]),
+            fields=[point_field(name=n, offset=4 * i, datatype=point_field.FLOAT32, count=1)
+                    for i, n in enumerate(fields)],
+            is_bigendian=False, point_step=4 * len(fields), row_step=4 * len(fields) * int(points.shape[0]),
+            data=np.frombuffer(points.tobytes(), dtype=np.uint8), is_dense=True)
+
+    def _scale(self, rows: list[tuple[str, float, float, float, float]]):
+        T = self._ts.types
+        dim = T["std_msgs/msg/MultiArrayDimension"]
+        n = len(rows)
+        layout = T["std_msgs/msg/MultiArrayLayout"](
+            dim=[dim(label="layer:" + ",".join(r[0] for r in rows), size=n, stride=4 * n),
+                 dim(label=",".join(SCALE_COLUMNS) + ";unit:" + self.field_unit, size=4, stride=4)],
+            data_offset=0)
+        return T["std_msgs/msg/Float64MultiArray"](layout=layout,
+                                                   data=np.array([v for r in rows for v in r[1:]], dtype=np.float64))
+
+    def write(self, grid, bag_time: float) -> None:
+        """Record one snapshot of ``grid`` (a MapGrid) at ``bag_time`` [s]."""
+        from gp_mapping.mapping.grid import encode_occupancy
+
+        for name, value in (("bag time", bag_time), ("grid stamp", grid.stamp)):
+            if not (math.isfinite(value) and value >= 0):
+                raise MapBagError(f"a snapshot's {name} must be finite and non-negative, got {value!r}")
+        log_ns, stamp_ns = int(round(bag_time * 1e9)), int(round(grid.stamp * 1e9))
+        known = _publishable_known(grid)
+        rows, grids = [], []
+        topics = map_topics(list(grid.layers))
+        for name, (mean, var) in grid.layers.items():
+            m_data, m_off, m_scale = encode_occupancy(np.asarray(mean, dtype=np.float64), known)
+            v_data, v_off, v_scale = encode_occupancy(np.asarray(var, dtype=np.float64), known)
+            rows.append((name, m_off, m_scale, v_off, v_scale))
+            grids += [(topics[name][0], m_data), (topics[name][1], v_data)]
+        # The scale first, as the node publishes it, so a grid always meets the scale that decodes it.
+        self._put(f"{MAP_NAMESPACE}/scale", FLOAT64_ARRAY, self._scale(rows), log_ns)
+        for topic, data in grids:
+            self._put(topic, OCCUPANCY_GRID, self._occupancy(grid, data, stamp_ns), log_ns)
+        self._put(f"{MAP_NAMESPACE}/cloud", POINT_CLOUD, self._cloud(grid, known, stamp_ns), log_ns)
+        self.count += 1
+
+    def close(self) -> Path:
+        """Finish the bag and move the MCAP file to ``path``."""
+        self._writer.close()
+        storage = self._tmp / self.path.stem / f"{self.path.stem}.mcap"
+        shutil.move(str(storage), str(self.path))
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        return self.path
+
+    def abort(self) -> None:
+        """Drop everything written (nothing appears at ``path``)."""
+        try:
+            if self._writer.storage is not None:
+                self._writer.abort()
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)

@@ -1,0 +1,346 @@
+"""Offline replay: map a recorded bag with the same :class:`~gp_mapping.mapping.mapper.Mapper` as the live node.
+
+``gp-mapping replay BAG [--config FILE] [--out DIR] [--mag-topic T] [--pose-topic T | --tf PARENT CHILD]``
+
+The bag's magnetometer and pose messages are fed to the Mapper in bag-time order, as fast as the machine goes.
+Every ``node.publish_period`` seconds of bag time the current map is recorded, as the node would publish it;
+the recordings go to ``DIR/maps.mcap`` (a ROS 2 bag for ``ros2 bag play`` and RViz). At the end of the bag
+the final map is written to ``DIR/map.npz`` (arrays only, no pickles) and drawn in ``DIR/map.png``.
+
+Pose source. A pose topic (PoseStamped, Odometry or PoseWithCovarianceStamped) gives the body pose, and the
+config's ``sync.sensor_translation`` / ``sync.sensor_rotation`` place the magnetometer on the body, exactly as
+in the node. With the tf tree (``--tf PARENT CHILD``, or auto-detected from ``grid.frame_id`` to the
+magnetometer's ``header.frame_id``) the chain is looked up at each magnetometer stamp (interpolated, never
+extrapolated, both neighbouring transforms within ``sync.max_pose_gap``). When the chain ends at the
+magnetometer's own frame it already contains the sensor extrinsic, so the replay uses an identity extrinsic
+and says so if the config held another one (applying both would place the sensor twice). When the chain ends
+at another frame (``--tf map base_link`` for a bag whose tf lacks the magnetometer), the config's extrinsic
+applies as with a pose topic.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gp_mapping import bag_io
+from gp_mapping.config import ConfigError, MapperConfig, load_config
+
+NPZ_NAME = "map.npz"
+PNG_NAME = "map.png"
+MCAP_NAME = "maps.mcap"
+
+
+class ReplayError(Exception):
+    """The replay cannot run with the given inputs (the message says why)."""
+
+
+@dataclass
+class ReplayResult:
+    """What a replay produced: the mapper (with its model and diagnostics), the final grid, counts and timing."""
+
+    bag_path: Path
+    mag_topic: str
+    pose_source: bag_io.PoseSource
+    mapper: Any
+    grid: Any                     # the final MapGrid, or None when no sample was accepted
+    counts: dict[str, Any]        # messages read, poses fed, tf lookups refused, updates, snapshots, mapper counters
+    processing_seconds: float     # wall time of reading, mapping and recording snapshots (not the PNG)
+    bag_duration: float           # seconds of bag time between the first and last message
+    files: dict[str, Path] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def real_time_factor(self) -> float:
+        """Bag seconds mapped per wall-clock second (above 1: faster than real time)."""
+        return self.bag_duration / self.processing_seconds if self.processing_seconds > 0 else math.inf
+
+
+def _as_config(config: MapperConfig | str | Path | None) -> MapperConfig:
+    if isinstance(config, MapperConfig):
+        return config
+    return load_config(config)
+
+
+def _tf_config(config: MapperConfig, source: bag_io.PoseSource, mag_frame: str, notes: list[str]) -> MapperConfig:
+    """The config to map with: for a tf chain that ends at the magnetometer frame, an identity extrinsic."""
+    if source.kind != "tf" or source.child != mag_frame:
+        return config
+    sync = config.sync
+    if not bag_io.is_identity_extrinsic(sync.sensor_translation, sync.sensor_rotation):
+        notes.append(f"the tf chain {source.parent} -> {source.child} already places the magnetometer; the "
+                     f"config's sync.sensor_translation {sync.sensor_translation} and sync.sensor_rotation "
+                     f"{sync.sensor_rotation} are not applied on top of it")
+    identity = dataclasses.replace(sync, sensor_translation=[0.0, 0.0, 0.0], sensor_rotation=[0.0, 0.0, 0.0, 1.0])
+    return dataclasses.replace(config, sync=identity)
+
+
+def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = None, out_dir: str | Path | None = None,
+               mag_topic: str | None = None, pose_topic: str | None = None,
+               tf_frames: tuple[str, str] | list[str] | None = None, progress: bool = False) -> ReplayResult:
+    """Map the bag at ``bag_path`` with ``config`` (a MapperConfig, a YAML path, or None for the defaults).
+
+    Messages go to the Mapper in bag-time order; ``Mapper.process`` runs after each one, so batches close in
+    data time exactly as in the node. Every ``node.publish_period`` seconds of bag time, if the model changed
+    since the last snapshot (the node's rule), the map is predicted and recorded; the final map is recorded
+    after the last message and ``Mapper.flush``. With ``out_dir`` the snapshots go to ``out_dir/maps.mcap``
+    and the final map to ``out_dir/map.npz`` and ``out_dir/map.png`` (files of those names are replaced);
+    without it no snapshot is predicted, only the final map.
+
+    Raises :class:`gp_mapping.bag_io.BagError` (bag, topic or pose-source problems), ConfigError, or
+    ReplayError when no sample could be matched with a pose.
+    """
+    from tqdm import tqdm
+
+    from gp_mapping.mapping.mapper import Mapper
+
+    config = _as_config(config)
+    bag_path = Path(bag_path)
+    notes: list[str] = []
+    out = Path(out_dir) if out_dir is not None else None
+    with bag_io.Bag(bag_path) as bag:
+        mag_topic = bag.mag_topic(mag_topic)
+        mag_frame = bag.first_frame_id(mag_topic)
+        source, tf_buffer = bag_io.choose_pose_source(bag, pose_topic=pose_topic, tf_frames=tf_frames,
+                                                      map_frame=config.grid.frame_id, mag_frame=mag_frame)
+        config = _tf_config(config, source, mag_frame, notes)
+        mapper = Mapper(config)
+        topics = [mag_topic] + ([source.topic] if source.kind == "topic" else [])
+        counts: dict[str, Any] = {"mag_messages": 0, "pose_messages": 0, "tf_lookups_failed": 0, "updates": 0,
+                                  "snapshots": 0}
+        pose_frames: set[str] = set()
+        period, max_gap = float(config.node.publish_period), float(config.sync.max_pose_gap)
+        writer = None
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            writer = bag_io.MapBagWriter(out / MCAP_NAME, config.sync.field_unit, overwrite=True)
+        started = time.perf_counter()
+        try:
+            next_snapshot, snapshot_updates, bag_time = None, 0, bag.start_time
+            with tqdm(total=sum(bag.counts.get(t, 0) for t in topics), unit="msg", desc=bag_path.name,
+                      disable=not progress, file=sys.stderr, mininterval=0.5) as bar:
+                for topic, bag_time_ns, msgtype, msg in bag.messages(topics):
+                    bar.update()
+                    bag_time = bag_time_ns * 1e-9
+                    if topic == mag_topic:
+                        counts["mag_messages"] += 1
+                        sample = bag_io.decode_magnetic_field(msg, bag_time_ns)
+                        if tf_buffer is None or _feed_tf_pose(mapper, tf_buffer, source, sample.stamp, max_gap):
+                            mapper.add_magnetic_field(sample.stamp, sample.field)
+                        else:
+                            counts["tf_lookups_failed"] += 1
+                    else:
+                        counts["pose_messages"] += 1
+                        pose = bag_io.decode_pose(msg, msgtype, bag_time_ns)
+                        pose_frames.add(pose.frame_id)
+                        mapper.add_pose(pose.stamp, pose.position, pose.orientation)
+                    counts["updates"] += len(mapper.process())
+                    if writer is None:
+                        continue
+                    if next_snapshot is None:
+                        next_snapshot = bag_time + period
+                    elif bag_time >= next_snapshot:
+                        next_snapshot += period * (math.floor((bag_time - next_snapshot) / period) + 1)
+                        if mapper.updates != snapshot_updates:  # the node publishes only a changed map
+                            snapshot_updates = mapper.updates
+                            counts["snapshots"] += _snapshot(writer, mapper.grid(), bag_time)
+            counts["updates"] += len(mapper.flush())
+            grid = mapper.grid()
+            if writer is not None and grid is not None:
+                counts["snapshots"] += _snapshot(writer, grid, bag_time)
+            processing = time.perf_counter() - started
+            if out is not None and grid is None:
+                raise ReplayError(f"no magnetometer sample of {bag_path} could be matched with a pose, so there is "
+                                  f"no map to write ({_rejections(mapper.diagnostics(), counts)})")
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        bag_duration = bag.duration
+    files: dict[str, Path] = {}
+    if tf_buffer is not None and tf_buffer.rejected:
+        notes.append(f"{tf_buffer.rejected} tf transforms were unusable (non-finite, non-unit quaternion, or a "
+                     "second parent for a frame) and were left out")
+    other = sorted(pose_frames - {config.grid.frame_id})
+    if other:
+        notes.append(f"poses on {source.topic} are in frame(s) {', '.join(other)}, not grid.frame_id "
+                     f"'{config.grid.frame_id}'; the map is in the pose frame")
+    counts["mapper"] = mapper.diagnostics()
+    result = ReplayResult(bag_path=bag_path, mag_topic=mag_topic, pose_source=source, mapper=mapper, grid=grid,
+                          counts=counts, processing_seconds=processing, bag_duration=bag_duration, files=files,
+                          notes=notes)
+    if out is not None:
+        files["mcap"] = writer.close()
+        files["npz"] = save_map_npz(out / NPZ_NAME, result)
+        files["png"] = plot_map(out / PNG_NAME, result)
+    return result
+
+
+def _feed_tf_pose(mapper, tf_buffer: bag_io.TransformBuffer, source: bag_io.PoseSource, stamp: float,
+                  max_gap: float) -> bool:
+    """Give the mapper the tf chain's pose at ``stamp``; False when tf has no transform there (tf2 semantics)."""
+    try:
+        position, orientation = tf_buffer.lookup(source.parent, source.child, stamp, max_gap)
+    except bag_io.TransformError:
+        return False
+    mapper.add_pose(stamp, position, orientation)
+    return True
+
+
+def _snapshot(writer: bag_io.MapBagWriter, grid, bag_time: float) -> int:
+    if grid is None:
+        return 0
+    writer.write(grid, bag_time)
+    return 1
+
+
+def _rejections(diagnostics: dict[str, Any], counts: dict[str, Any]) -> str:
+    """``accepted 0; rejected: pose_gap 12, ...`` for messages."""
+    parts = [f"{k} {v}" for k, v in diagnostics.get("rejected", {}).items() if v]
+    if counts.get("tf_lookups_failed"):
+        parts.append(f"no tf transform {counts['tf_lookups_failed']}")
+    return (f"{counts.get('mag_messages', 0)} magnetometer messages, {diagnostics.get('accepted', 0)} accepted; "
+            f"rejected: {', '.join(parts) or 'none'}")
+
+
+# --------------------------------------------------------------------------------------------- outputs
+
+
+def save_map_npz(path: str | Path, result: ReplayResult) -> Path:
+    """Write the final map as plain arrays (loadable with ``allow_pickle=False``).
+
+    Keys: ``x`` (W,) and ``y`` (H,) cell-centre coordinates [m]; ``origin`` (2,) corner of cell (0, 0);
+    ``resolution``; ``known`` (H, W) bool; ``layers`` (names); per layer ``<layer>_mean`` and
+    ``<layer>_variance`` (H, W) in ``field_unit`` (variance in unit squared; rows are y, columns x, as the
+    OccupancyGrid); ``field_unit``, ``frame_id``, ``stamp`` (newest sample [s]), ``height`` (z of the cells);
+    ``trajectory`` (K, 2) accepted sensor positions; ``bag``, ``mag_topic``, ``pose_source``.
+    """
+    grid = result.grid
+    spec = grid.spec
+    arrays: dict[str, np.ndarray] = {
+        "x": spec.column_centres(), "y": spec.row_centres(),
+        "origin": np.array([spec.origin_x, spec.origin_y], dtype=np.float64),
+        "resolution": np.float64(spec.resolution), "known": np.asarray(grid.known, dtype=bool),
+        "layers": np.array(list(grid.layers), dtype=str), "field_unit": np.array(grid.field_unit),
+        "frame_id": np.array(grid.frame_id), "stamp": np.float64(grid.stamp), "height": np.float64(grid.height),
+        "trajectory": np.asarray(result.mapper.trajectory, dtype=np.float64).reshape(-1, 2),
+        "bag": np.array(str(result.bag_path)), "mag_topic": np.array(result.mag_topic),
+        "pose_source": np.array(result.pose_source.describe()),
+    }
+    for name, (mean, var) in grid.layers.items():
+        arrays[f"{name}_mean"] = np.asarray(mean, dtype=np.float64)
+        arrays[f"{name}_variance"] = np.asarray(var, dtype=np.float64)
+    path = Path(path)
+    with open(path, "wb") as fh:  # a file object keeps numpy from appending ".npz" to another suffix
+        np.savez_compressed(fh, **arrays)
+    return path
+
+
+def opacity_from_variance(var: np.ndarray, known: np.ndarray, floor: float = 0.25) -> np.ndarray:
+    """Per-cell alpha: 1 at the smallest std among known cells, ``floor`` at the largest, 0 where unknown."""
+    std = np.sqrt(np.maximum(np.asarray(var, dtype=np.float64), 0.0))
+    alpha = np.zeros(std.shape)
+    if not np.any(known):
+        return alpha
+    lo, hi = float(std[known].min()), float(std[known].max())
+    spread = (std - lo) / (hi - lo) if hi > lo else np.zeros(std.shape)
+    alpha[known] = 1.0 - (1.0 - floor) * spread[known]
+    return alpha
+
+
+def plot_map(path: str | Path, result: ReplayResult) -> Path:
+    """Draw every layer's mean, its opacity from the variance, and the trajectory (matplotlib Agg)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import Normalize
+    from matplotlib.cm import ScalarMappable
+
+    from gp_mapping.mapping.sync import UNIT_SYMBOL
+
+    grid = result.grid
+    spec = grid.spec
+    known = np.asarray(grid.known, dtype=bool)
+    unit = UNIT_SYMBOL.get(grid.field_unit, grid.field_unit)
+    extent = (spec.origin_x, spec.origin_x + spec.width * spec.resolution,
+              spec.origin_y, spec.origin_y + spec.height * spec.resolution)
+    names = list(grid.layers)
+    fig, axes = plt.subplots(1, len(names), figsize=(6.4 * len(names), 5.6), squeeze=False)
+    trajectory = np.asarray(result.mapper.trajectory).reshape(-1, 2)
+    cmap = plt.get_cmap("viridis")
+    for ax, name in zip(axes[0], names):
+        mean, var = (np.asarray(a, dtype=np.float64) for a in grid.layers[name])
+        values = mean[known] if np.any(known) else mean.ravel()
+        norm = Normalize(vmin=float(values.min()), vmax=float(values.max()) if values.max() > values.min()
+                         else float(values.min()) + 1e-12)
+        rgba = cmap(norm(mean))
+        rgba[..., 3] = opacity_from_variance(var, known)
+        ax.set_facecolor("0.85")  # unknown cells show as grey
+        ax.imshow(rgba, origin="lower", extent=extent, interpolation="nearest")
+        if trajectory.size:
+            ax.plot(trajectory[:, 0], trajectory[:, 1], color="white", lw=0.6, alpha=0.8)
+            ax.plot(trajectory[:, 0], trajectory[:, 1], color="black", lw=0.25, alpha=0.8)
+        label = "|B|" if name in ("magnitude", "norm") else f"B{name}"
+        fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, shrink=0.85, label=f"{label} [{unit}]")
+        ax.set_xlabel(f"x [m] ({grid.frame_id})")
+        ax.set_ylabel("y [m]")
+        ax.set_aspect("equal")
+        ax.set_xlim(extent[0], extent[1])
+        ax.set_ylim(extent[2], extent[3])
+        ax.set_title(f"{result.bag_path.name}: {label} mean\nopacity 1 - normalised std; grey unknown", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------- command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``gp-mapping replay``."""
+    parser.add_argument("bag", type=Path, help="ROS 1 .bag file, ROS 2 bag folder, or .mcap / .db3 file")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="parameter YAML (config/mapper.yaml form); default: the built-in defaults")
+    parser.add_argument("--out", type=Path, default=Path("out"),
+                        help="output folder for map.npz, map.png, maps.mcap (default: out)")
+    parser.add_argument("--mag-topic", default=None, help="sensor_msgs/MagneticField topic (default: the only one)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--pose-topic", default=None,
+                        help="PoseStamped / Odometry / PoseWithCovarianceStamped topic (type read from the bag)")
+    source.add_argument("--tf", nargs=2, metavar=("PARENT", "CHILD"), default=None,
+                        help="take the pose from the bag's /tf and /tf_static, PARENT (map frame) to CHILD (the "
+                             "magnetometer frame, or the body frame to apply the config's sensor extrinsic)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Replay, write the outputs, print where they are; 0 on success, 1 with a message on failure."""
+    from gp_mapping.mapping.grid import GridError
+
+    try:
+        result = replay_bag(args.bag, load_config(args.config) if args.config else None, out_dir=args.out,
+                            mag_topic=args.mag_topic, pose_topic=args.pose_topic, tf_frames=args.tf,
+                            progress=not args.no_progress)
+    except (bag_io.BagError, ConfigError, ReplayError, GridError) as err:
+        print(f"gp-mapping replay: error: {err}", file=sys.stderr)
+        return 1
+    for note in result.notes:
+        print(f"gp-mapping replay: note: {note}", file=sys.stderr)
+    diag = result.counts["mapper"]
+    print(f"{result.bag_path}: {result.counts['mag_messages']} magnetometer messages on {result.mag_topic}, pose "
+          f"from {result.pose_source.describe()}; {diag['accepted']} samples mapped in {diag['updates']} updates "
+          f"({_rejections(diag, result.counts)})")
+    print(f"{result.bag_duration:.1f} s of bag in {result.processing_seconds:.1f} s "
+          f"({result.real_time_factor:.1f}x real time); {result.counts['snapshots']} map snapshots")
+    for kind in ("npz", "png", "mcap"):
+        print(f"wrote {result.files[kind].resolve()}")
+    return 0
