@@ -11,6 +11,8 @@ Subscriptions (sensor-data QoS: best effort, keep last ``node.queue_depth``)
     ``pose``  geometry_msgs/PoseStamped, nav_msgs/Odometry or geometry_msgs/PoseWithCovarianceStamped as
               ``node.pose_type`` says; the body pose in ``grid.frame_id`` (a pose in another frame is
               rejected and counted as ``pose_frame_mismatch``; there is no tf lookup).
+    Stamps come from the message headers; a header left at zero gets the receive time on the node's clock
+    (the offline replay uses the bag's receive time for such messages).
 
 Publications (reliable + transient local, depth 1, so a late subscriber such as RViz still gets the map)
     ``~/mean``, ``~/variance``   nav_msgs/OccupancyGrid, 0..100 and -1 where unknown (``sync.target``
@@ -178,7 +180,7 @@ class MapperNode(Node):
         self._stopping = False
         self._dirty = True  # a map loaded from node.initial_map is published on the first tick
         self._counts: dict[str, int] = {"mag_messages": 0, "pose_messages": 0, "updates": 0, "maps_published": 0,
-                                        "errors": 0}
+                                        "errors": 0, "stamps_from_clock": 0}
         self._node_rejected: dict[str, int] = {"pose_frame_mismatch": 0, "inbox_overflow": 0}
         self._latency = {"last": math.nan, "max": 0.0, "sum": 0.0, "count": 0}
         self._publish_seconds = math.nan
@@ -189,8 +191,8 @@ class MapperNode(Node):
         sensor_qos = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=depth,
                                 reliability=ReliabilityPolicy.BEST_EFFORT, durability=DurabilityPolicy.VOLATILE)
         inputs = MutuallyExclusiveCallbackGroup()
-        self.create_subscription(MagneticField, "mag", self._on_mag, sensor_qos, callback_group=inputs)
-        self.create_subscription(conversions.POSE_TYPES[self.config.node.pose_type], "pose", self._on_pose,
+        self.create_subscription(MagneticField, "mag", self.on_mag, sensor_qos, callback_group=inputs)
+        self.create_subscription(conversions.POSE_TYPES[self.config.node.pose_type], "pose", self.on_pose,
                                  sensor_qos, callback_group=inputs)
 
         self._map_pubs = {layer: (self.create_publisher(OccupancyGrid, mean, MAP_QOS),
@@ -204,8 +206,8 @@ class MapperNode(Node):
         self._publish_timer = self.create_timer(self.config.node.publish_period, self._on_publish_timer,
                                                 callback_group=outputs)
         self.create_timer(DIAGNOSTICS_PERIOD, self._publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
-        self.create_service(Trigger, "~/save_map", self._on_save_map, callback_group=outputs)
-        self.create_service(Trigger, "~/reset", self._on_reset, callback_group=outputs)
+        self.create_service(Trigger, "~/save_map", self.on_save_map, callback_group=outputs)
+        self.create_service(Trigger, "~/reset", self.on_reset, callback_group=outputs)
         self.add_on_set_parameters_callback(self._validate_parameter_change)
         self.add_post_set_parameters_callback(self._apply_parameter_change)
 
@@ -277,19 +279,37 @@ class MapperNode(Node):
 
     def _push(self, item: tuple[str, float, Any, Any]) -> None:
         with self._inbox_cond:
-            if len(self._inbox) >= self.config.batching.max_pending:
+            # Bounded like the mapper's own queue: a reading and a pose per sample.
+            if len(self._inbox) >= 2 * self.config.batching.max_pending:
                 self._inbox.popleft()  # the mapper cannot keep up: drop the oldest message, counted
                 self._node_rejected["inbox_overflow"] += 1
             self._inbox.append(item)
             self._inbox_cond.notify()
 
-    def _on_mag(self, msg: MagneticField) -> None:
+    @property
+    def backlog(self) -> int:
+        """Messages received and not yet handed to the mapper (the update thread is busy)."""
+        with self._inbox_cond:
+            return len(self._inbox)
+
+    def _receive_stamp(self, stamp: float) -> float:
+        """A message stamp, or the receive time (node clock) where the publisher left it at zero, as the
+        offline replay uses the bag's receive time for such messages."""
+        if stamp != 0.0:
+            return stamp
+        self._counts["stamps_from_clock"] += 1
+        return self.get_clock().now().nanoseconds * 1e-9
+
+    def on_mag(self, msg: MagneticField) -> None:
+        """Subscription callback of ``mag`` (public so that tests can drive the node without DDS)."""
         stamp, field_tesla, _frame = conversions.field_from_msg(msg)
         self._counts["mag_messages"] += 1
-        self._push(("field", stamp, field_tesla, None))
+        self._push(("field", self._receive_stamp(stamp), field_tesla, None))
 
-    def _on_pose(self, msg: Any) -> None:
+    def on_pose(self, msg: Any) -> None:
+        """Subscription callback of ``pose``."""
         stamp, position, orientation, frame = conversions.pose_from_msg(msg)
+        stamp = self._receive_stamp(stamp)
         self._counts["pose_messages"] += 1
         if frame != self.config.grid.frame_id:
             self._node_rejected["pose_frame_mismatch"] += 1
@@ -436,7 +456,7 @@ class MapperNode(Node):
 
     # ------------------------------------------------------------------------------------------ services
 
-    def _on_save_map(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+    def on_save_map(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         path = default_map_path(self.get_name())
         try:
             with self._lock:
@@ -451,7 +471,7 @@ class MapperNode(Node):
         self.get_logger().info(f"map saved to {response.message}")
         return response
 
-    def _on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+    def on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         try:
             with self._lock:
                 with self._inbox_cond:
