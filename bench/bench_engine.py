@@ -168,7 +168,8 @@ def markdown(meta: dict, updates: list[dict], grids: list[dict]) -> str:
              f"data: {meta['data']}; batch {meta['batch']} samples = {meta['batch_seconds']:.2f} s of data; "
              f"engine defaults otherwise (hyper_steps {meta['hyper_steps']}, n_steps {meta['n_steps']}).", "",
              "## Update latency", "",
-             "| M | M used | memory | memory used | mode | reps | median ms | p95 ms | CPU ms | budget used | full/fast |",
+             "| M | M used | memory | memory used | mode | reps | median ms | p95 ms | CPU ms | budget used "
+             "| full/fast |",
              "|---:|---:|---:|---:|:---|---:|---:|---:|---:|---:|---:|"]
     fast = {(r["M"], r["memory"]): r["median_ms"] for r in updates if r["mode"] == "fast"}
     for r in updates:

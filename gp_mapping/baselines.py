@@ -276,9 +276,10 @@ def _make_svgp_class():
     gpytorch = _gpytorch()
 
     class _SVGPModel(gpytorch.models.ApproximateGP):
-        def __init__(self, inducing: torch.Tensor, covar):
+        def __init__(self, inducing: torch.Tensor, covar, learn_inducing: bool):
             dist = gpytorch.variational.NaturalVariationalDistribution(inducing.shape[0])
-            strategy = gpytorch.variational.VariationalStrategy(self, inducing, dist, learn_inducing_locations=True)
+            strategy = gpytorch.variational.VariationalStrategy(self, inducing, dist,
+                                                                 learn_inducing_locations=learn_inducing)
             super().__init__(strategy)
             self.mean_module = gpytorch.means.ZeroMean()
             self.covar_module = covar
@@ -292,7 +293,8 @@ def _make_svgp_class():
 class OfflineSVGP(_GPBaseline):
     """Batch SVGP (Hensman et al. 2013) trained on all data: the gold standard for an online sparse GP.
 
-    Per output: M inducing inputs initialised on a seeded random subset of the training inputs and learned;
+    Per output: M inducing inputs initialised on a seeded random subset of the training inputs (or on
+    ``inducing``) and learned (unless ``learn_inducing`` is False: a diagnostic for a fixed-Z policy);
     natural-gradient steps on q(u) and Adam on the kernel, noise and inducing inputs, over shuffled
     minibatches (the schedule of Salimbeni et al. 2018). Training ends with one full-batch natural-gradient
     step of length 1, which for a Gaussian likelihood puts q(u) at its exact optimum given Z and the
@@ -301,8 +303,13 @@ class OfflineSVGP(_GPBaseline):
 
     def __init__(self, num_inducing: int = 100, spec: KernelSpec | None = None, *, iterations: int = 1500,
                  batch_size: int = 1024, lr: float = 0.02, ngd_lr: float = 0.1, seed: int = 0,
-                 device: str = "cpu", dtype: torch.dtype = torch.float64):
+                 learn_inducing: bool = True, inducing: Any = None, device: str = "cpu",
+                 dtype: torch.dtype = torch.float64):
         super().__init__(spec, seed, device, dtype)
+        self.learn_inducing = bool(learn_inducing)
+        self.initial_inducing = None if inducing is None else _as_2d("inducing", inducing)
+        if self.initial_inducing is not None:
+            num_inducing = self.initial_inducing.shape[0]
         for name, value, low in (("num_inducing", num_inducing, 1), ("iterations", iterations, 0),
                                  ("batch_size", batch_size, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -323,7 +330,9 @@ class OfflineSVGP(_GPBaseline):
         """Train one SVGP per column of y; returns self."""
         gpytorch = _gpytorch()
         xa, ya = _check_pair(x, y)
-        if xa.shape[0] < self.num_inducing:
+        if self.initial_inducing is not None and self.initial_inducing.shape[1] != xa.shape[1]:
+            raise BaselineError(f"inducing has {self.initial_inducing.shape[1]} columns but x has {xa.shape[1]}")
+        if self.initial_inducing is None and xa.shape[0] < self.num_inducing:
             raise BaselineError(f"{xa.shape[0]} training points are fewer than num_inducing={self.num_inducing}")
         self.input_dims = xa.shape[1]
         self._scaler = _Standardiser.fit(ya)
@@ -333,13 +342,15 @@ class OfflineSVGP(_GPBaseline):
         n = xa.shape[0]
         xt = self._tensor(xa)
         self._models, self._likelihoods, self.final_elbo = [], [], []
-        # The same initial inducing inputs for every output.
-        index = torch.randperm(n, generator=generator)[: self.num_inducing]
+        # The same initial inducing inputs for every output: given, or a seeded random subset of x.
+        z0 = (self._tensor(self.initial_inducing) if self.initial_inducing is not None
+              else xt[torch.randperm(n, generator=generator)[: self.num_inducing]])
         start = time.perf_counter()
         for p in range(ys.shape[1]):
             torch.manual_seed(self.seed + p)
             yt = self._tensor(ys[:, p])
-            model = svgp_class(xt[index].clone(), self.spec.build(self.input_dims)).to(self.device, self.dtype)
+            model = svgp_class(z0.clone(), self.spec.build(self.input_dims),
+                               self.learn_inducing).to(self.device, self.dtype)
             likelihood = gpytorch.likelihoods.GaussianLikelihood().to(self.device, self.dtype)
             likelihood.noise = torch.tensor(self.spec.noise_variance)
             model.train()

@@ -100,7 +100,8 @@ def test_svgp_final_step_gives_titsias_optimal_q():
     sigma = kzz + kzx @ kzx.T / s2
     mu = ksz @ np.linalg.solve(sigma, kzx @ ys) / s2
     qss = np.einsum("ij,ji->i", ksz, np.linalg.solve(kzz, ksz.T))
-    var = SPEC.signal_variance + SPEC.constant_variance - qss + np.einsum("ij,ji->i", ksz, np.linalg.solve(sigma, ksz.T))
+    explained = np.einsum("ij,ji->i", ksz, np.linalg.solve(sigma, ksz.T))
+    var = SPEC.signal_variance + SPEC.constant_variance - qss + explained
     mean, v = svgp.predict(xs)
     np.testing.assert_allclose(mean[:, 0], mu * ystd + ymean, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(v[:, 0], var * ystd ** 2, rtol=1e-3, atol=1e-5)
@@ -152,3 +153,15 @@ def test_gp_baselines_refuse_bad_input():
     with pytest.raises(BaselineError, match="finite"):
         nlpd(np.array([np.inf]))
     assert nlpd(torch.tensor([[-1.0], [-3.0]])) == pytest.approx(2.0)
+
+
+def test_svgp_fixed_inducing_points_stay_put():
+    x, y = _data(300)
+    z = np.random.default_rng(5).uniform(-2.0, 2.0, size=(12, 2))
+    fixed = OfflineSVGP(999, KernelSpec(), iterations=50, batch_size=64, lr=0.05, inducing=z,
+                        learn_inducing=False).fit(x, y)
+    np.testing.assert_array_equal(fixed.inducing_points(), z)
+    moved = OfflineSVGP(999, KernelSpec(), iterations=50, batch_size=64, lr=0.05, inducing=z).fit(x, y)
+    assert np.abs(moved.inducing_points() - z).max() > 1e-3
+    with pytest.raises(BaselineError, match="columns"):
+        OfflineSVGP(inducing=np.zeros((3, 3)), iterations=0).fit(x, y)

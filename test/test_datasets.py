@@ -183,7 +183,8 @@ def test_osman_loader_refuses_corrupt_files(tmp_path):
     np.testing.assert_allclose(load_osman2021(path).field_world_uT, np.tile([0.0, 1.0, 0.0], (n, 1)), atol=1e-12)
 
     for bad, message in [({"q_opti": 2 * q}, "not unit length"), ({"p_opti": np.zeros((3, n + 1))}, "counts differ"),
-                         ({"u": np.full((9, n), np.nan)}, "non-finite"), ({"u": np.ones((8, n))}, "expected \\(9, N\\)")]:
+                         ({"u": np.full((9, n), np.nan)}, "non-finite"),
+                         ({"u": np.ones((8, n))}, "expected \\(9, N\\)")]:
         savemat(path, dict(good, **bad))
         with pytest.raises(DatasetError, match=message):
             load_osman2021(path)
