@@ -76,7 +76,8 @@ def _share_paths(tree: ast.AST) -> list[str]:
         parts = call.args[0].elts
         head = parts[0]
         is_share = (isinstance(head, ast.Call) and _call_name(head) == "FindPackageShare"
-                    and _literal(head.args[0]) == "gp_mapping") or (isinstance(head, ast.Name) and head.id in share_names)
+                    and _literal(head.args[0]) == "gp_mapping") \
+            or (isinstance(head, ast.Name) and head.id in share_names)
         assert is_share, f"PathJoinSubstitution not rooted at FindPackageShare('gp_mapping'): {ast.unparse(call)}"
         paths.append("/".join(_literal(p) for p in parts[1:]))
     return paths

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import REPO_ROOT
 from test_dds import PYTHON, ChildProcess, RosHarness
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -331,8 +330,8 @@ def test_decoded_mean_matches_the_true_field(run):
 
 def test_scale_message_layout(run):
     msg = run.view.scale[-1]
-    assert [d.label for d in msg.layout.dim] == ["layer:magnitude",
-                                                 "mean_offset,mean_scale,variance_offset,variance_scale;unit:microtesla"]
+    assert [d.label for d in msg.layout.dim] == [
+        "layer:magnitude", "mean_offset,mean_scale,variance_offset,variance_scale;unit:microtesla"]
     assert [(d.size, d.stride) for d in msg.layout.dim] == [(1, 4), (4, 4)]
     assert len(msg.data) == 4 and all(math.isfinite(v) for v in msg.data) and msg.data[1] > 0 and msg.data[3] > 0
     # Cell 0 decodes to the smallest mean in the map and cell 100 to the largest: the float cloud shows both.
@@ -574,6 +573,58 @@ def test_vector_target_maps_each_component_in_the_map_frame(tmp_path, ros_env):
     norm, _, _, _ = decode(view, "norm")
     known = np.isfinite(norm)
     assert np.sqrt(np.mean((norm[known] - np.linalg.norm(truth, axis=-1)[known]) ** 2)) < 0.3
+
+
+def test_use_sim_time_drives_the_timers(tmp_path, ros_env):
+    """With use_sim_time the publishing and diagnostics timers follow /clock: nothing is published while the clock
+    stands still, even though the data arrive and are mapped; once /clock advances the map and diagnostics come,
+    stamped in sim time. The map's stamp is still the newest sample's (stamps come from the messages)."""
+    from builtin_interfaces.msg import Time
+    from diagnostic_msgs.msg import DiagnosticArray
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+    from rosgraph_msgs.msg import Clock
+
+    params = write_params(tmp_path / "params.yaml", batching={"size": 25})
+    rec = simulate()
+    clock_time = 5000.0
+
+    with RosHarness("e2e_sim_time") as harness:
+        clock_pub = harness.node.create_publisher(Clock, "/clock",
+                                                  QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+
+        def tick(seconds: float) -> None:
+            ns = int(round(seconds * 1e9))
+            clock_pub.publish(Clock(clock=Time(sec=ns // 10**9, nanosec=ns % 10**9)))
+
+        with MapperProcess(tmp_path, node_env(ros_env, tmp_path), params, batch=25,
+                           ros_args=("-p", "use_sim_time:=true")) as proc:
+            view = subscribe_map(harness, proc)
+            diagnostic_stamps: list[float] = []
+            harness.node.create_subscription(
+                DiagnosticArray, "/diagnostics",
+                lambda m: diagnostic_stamps.extend(stamp_seconds(m) for s in m.status if s.name.startswith(proc.name)),
+                10)
+            harness.spin_until(lambda: (proc.check_alive() or True) and clock_pub.get_subscription_count() > 0, 60.0,
+                               "the node's /clock subscription")
+            tick(clock_time)
+            publish_recording(harness, proc, rec, "pose_stamped", count=100)
+            harness.spin_for(3.0)  # 4 batches are mapped meanwhile; the frozen clock fires no timer
+            proc.check_alive()
+            assert not view.diagnostics and not view.mean and not view.cloud
+            deadline = time.monotonic() + 60.0
+            while not (view.diagnostics and view.mean and view.cloud) and time.monotonic() < deadline:
+                clock_time += 0.1
+                tick(clock_time)
+                harness.spin_for(0.05)
+            assert view.diagnostics and view.mean, "no map or diagnostics after /clock advanced"
+            # Keep the clock going until the map holds every batch (the updates take a moment).
+            last = T0 + float(rec.t[99])
+            while stamp_seconds(view.mean[-1]) != pytest.approx(last, abs=1e-6) and time.monotonic() < deadline:
+                clock_time += 0.1
+                tick(clock_time)
+                harness.spin_for(0.05)
+    assert diagnostic_stamps and all(5000.0 <= t <= clock_time for t in diagnostic_stamps)
+    assert stamp_seconds(view.mean[-1]) == pytest.approx(last, abs=1e-6)
 
 
 @pytest.mark.parametrize("sections, cli, names", [

@@ -20,7 +20,8 @@ Publications (reliable + transient local, depth 1, so a late subscriber such as 
                                  ``~/mean/x``, ``~/mean/y``, ``~/mean/z``, ``~/mean/norm`` and
                                  ``~/variance/x`` ... ``~/variance/norm``.
     ``~/cloud``                  sensor_msgs/PointCloud2, one point per known cell at its centre
-                                 (z = ``grid.height`` for 3-D inputs, else 0), float32 fields ``x, y, z, mean, variance``
+                                 (z = ``grid.height`` for 3-D inputs, else 0), float32 fields
+                                 ``x, y, z, mean, variance``
                                  (vector: ``mean_x .. mean_norm, variance_x .. variance_norm``), in the field
                                  unit (variance: unit squared). Lossless up to float32.
     ``~/scale``                  std_msgs/Float64MultiArray, how to decode the grids (below).
@@ -40,7 +41,8 @@ A published cell value ``c`` in 0..100 decodes to ``mean = mean_offset + mean_sc
 
 Services (std_srvs/Trigger)
     ``~/save_map``   feeds every message received so far, runs the pending updates and the last partial batch
-                     (samples still waiting for a following pose keep waiting), then writes the map state to ``$ROS_HOME/gp_mapping/<node name>_map<suffix>``
+                     (samples still waiting for a following pose keep waiting), then writes the map state to
+                     ``$ROS_HOME/gp_mapping/<node name>_map.safetensors``
                      (``ROS_HOME`` defaults to ``~/.ros``); the response message is the absolute path. Start from
                      it again with the parameter ``node.initial_map``.
     ``~/reset``      forgets the map and the buffered messages; publishes all-unknown grids of the last geometry.
@@ -205,7 +207,8 @@ class MapperNode(Node):
         outputs = MutuallyExclusiveCallbackGroup()  # publishing and services never run at the same time
         self._publish_timer = self.create_timer(self.config.node.publish_period, self._on_publish_timer,
                                                 callback_group=outputs)
-        self.create_timer(DIAGNOSTICS_PERIOD, self._publish_diagnostics, callback_group=MutuallyExclusiveCallbackGroup())
+        self.create_timer(DIAGNOSTICS_PERIOD, self._publish_diagnostics,
+                          callback_group=MutuallyExclusiveCallbackGroup())
         self.create_service(Trigger, "~/save_map", self.on_save_map, callback_group=outputs)
         self.create_service(Trigger, "~/reset", self.on_reset, callback_group=outputs)
         self.add_on_set_parameters_callback(self._validate_parameter_change)
