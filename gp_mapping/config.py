@@ -142,7 +142,8 @@ _SECTION_CLASSES = {"model": ModelConfig, "sync": SyncConfig, "batching": BatchC
                     "node": NodeConfig}
 
 
-def _describe(meta: Mapping[str, Any], ftype: str) -> str:
+def describe_allowed(meta: Mapping[str, Any], ftype: str) -> str:
+    """Human-readable allowed values of a field (used in error messages and ROS parameter descriptors)."""
     if meta.get("choices"):
         return "one of " + ", ".join(repr(c) for c in meta["choices"])
     if meta.get("length"):
@@ -157,7 +158,7 @@ def _describe(meta: Mapping[str, Any], ftype: str) -> str:
 def validate_value(key: str, value: Any, f: dataclasses.Field) -> Any:
     """Return ``value`` converted to the field's type, or raise ConfigError naming ``key``."""
     meta, ftype = f.metadata, f.type if isinstance(f.type, str) else f.type.__name__
-    allowed = _describe(meta, ftype)
+    allowed = describe_allowed(meta, ftype)
 
     def refuse(why: str) -> ConfigError:
         return ConfigError(f"config key '{key}': {why}; allowed: {allowed}")

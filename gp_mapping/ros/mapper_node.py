@@ -82,7 +82,7 @@ from sensor_msgs.msg import MagneticField, PointCloud2
 from std_msgs.msg import Float64MultiArray
 from std_srvs.srv import Trigger
 
-from gp_mapping.config import (ROS_RESERVED_KEYS, ConfigError, MapperConfig, _describe, config_from_dict,
+from gp_mapping.config import (ROS_RESERVED_KEYS, ConfigError, MapperConfig, describe_allowed, config_from_dict,
                                field_specs, to_flat_parameters, validate_value)
 from gp_mapping.mapping.mapper import Mapper
 from gp_mapping.ros import conversions
@@ -136,7 +136,7 @@ def parameter_descriptor(name: str, spec: dataclasses.Field) -> ParameterDescrip
     """The ROS descriptor of one config field: type, description, allowed values, range, read-only."""
     ftype = spec.type if isinstance(spec.type, str) else spec.type.__name__
     meta = spec.metadata
-    allowed = _describe(meta, ftype)
+    allowed = describe_allowed(meta, ftype)
     descriptor = ParameterDescriptor(name=name, type=_PARAMETER_TYPES[ftype], description=meta["doc"],
                                      additional_constraints=allowed, read_only=name not in LIVE_PARAMETERS)
     low, high = meta.get("low"), meta.get("high")
