@@ -1,0 +1,857 @@
+"""Continual multi-output GP (seed 000: Moreno-Munoz, Artes-Rodriguez, Alvarez, "Continual Multi-task Gaussian
+Processes", arXiv 1911.00002), for maps of the three field components.
+
+Model (linear model of coregionalisation, rank one per latent):
+    f_d(x) = sum_q A[d, q] u_q(x),   u_q ~ GP(0, k_q) independent, q = 1..Q,   y_d = f_d + eps_d.
+Each latent has its own kernel hyperparameters (built from the model config) and its own inducing inputs Z_q.
+The coregionalisation matrix is B = sum_q sigma_q^2 a_q a_q^T (sigma_q^2 the variance of latent q's stationary
+kernel); A alone is not identifiable (scale of a_q against sigma_q, and rotations among latents that share a
+kernel). One likelihood per output channel (GaussianLikelihood: one noise variance per channel).
+
+Mixing weights. p(y_old | u) ~ q_old(u) / p(u) (paper eq. 4) holds for the A the old data were fitted with:
+moving a row of A after its channel has been fitted moves that channel's old map with no data to say so (the
+KL terms only hold u in place). So by default ('first') row d of A is learned only in updates where channel d
+is seen for the first time; the latent kernels (including their variances, hence B) keep learning in every
+update, their changes being what the psi_old / psi_new KL pair accounts for. 'always' re-learns A in every
+update as the paper does; 'never' keeps the initial A. The first full update starts A at the principal
+directions of the batch's standardised channels and each latent's variance at the matching eigenvalue.
+
+Variational posterior, per latent: q(u_q) = N(m_q, S_q) on u_q = u_q(Z_q), S_q = L_q L_q^T with L_q lower
+triangular and a softplus on its diagonal (unwhitened, so q does not move when the hyperparameters do).
+
+First update: the standard (Hensman et al. 2015) bound
+    L = sum_{d, n observed} E_q[log p(y_dn | f_dn)] - sum_q KL[q(u_q) || p(u_q | psi)].
+Every later update: the continual bound (paper eq. 24), with phi_old = (Z_old, m_old, S_old) and psi_old the
+kernel hyperparameters at the start of the update,
+    L_C = sum E_q[log p(y|f)] - sum_q KL[q(u_q) || p(u_q | psi_new)] + sum_q KL[q(u_q) || p(u_q | psi_old)]
+          - sum_q KL[q(u_q) || q~(u_q | phi_old)],
+    q~(u_new) = N(K_no K_oo^-1 m_old, K_nn + K_no K_oo^-1 (S_old - K_oo) K_oo^-1 K_on)   (eqs. 5-7, 22)
+where every K in q~ and in p(u | psi_old) uses the OLD hyperparameters. q~ is evaluated whitened by
+chol(K_nn^old) = L_n: with W = L_n^-1 K_no L_o^-T and S^_old = L_o^-1 S_old L_o^-T,
+    L_n^-1 q~ = N(W L_o^-1 m_old, I - W (I - S^_old) W^T),
+which stays well conditioned however close the inducing points are. Inducing points kept from Z_old are
+exact copies and their cross-covariance carries the same jitter as K_oo, so q~ restricted to them is exactly
+q_old (no information is lost by keeping a point).
+
+Inducing inputs (per latent, under the latent's current kernel): while model.num_inducing allows, every old
+point is kept and batch points are added greedily (pivoted Cholesky on the residual kernel given Z_old) while
+a candidate's residual prior variance exceeds 1e-4 of the largest prior variance: the set grows as new ground
+is covered and nothing of q_old is lost. When more points are needed than the budget holds, the set moves:
+pivoted Cholesky over [Z_old; X_batch] re-covers the union, dropping old points where the cover is densest.
+A new point never coincides with a kept one (its residual variance would be zero), so K_nn and q~ stay
+positive definite.
+
+Variational EM per update (paper: "several steps of variational EM within each sequential update"):
+  * E-step over q(u). Gaussian likelihood: closed form. The bound is E_q of a quadratic in u plus the entropy,
+    so its maximiser over the mean-field family prod_q q(u_q) has the joint Gaussian's mean Lambda^-1 eta and
+    per-latent covariance (Lambda_qq)^-1, where Lambda (sum_q M_q square, coupled through A) collects the
+    data, the new prior and the continual pseudo-likelihood q~/p_old. It is solved whitened by chol(K_new),
+    where Lambda >= I. Other likelihoods: Adam steps on (m_q, L_q) from the warm start q = q~.
+  * M-step: Adam steps on the kernel hyperparameters, the mixing weights and the noise variances. With the
+    closed-form E-step, q(u) inside the objective is the exact optimum for the current hyperparameters
+    (differentiated through), so each step climbs the bound maximised over q; otherwise q is held fixed.
+  The E-step follows the last M-step, so q is optimal for the final hyperparameters.
+Update modes: 'full' runs the VEM iterations; 'fast' only moves Z and runs the E-step (hyperparameters fixed).
+
+Asynchronous channels: NaN entries of y are missing observations; only observed entries enter the expected
+log-likelihood (the continual KLs live on the latent layer, so a batch may carry any subset of channels).
+Targets are standardised per channel from the first batch that observes the channel.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .dual_svgp import ModelInputError, resolve_device
+from .inducing import DEFAULT_REL_TOL, pivoted_cholesky
+from .kernels import GPNumericalError, Kernel, StationaryKernel, SumKernel, build_kernel, jittered_cholesky
+from .likelihoods import GaussianLikelihood, Likelihood, build_likelihood
+
+# Defaults for the ModelConfig fields this engine adds (used when the config predates them).
+DEFAULT_NUM_LATENTS = 3
+DEFAULT_VEM_ITERATIONS = 4
+DEFAULT_VARIATIONAL_STEPS = 100
+DEFAULT_VARIATIONAL_LR = 0.02
+# Latent q starts at lengthscale * ratio ** (q - (Q - 1) / 2), so the latents can specialise in different
+# scales (a magnetic map has a smooth large-scale trend and short-scale anomalies near iron).
+DEFAULT_LENGTHSCALE_RATIO = 2.0
+# When the mixing weights A are learned: in every full update until each channel has been seen ('first'), in
+# every full update ('always', as in the paper), or never (A stays at its initial value).
+MIXING_LEARNING = ("first", "always", "never")
+DEFAULT_MIXING_LEARNING = "first"
+# Smallest diagonal entry of a Cholesky factor of S written back through the inverse softplus.
+_MIN_CHOL_DIAG = 1e-150
+
+
+def _softplus_inverse(x: torch.Tensor) -> torch.Tensor:
+    x = x.clamp_min(_MIN_CHOL_DIAG)
+    # log(expm1(x)) loses everything for large x; x + log(1 - exp(-x)) is exact there.
+    return torch.where(x > 20.0, x + torch.log(-torch.expm1(-x)), torch.log(torch.expm1(x)))
+
+
+def _stationary_part(kernel: Kernel) -> StationaryKernel | None:
+    if isinstance(kernel, StationaryKernel):
+        return kernel
+    if isinstance(kernel, SumKernel):
+        for part in kernel.parts:
+            if isinstance(part, StationaryKernel):
+                return part
+    return None
+
+
+def _tril_solve(L: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.solve_triangular(L, B, upper=False)
+
+
+def _chol_inverse_factor(precision: torch.Tensor) -> torch.Tensor:
+    """Lower L with L L^T = precision^-1, from the Cholesky factor of the flipped precision (no explicit
+    inverse is ever factorised)."""
+    flipped = torch.flip(precision, (0, 1))
+    U, _ = jittered_cholesky(0.5 * (flipped + flipped.T), 0.0)
+    eye = torch.eye(U.shape[0], dtype=U.dtype, device=U.device)
+    return torch.flip(torch.linalg.solve_triangular(U, eye, upper=False).T, (0, 1))
+
+
+def _kl_standard(mean_w: torch.Tensor, chol_w: torch.Tensor) -> torch.Tensor:
+    """KL[N(mean_w, chol_w chol_w^T) || N(0, I)] (both whitened by the same factor)."""
+    m = mean_w.shape[0]
+    logdet = torch.log(torch.diagonal(chol_w).abs()).sum()
+    return 0.5 * ((chol_w * chol_w).sum() + (mean_w * mean_w).sum() - m) - logdet
+
+
+def _kl_gaussian(mean_w: torch.Tensor, chol_w: torch.Tensor, prior_mean_w: torch.Tensor,
+                 prior_chol_w: torch.Tensor) -> torch.Tensor:
+    """KL[N(mean_w, chol_w chol_w^T) || N(prior_mean_w, prior_chol_w prior_chol_w^T)]."""
+    m = mean_w.shape[0]
+    a = _tril_solve(prior_chol_w, chol_w)
+    b = _tril_solve(prior_chol_w, (prior_mean_w - mean_w)[:, None])[:, 0]
+    logdet_q = torch.log(torch.diagonal(chol_w).abs()).sum()
+    logdet_p = torch.log(torch.diagonal(prior_chol_w).abs()).sum()
+    return 0.5 * ((a * a).sum() + (b * b).sum() - m) + logdet_p - logdet_q
+
+
+@dataclass
+class LatentPosterior:
+    """q(u_q) = N(mean, chol chol^T) at inducing inputs z under a kernel (a frozen copy for old posteriors)."""
+
+    z: torch.Tensor
+    mean: torch.Tensor
+    chol: torch.Tensor
+    kernel: Kernel
+
+
+@dataclass
+class ContinualPrior:
+    """q~(u_new | phi_old) and p(u_new | psi_old) for one latent at its new inducing inputs, whitened by
+    chol_old = chol(K_nn under psi_old): q~ = N(chol_old mean_w, chol_old C C^T chol_old^T)."""
+
+    chol_old: torch.Tensor     # (M, M) chol(K_old(Z_new, Z_new) + jitter I)
+    mean_w: torch.Tensor       # (M,)   W L_o^-1 m_old
+    cov_chol_w: torch.Tensor   # (M, M) chol(I - W (I - S^_old) W^T)
+    precision_w: torch.Tensor  # (M, M) Sigma~_w^-1 - I: natural precision of the pseudo-likelihood q~ / p_old
+    shift_w: torch.Tensor      # (M,)   Sigma~_w^-1 mean_w: its natural location
+
+
+class ContinualMOGP(nn.Module):
+    """Continual multi-output sparse GP with an LMC prior. See the module docstring for the method."""
+
+    def __init__(self, config: ModelConfig, input_dims: int, output_dims: int, *, num_latents: int | None = None,
+                 vem_iterations: int | None = None, variational_steps: int | None = None,
+                 variational_lr: float | None = None, latent_lengthscale_ratio: float | None = None,
+                 mixing_learning: str | None = None, analytic_e_step: bool = True, inducing_rel_tol: float = DEFAULT_REL_TOL) -> None:
+        super().__init__()
+        if isinstance(input_dims, bool) or int(input_dims) < 1:
+            raise ValueError(f"input_dims must be >= 1, got {input_dims!r}")
+        if isinstance(output_dims, bool) or int(output_dims) < 1:
+            raise ValueError(f"output_dims must be >= 1, got {output_dims!r}")
+        self.config = copy.deepcopy(config)
+        self.input_dims = d = int(input_dims)
+        self.output_dims = p = int(output_dims)
+
+        def setting(name: str, given, default, low: float, kind=int):
+            value = given if given is not None else getattr(config, name, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low \
+                    or not math.isfinite(value) or (kind is int and int(value) != value):
+                raise ValueError(f"continual_mogp: {name} must be {'an integer' if kind is int else 'a number'} "
+                                 f">= {low}, got {value!r}")
+            return kind(value)
+
+        self.num_latents = setting("num_latents", num_latents, DEFAULT_NUM_LATENTS, 1)
+        self.vem_iterations = setting("vem_iterations", vem_iterations, DEFAULT_VEM_ITERATIONS, 1)
+        self.variational_steps = setting("variational_steps", variational_steps, DEFAULT_VARIATIONAL_STEPS, 1)
+        self.variational_lr = setting("variational_lr", variational_lr, DEFAULT_VARIATIONAL_LR, 1e-300, float)
+        ratio = setting("latent_lengthscale_ratio", latent_lengthscale_ratio, DEFAULT_LENGTHSCALE_RATIO, 1.0, float)
+        if config.inducing != "pivoted_cholesky":
+            raise ValueError(f"continual_mogp: inducing policy {config.inducing!r} is not supported; "
+                             "use 'pivoted_cholesky' (inducing sets grow and move with the data)")
+        self.inducing_rel_tol = float(inducing_rel_tol)
+        self.analytic_e_step = bool(analytic_e_step)
+        self.mixing_learning = mixing_learning if mixing_learning is not None else \
+            getattr(config, "mixing_learning", DEFAULT_MIXING_LEARNING)
+        if self.mixing_learning not in MIXING_LEARNING:
+            raise ValueError(f"continual_mogp: mixing_learning must be one of {', '.join(MIXING_LEARNING)}, "
+                             f"got {self.mixing_learning!r}")
+        device = resolve_device(config.device)
+        qn = self.num_latents
+        self.kernels = nn.ModuleList()
+        for q in range(qn):
+            kernel = build_kernel(config, d)
+            main = _stationary_part(kernel)
+            if main is not None and qn > 1:
+                main.lengthscale_param.set(config.lengthscale * ratio ** (q - (qn - 1) / 2))
+            self.kernels.append(kernel)
+        self.likelihood: Likelihood = build_likelihood(config, p)
+        gen = torch.Generator().manual_seed(int(config.seed))
+        mix = 0.1 * torch.randn(p, qn, generator=gen, dtype=torch.float64)
+        k = min(p, qn)
+        mix[:k, :k] = mix[:k, :k] * (1.0 - torch.eye(k, dtype=torch.float64)) + torch.eye(k, dtype=torch.float64)
+        if qn > p:  # latents beyond the channel count start as random directions, not as near-zero columns
+            mix[:, p:] = torch.randn(p, qn - p, generator=gen, dtype=torch.float64)
+        self.mixing_raw = nn.Parameter(mix)
+        f64 = dict(dtype=torch.float64)
+        for q in range(qn):
+            self.register_buffer(f"z_{q}", torch.zeros(0, d, **f64))
+            self.register_parameter(f"q_mean_{q}", nn.Parameter(torch.zeros(0, **f64)))
+            self.register_parameter(f"q_chol_{q}", nn.Parameter(torch.zeros(0, 0, **f64)))
+        self.register_buffer("y_mean", torch.zeros(p, **f64))
+        self.register_buffer("y_std", torch.ones(p, **f64))
+        self.register_buffer("channel_seen", torch.zeros(p, dtype=torch.bool))
+        self.register_buffer("num_observed_t", torch.zeros(p, dtype=torch.int64))
+        self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
+        self._cache: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self.to(device)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device(self) -> torch.device:
+        return self.y_mean.device
+
+    @property
+    def num_seen(self) -> int:
+        """Rows (positions) seen with at least one observed channel."""
+        return int(self.num_seen_t)
+
+    @property
+    def num_updates(self) -> int:
+        return int(self.num_updates_t)
+
+    @property
+    def num_inducing(self) -> list[int]:
+        """Inducing points per latent."""
+        return [int(self.z(q).shape[0]) for q in range(self.num_latents)]
+
+    @property
+    def jitter(self) -> float:
+        return float(self.config.jitter)
+
+    @property
+    def mixing(self) -> torch.Tensor:
+        """A (P, Q). Its column scale and the latent variance are one degree of freedom (only
+        sigma_q^2 a_q a_q^T is identifiable); both are learned, the coregionalisation B is what to read."""
+        return self.mixing_raw
+
+    def z(self, q: int) -> torch.Tensor:
+        return getattr(self, f"z_{q}")
+
+    def _q_mean(self, q: int) -> nn.Parameter:
+        return getattr(self, f"q_mean_{q}")
+
+    def _q_chol_raw(self, q: int) -> nn.Parameter:
+        return getattr(self, f"q_chol_{q}")
+
+    def latent_variance(self) -> torch.Tensor:
+        """(Q,) prior variance k_q(x, x) of each latent (stationary plus constant part)."""
+        x0 = torch.zeros(1, self.input_dims, dtype=torch.float64, device=self.device)
+        return torch.stack([k.diag(x0)[0] for k in self.kernels])
+
+    def coregionalisation(self, original_units: bool = True) -> torch.Tensor:
+        """B = sum_q sigma_q^2 a_q a_q^T (P, P): Cov(f(x)) at one point under the prior, the stationary parts'
+        variances only (a constant kernel part is an offset, not coregionalisation); in the target units when
+        ``original_units``, else in standardised units."""
+        with torch.no_grad():
+            var = []
+            for k in self.kernels:
+                main = _stationary_part(k)
+                var.append(main.variance if main is not None else k.diag(torch.zeros(1, self.input_dims,
+                           dtype=torch.float64, device=self.device))[0])
+            A = self.mixing
+            B = (A * torch.stack(var)) @ A.T
+            if original_units:
+                B = B * self.y_std[:, None] * self.y_std[None, :]
+            return B
+
+    # ------------------------------------------------------------------ torch.nn.Module plumbing
+    def _apply(self, fn, *args, **kwargs):
+        self._cache = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # Inducing sets and q(u) change size with the data: take the saved shapes before the copy.
+        for q in range(self.num_latents):
+            for name, store in ((f"z_{q}", self._buffers), (f"q_mean_{q}", self._parameters),
+                                (f"q_chol_{q}", self._parameters)):
+                key = prefix + name
+                if key in state_dict:
+                    old = store[name]
+                    fresh = torch.zeros(state_dict[key].shape, dtype=old.dtype, device=old.device)
+                    store[name] = nn.Parameter(fresh) if isinstance(old, nn.Parameter) else fresh
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        self._cache = None
+
+    # ------------------------------------------------------------------ input checking
+    def _to_tensor(self, value, name: str) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            if value.dtype == torch.bool or value.is_complex():
+                raise ModelInputError(f"{name} must hold real numbers, got dtype {value.dtype}")
+            return value.detach().to(device=self.device, dtype=torch.float64)
+        try:
+            arr = np.asarray(value)
+        except Exception as err:  # ragged lists and the like
+            raise ModelInputError(f"{name} cannot be read as a numeric array: {err}") from err
+        if arr.dtype.kind not in "fiu":
+            try:
+                arr = arr.astype(np.float64)
+            except (TypeError, ValueError) as err:
+                raise ModelInputError(f"{name} must hold real numbers, got dtype {arr.dtype}") from err
+        return torch.as_tensor(np.ascontiguousarray(arr, dtype=np.float64), device=self.device)
+
+    def _check_x(self, x, name: str = "x") -> torch.Tensor:
+        t = self._to_tensor(x, name)
+        if t.dim() == 1 and self.input_dims == 1:
+            t = t[:, None]
+        if t.dim() != 2 or t.shape[1] != self.input_dims:
+            raise ModelInputError(f"{name} must have shape (N, {self.input_dims}), got {tuple(t.shape)}")
+        bad = ~torch.isfinite(t).all(dim=1)
+        if bool(bad.any()):
+            raise ModelInputError(f"{name} holds NaN or Inf in {int(bad.sum())} of {t.shape[0]} rows")
+        return t
+
+    def _check_y(self, y, n: int, allow_missing: bool, name: str = "y") -> tuple[torch.Tensor, torch.Tensor]:
+        """(targets with missing entries set to 0, mask of observed entries) both (N, P)."""
+        t = self._to_tensor(y, name)
+        if t.dim() == 1 and self.output_dims == 1:
+            t = t[:, None]
+        if t.dim() != 2 or t.shape[1] != self.output_dims:
+            raise ModelInputError(f"{name} must have shape (N, {self.output_dims}), got {tuple(t.shape)}")
+        if t.shape[0] != n:
+            raise ModelInputError(f"x has {n} rows but {name} has {t.shape[0]}")
+        if bool(torch.isinf(t).any()):
+            raise ModelInputError(f"{name} holds +-Inf in {int(torch.isinf(t).any(1).sum())} rows "
+                                  "(NaN marks a missing channel; Inf is never a valid reading)")
+        mask = ~torch.isnan(t)
+        if not allow_missing and not bool(mask.all()):
+            raise ModelInputError(f"{name} holds NaN in {int((~mask).any(1).sum())} rows; every target is needed here")
+        filled = torch.where(mask, t, torch.zeros_like(t))
+        why = self.likelihood.validate_targets(filled)
+        if why is not None:
+            raise ModelInputError(f"{name}: {why}")
+        return filled, mask
+
+    # ------------------------------------------------------------------ standardisation
+    def set_standardisation(self, mean, std) -> None:
+        """Fix the per-channel target offset and scale (P,) instead of learning them from the first batch."""
+        m = self._to_tensor(mean, "mean").reshape(-1)
+        s = self._to_tensor(std, "std").reshape(-1)
+        if m.shape[0] != self.output_dims or s.shape[0] != self.output_dims:
+            raise ModelInputError(f"mean and std must have {self.output_dims} entries, got {m.shape[0]}, {s.shape[0]}")
+        if not bool(torch.isfinite(m).all()) or not bool((torch.isfinite(s) & (s > 0)).all()):
+            raise ModelInputError("standardisation mean must be finite and std finite and positive")
+        with torch.no_grad():
+            self.y_mean.copy_(m)
+            self.y_std.copy_(s)
+            self.channel_seen.fill_(True)
+
+    def _update_standardisation(self, y: torch.Tensor, mask: torch.Tensor) -> None:
+        if not self.likelihood.standardise_targets:
+            self.channel_seen |= mask.any(0)
+            return
+        for d in range(self.output_dims):
+            obs = y[mask[:, d], d]
+            if bool(self.channel_seen[d]) or obs.numel() == 0:
+                continue
+            mean = obs.mean()
+            std = obs.std(unbiased=False) if obs.numel() > 1 else torch.zeros_like(mean)
+            # A channel first seen constant has no scale: keep its original units.
+            ok = bool(std > 1e-9 * torch.clamp(mean.abs(), min=1.0))
+            self.y_mean[d] = mean
+            self.y_std[d] = std if ok else 1.0
+            self.channel_seen[d] = True
+
+    def _standardise(self, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, (y - self.y_mean) / self.y_std, torch.zeros_like(y))
+
+    # ------------------------------------------------------------------ variational distribution
+    def _chol_S(self, q: int, detach: bool = False) -> torch.Tensor:
+        raw = self._q_chol_raw(q)
+        if detach:
+            raw = raw.detach()
+        return torch.tril(raw, -1) + torch.diag_embed(nn.functional.softplus(torch.diagonal(raw)))
+
+    def latent_posterior(self, q: int) -> LatentPosterior:
+        """Detached copy of q(u_q) and of its kernel."""
+        return LatentPosterior(self.z(q).detach().clone(), self._q_mean(q).detach().clone(),
+                               self._chol_S(q, detach=True).clone(), copy.deepcopy(self.kernels[q]))
+
+    def variational(self, q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(Z_q, m_q, S_q) of latent q, standardised units."""
+        with torch.no_grad():
+            L = self._chol_S(q)
+            return self.z(q).clone(), self._q_mean(q).detach().clone(), L @ L.T
+
+    def _set_q(self, q: int, z: torch.Tensor | None, mean: torch.Tensor, chol: torch.Tensor) -> None:
+        with torch.no_grad():
+            if z is not None:
+                setattr(self, f"z_{q}", z.detach().clone())
+            raw = torch.tril(chol, -1) + torch.diag_embed(_softplus_inverse(torch.diagonal(chol).abs()))
+            if self._q_mean(q).shape == mean.shape:
+                self._q_mean(q).copy_(mean)
+                self._q_chol_raw(q).copy_(raw)
+            else:
+                self._parameters[f"q_mean_{q}"] = nn.Parameter(mean.detach().clone())
+                self._parameters[f"q_chol_{q}"] = nn.Parameter(raw.detach().clone())
+        self._cache = None
+
+    def set_variational(self, q: int, z, mean, cov) -> None:
+        """Set latent q's inducing inputs z (M, D) and q(u_q) = N(mean, cov) in standardised units."""
+        if not 0 <= int(q) < self.num_latents:
+            raise ValueError(f"latent index must be in [0, {self.num_latents}), got {q}")
+        zt = self._check_x(z, "z")
+        mt = self._to_tensor(mean, "mean").reshape(-1)
+        ct = self._to_tensor(cov, "cov")
+        m = zt.shape[0]
+        if mt.shape[0] != m or tuple(ct.shape) != (m, m):
+            raise ModelInputError(f"mean must be ({m},) and cov ({m}, {m}) for {m} inducing points, "
+                                  f"got {tuple(mt.shape)} and {tuple(ct.shape)}")
+        if not bool(torch.isfinite(mt).all() and torch.isfinite(ct).all()):
+            raise ModelInputError("mean and cov must be finite")
+        chol, _ = jittered_cholesky(0.5 * (ct + ct.T), 0.0)
+        self._set_q(int(q), zt, mt, chol)
+
+    # ------------------------------------------------------------------ linear algebra
+    def _cross(self, kernel: Kernel, z_new: torch.Tensor, z_old: torch.Tensor) -> torch.Tensor:
+        """Cov(u(z_new), u(z_old)); identical points carry the jitter of K_oo, so a kept point keeps q_old."""
+        same = (z_new[:, None, :] == z_old[None, :, :]).all(-1)
+        return kernel(z_new, z_old) + self.jitter * same.to(z_new.dtype)
+
+    def _chol_K(self, kernel: Kernel, z: torch.Tensor) -> torch.Tensor:
+        factor, _ = jittered_cholesky(kernel(z, z), self.jitter)
+        return factor
+
+    def _continual_prior(self, old: LatentPosterior, z_new: torch.Tensor) -> ContinualPrior:
+        """q~(u_new | phi_old) at z_new with the old kernel, whitened by chol(K_old(z_new, z_new))."""
+        with torch.no_grad():
+            k_old = old.kernel
+            L_n = self._chol_K(k_old, z_new)
+            m = z_new.shape[0]
+            eye = torch.eye(m, dtype=z_new.dtype, device=z_new.device)
+            if old.z.shape[0] == 0:
+                mean_w = z_new.new_zeros(m)
+                cov_w = eye
+            else:
+                L_o = self._chol_K(k_old, old.z)
+                W = _tril_solve(L_n, _tril_solve(L_o, self._cross(k_old, z_new, old.z).T).T)
+                mean_w = W @ _tril_solve(L_o, old.mean[:, None])[:, 0]
+                R = W @ _tril_solve(L_o, old.chol)  # W S^_old^{1/2}
+                cov_w = eye - W @ W.T + R @ R.T
+            C, _ = jittered_cholesky(0.5 * (cov_w + cov_w.T), 0.0)
+            Ci = _tril_solve(C, eye)
+            inv = Ci.T @ Ci
+            return ContinualPrior(L_n, mean_w, C, 0.5 * (inv + inv.T) - eye, inv @ mean_w)
+
+    # ------------------------------------------------------------------ bound
+    def _latent_terms(self, q: int, x: torch.Tensor, given: tuple[torch.Tensor, torch.Tensor] | None,
+                      detach_q: bool = False):
+        """(mean (N,), var (N,), KL[q||p_new], m, L_S) of latent q at x under the current kernel; q(u_q) is the
+        stored one, or ``given`` = (m, L_S)."""
+        kernel = self.kernels[q]
+        z = self.z(q)
+        kxx = kernel.diag(x)
+        if given is not None:
+            mean_u, L_S = given
+        else:
+            mean_u = self._q_mean(q).detach() if detach_q else self._q_mean(q)
+            L_S = self._chol_S(q, detach=detach_q)
+        if z.shape[0] == 0:
+            return x.new_zeros(x.shape[0]), kxx, x.new_zeros(()), mean_u, L_S
+        L_K = self._chol_K(kernel, z)
+        m_w = _tril_solve(L_K, mean_u[:, None])[:, 0]
+        L_w = _tril_solve(L_K, L_S)
+        V = _tril_solve(L_K, kernel(z, x))
+        mean = V.T @ m_w
+        LtV = L_w.T @ V
+        var = kxx - (V * V).sum(0) + (LtV * LtV).sum(0)
+        return mean, var.clamp_min(0.0), _kl_standard(m_w, L_w), mean_u, L_S
+
+    def _bound(self, x: torch.Tensor, ys: torch.Tensor, mask: torch.Tensor,
+               priors: list[ContinualPrior | None] | None,
+               given: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+               detach_q: bool = False) -> tuple[torch.Tensor, dict]:
+        """The standard bound (priors None) or the continual bound, standardised units; also its terms.
+        ``given``: evaluate at these q(u_q) = (m, L_S) instead of the stored ones. ``detach_q``: the stored q is
+        held fixed and the two terms that then depend only on q and phi_old are left out (the M-step objective
+        with q fixed, equal to the bound up to a constant)."""
+        means, variances = [], []
+        kl_new, kl_old, kl_tilde = [], [], []
+        for q in range(self.num_latents):
+            mean, var, kl, mean_u, L_S = self._latent_terms(q, x, None if given is None else given[q], detach_q)
+            means.append(mean)
+            variances.append(var)
+            kl_new.append(kl)
+            prior = priors[q] if priors is not None else None
+            if prior is not None and not detach_q:
+                m_w = _tril_solve(prior.chol_old, mean_u[:, None])[:, 0]
+                L_w = _tril_solve(prior.chol_old, L_S)
+                kl_old.append(_kl_standard(m_w, L_w))
+                kl_tilde.append(_kl_gaussian(m_w, L_w, prior.mean_w, prior.cov_chol_w))
+        A = self.mixing
+        mu = torch.stack(means, 1) @ A.T
+        var = torch.stack(variances, 1) @ (A * A).T
+        ell = (self.likelihood.expected_log_lik(ys, mu, var) * mask).sum()
+        zero = x.new_zeros(())
+        terms = {"ell": ell, "kl_new": sum(kl_new, zero), "kl_old": sum(kl_old, zero),
+                 "kl_tilde": sum(kl_tilde, zero)}
+        return ell - terms["kl_new"] + terms["kl_old"] - terms["kl_tilde"], terms
+
+    def _jacobian(self, mask: torch.Tensor) -> torch.Tensor:
+        if not self.likelihood.standardise_targets:
+            return mask.new_zeros((), dtype=torch.float64)
+        return (mask * torch.log(self.y_std)).sum()
+
+    def elbo(self, x, y, old: list[LatentPosterior] | None = None) -> torch.Tensor:
+        """The bound on log p(y) (original units) at the current q and hyperparameters: the standard bound, or,
+        with ``old`` (a list of latent_posterior(q) taken before), the continual bound against that posterior.
+        NaN targets are missing. Uses the current inducing inputs; the old posterior is carried onto them."""
+        xt = self._check_x(x)
+        yt, mask = self._check_y(y, xt.shape[0], allow_missing=True)
+        with torch.no_grad():
+            priors = None if old is None else [self._continual_prior(o, self.z(q)) for q, o in enumerate(old)]
+            value, _ = self._bound(xt, self._standardise(yt, mask), mask, priors)
+            return value - self._jacobian(mask)
+
+    def bound_terms(self, x, y, old: list[LatentPosterior] | None = None) -> dict[str, float]:
+        """The bound's terms (standardised units): ell, kl_new, kl_old, kl_tilde and the total."""
+        xt = self._check_x(x)
+        yt, mask = self._check_y(y, xt.shape[0], allow_missing=True)
+        with torch.no_grad():
+            priors = None if old is None else [self._continual_prior(o, self.z(q)) for q, o in enumerate(old)]
+            value, terms = self._bound(xt, self._standardise(yt, mask), mask, priors)
+        out = {k: float(v) for k, v in terms.items()}
+        out["bound"] = float(value)
+        return out
+
+    # ------------------------------------------------------------------ E-step
+    def _optimal_q(self, x: torch.Tensor, ys: torch.Tensor, mask: torch.Tensor,
+                   priors: list[ContinualPrior | None]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Exact maximiser (m_q, L_q) of the bound over prod_q q(u_q) for a Gaussian likelihood (see the module
+        docstring), as a differentiable function of the hyperparameters, the mixing and the noise."""
+        A = self.mixing
+        w = mask / self.likelihood.noise_variance            # (N, P) precision of each observed entry
+        wy = w * ys
+        Ls, Vs, sizes = [], [], []
+        for q in range(self.num_latents):
+            z = self.z(q)
+            L_K = self._chol_K(self.kernels[q], z)
+            Ls.append(L_K)
+            Vs.append(_tril_solve(L_K, self.kernels[q](z, x)))
+            sizes.append(z.shape[0])
+        nq = self.num_latents
+        blocks: list[list[torch.Tensor | None]] = [[None] * nq for _ in range(nq)]
+        etas = []
+        for q in range(nq):
+            eye = torch.eye(sizes[q], dtype=x.dtype, device=x.device)
+            eta = Vs[q] @ (wy @ A[:, q])
+            prior_block = eye
+            prior = priors[q]
+            if prior is not None:
+                G = _tril_solve(prior.chol_old, Ls[q])  # new-whitened -> old-whitened coordinates
+                prior_block = eye + G.T @ prior.precision_w @ G
+                eta = eta + G.T @ prior.shift_w
+            etas.append(eta)
+            for r in range(q, nq):
+                c = w @ (A[:, q] * A[:, r])                  # (N,) data weight coupling latents q and r
+                block = (Vs[q] * c) @ Vs[r].T
+                if r == q:
+                    block = block + prior_block
+                    blocks[q][q] = 0.5 * (block + block.T)
+                else:
+                    blocks[q][r] = block
+                    blocks[r][q] = block.T
+        Lam = torch.cat([torch.cat(row, 1) for row in blocks], 0)
+        R, _ = jittered_cholesky(Lam, 0.0)                  # Lam >= I: never needs jitter in practice
+        v = torch.cholesky_solve(torch.cat(etas)[:, None], R)[:, 0]
+        out, offset = [], 0
+        for q in range(nq):
+            L_v = _chol_inverse_factor(blocks[q][q])
+            out.append((Ls[q] @ v[offset:offset + sizes[q]], Ls[q] @ L_v))
+            offset += sizes[q]
+        return out
+
+    def _analytic_e_step(self, x: torch.Tensor, ys: torch.Tensor, mask: torch.Tensor,
+                         priors: list[ContinualPrior | None]) -> None:
+        with torch.no_grad():
+            for q, (mean, chol) in enumerate(self._optimal_q(x, ys, mask, priors)):
+                self._set_q(q, None, mean, chol)
+
+    def _adam(self, params: list[nn.Parameter], objective, steps: int, lr: float,
+              grad_masks: dict[int, torch.Tensor] | None = None) -> tuple[int, float]:
+        """Adam ascent on objective(); stops at the last parameters that evaluated cleanly on trouble.
+        ``grad_masks``: {index in params: 0/1 mask}, entries with mask 0 never move (zero gradient from a
+        fresh Adam state is a zero step)."""
+        if not params or steps <= 0:
+            return 0, float("nan")
+        optimiser = torch.optim.Adam(params, lr=lr)
+        good = [p.detach().clone() for p in params]
+        taken, value = 0, float("nan")
+        with torch.enable_grad():
+            for _ in range(steps):
+                optimiser.zero_grad(set_to_none=True)
+                try:
+                    obj = objective()
+                except GPNumericalError:
+                    obj = None
+                if obj is None or not bool(torch.isfinite(obj)):
+                    break
+                grads = torch.autograd.grad(-obj, params, allow_unused=True)
+                if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+                    break
+                with torch.no_grad():
+                    good = [p.detach().clone() for p in params]
+                for i, (p, g) in enumerate(zip(params, grads)):
+                    p.grad = g if g is None or not grad_masks or i not in grad_masks else g * grad_masks[i]
+                value = float(obj.detach())
+                optimiser.step()
+                taken += 1
+        with torch.no_grad():
+            try:  # the last step itself must leave a usable state
+                obj = objective()
+                ok = bool(torch.isfinite(obj))
+            except GPNumericalError:
+                ok = False
+            if not ok:
+                for p, g in zip(params, good):
+                    p.copy_(g)
+            for p in params:
+                p.grad = None
+        return taken, value
+
+    def _uses_analytic_e_step(self) -> bool:
+        return self.analytic_e_step and isinstance(self.likelihood, GaussianLikelihood)
+
+    def _e_step(self, x, ys, mask, priors, scale: float) -> int:
+        if self._uses_analytic_e_step():
+            self._analytic_e_step(x, ys, mask, priors)
+            return 0
+        params = [self._q_mean(q) for q in range(self.num_latents)] + \
+                 [self._q_chol_raw(q) for q in range(self.num_latents)]
+        steps, _ = self._adam(params, lambda: self._bound(x, ys, mask, priors)[0] * scale,
+                              self.variational_steps, self.variational_lr)
+        self._cache = None
+        return steps
+
+    def _mixing_rows_learned(self) -> torch.Tensor:
+        """(P, 1) 1 where row d of A is learned in this update. 'first': only channels with no observation in
+        earlier updates (num_observed_t grows at the end of an update). The old data's information is held in
+        q(u) for the old A (p(y_old | u) ~ q_old(u) / p(u) assumes A_old), so moving the row of a channel already
+        seen would move its old map with no data to say so: the forgetting that 'always' (the paper) allows."""
+        p = self.output_dims
+        if not self.mixing_raw.requires_grad or self.mixing_learning == "never":
+            return torch.zeros(p, 1, dtype=torch.float64, device=self.device)
+        if self.mixing_learning == "always":
+            return torch.ones(p, 1, dtype=torch.float64, device=self.device)
+        return (self.num_observed_t == 0).to(torch.float64)[:, None]
+
+    def _hyper_parameters(self) -> tuple[list[nn.Parameter], dict[int, torch.Tensor]]:
+        params = [p for k in self.kernels for p in k.parameters() if p.requires_grad]
+        masks = {}
+        rows = self._mixing_rows_learned()
+        if bool(rows.any()):
+            masks[len(params)] = rows.expand_as(self.mixing_raw)
+            params.append(self.mixing_raw)
+        params += [p for p in self.likelihood.parameters() if p.requires_grad]
+        return params, masks
+
+    # ------------------------------------------------------------------ inducing inputs
+    def _select_inducing(self, q: int, x: torch.Tensor) -> torch.Tensor:
+        """New Z_q. While the budget allows, every old point is kept (first, in order: nothing of q_old is lost)
+        and batch points are added greedily by their residual variance given Z_old; when more are needed than
+        the budget holds, the set moves: pivoted Cholesky over [Z_old; X] (old points listed first keep ties)."""
+        z_old = self.z(q)
+        kernel = self.kernels[q]
+        budget = int(self.config.num_inducing)
+        with torch.no_grad():
+            prior_diag = kernel.diag(x)
+            if z_old.shape[0] == 0:
+                idx, _ = pivoted_cholesky(kernel, prior_diag, x, budget, self.inducing_rel_tol)
+                return x[torch.sort(idx).values]
+            L = self._chol_K(kernel, z_old)
+            V = _tril_solve(L, kernel(z_old, x))
+            residual = (prior_diag - (V * V).sum(0)).clamp_min(0.0)
+            scale = float(prior_diag.max().clamp_min(1e-300))
+            room = budget - z_old.shape[0]
+            if float(residual.max()) > self.inducing_rel_tol * scale:
+                def conditional(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                    va = _tril_solve(L, kernel(z_old, a))
+                    vb = _tril_solve(L, kernel(z_old, b))
+                    return kernel(a, b) - va.T @ vb
+                # Same absolute threshold as the plain selection: rel_tol times the largest prior variance.
+                rel = self.inducing_rel_tol * scale / float(residual.max())
+                idx, _ = pivoted_cholesky(conditional, residual, x, max(room, 0) + 1, rel)
+            else:
+                idx = torch.zeros(0, dtype=torch.long, device=x.device)
+            if idx.numel() <= room:
+                return torch.cat([z_old, x[torch.sort(idx).values]])
+            cand = torch.cat([z_old, x])
+            idx, _ = pivoted_cholesky(kernel, kernel.diag(cand), cand, budget, self.inducing_rel_tol)
+            return cand[torch.sort(idx).values]
+
+    def _initialise_mixing(self, ys: torch.Tensor, mask: torch.Tensor) -> None:
+        """Start A at the principal directions of the first batch's (standardised) channels and each latent's
+        variance at its eigenvalue, so that B starts at the best rank-Q fit of the empirical channel covariance
+        (gradient steps from an arbitrary A often stall in a poor local optimum of the LMC)."""
+        full = mask.all(1)
+        if int(full.sum()) <= self.output_dims:
+            return
+        with torch.no_grad():
+            yc = ys[full] - ys[full].mean(0)
+            evals, evecs = torch.linalg.eigh(yc.T @ yc / yc.shape[0])
+            k = min(self.num_latents, self.output_dims)
+            order = torch.argsort(evals, descending=True)[:k]
+            self.mixing_raw[:, :k] = evecs[:, order]
+            for q in range(k):
+                main = _stationary_part(self.kernels[q])
+                if main is not None:
+                    main.variance_param.set(evals[order[q]].clamp_min(1e-3 * float(evals.max())))
+
+    # ------------------------------------------------------------------ update
+    def update(self, x, y, mode: str | None = None) -> dict:
+        """Condition on a batch: x (N, D), y (N, P) with NaN for missing channels. mode: 'full' (variational
+        EM with hyperparameter learning), 'fast' (E-step only) or None (every full_update_every-th is full)."""
+        start = time.perf_counter()
+        if mode not in (None, "fast", "full"):
+            raise ValueError(f"update mode must be 'fast', 'full' or None, got {mode!r}")
+        xt = self._check_x(x)
+        yt, mask = self._check_y(y, xt.shape[0], allow_missing=True)
+        if mode is None:
+            mode = "full" if self.num_updates % self.config.full_update_every == 0 else "fast"
+        rows = mask.any(1)
+        xt, yt, mask = xt[rows], yt[rows], mask[rows]
+        stats: dict = {"mode": mode, "n_batch": int(rows.shape[0]), "n_rows": int(xt.shape[0]),
+                       "n_observed": [int(c) for c in mask.sum(0)], "z_moved": 0, "hyper_steps": 0,
+                       "variational_steps": 0, "bound": float("nan"), "continual": False}
+        if xt.shape[0] > 0:
+            with torch.no_grad():
+                self._update_standardisation(yt, mask)
+            ys = self._standardise(yt, mask)
+            first = self.num_updates == 0
+            if first and mode == "full" and self.config.learn_hyperparameters and bool(self._mixing_rows_learned().all()):
+                self._initialise_mixing(ys, mask)
+            old = None if first else [self.latent_posterior(q) for q in range(self.num_latents)]
+            priors: list[ContinualPrior | None] = []
+            for q in range(self.num_latents):
+                z_new = self._select_inducing(q, xt)
+                if not torch.equal(z_new, self.z(q)):
+                    stats["z_moved"] += 1
+                if old is None:
+                    priors.append(None)
+                    # Warm start at the prior N(0, K).
+                    self._set_q(q, z_new, z_new.new_zeros(z_new.shape[0]), self._chol_K(self.kernels[q], z_new))
+                else:
+                    prior = self._continual_prior(old[q], z_new)
+                    priors.append(prior)
+                    # Warm start at q~ (the old posterior carried to the new inducing inputs).
+                    self._set_q(q, z_new, prior.chol_old @ prior.mean_w, prior.chol_old @ prior.cov_chol_w)
+            scale = 1.0 / float(mask.sum())
+            stats["variational_steps"] += self._e_step(xt, ys, mask, priors, scale)
+            if mode == "full" and self.config.learn_hyperparameters and self.config.hyper_steps > 0:
+                hyper, masks = self._hyper_parameters()
+                if self._uses_analytic_e_step():
+                    # q(u) at its exact optimum for the current hyperparameters (differentiable): the M-step
+                    # climbs the bound maximised over q, not a slice of it at a stale q.
+                    def objective() -> torch.Tensor:
+                        return self._bound(xt, ys, mask, priors, given=self._optimal_q(xt, ys, mask, priors))[0] * scale
+                else:
+                    def objective() -> torch.Tensor:
+                        return self._bound(xt, ys, mask, priors, detach_q=True)[0] * scale
+                for _ in range(self.vem_iterations):
+                    taken, _ = self._adam(hyper, objective, self.config.hyper_steps, self.config.hyper_lr, masks)
+                    stats["hyper_steps"] += taken
+                    stats["variational_steps"] += self._e_step(xt, ys, mask, priors, scale)
+            with torch.no_grad():
+                value, _ = self._bound(xt, ys, mask, priors)
+                stats["bound"] = float(value - self._jacobian(mask))
+                self.num_seen_t += int(xt.shape[0])
+                self.num_observed_t += mask.sum(0)
+                self.num_updates_t += 1
+            stats["continual"] = not first
+            self._refresh_cache()
+        stats.update({"seconds": time.perf_counter() - start, "num_seen": self.num_seen,
+                      "num_inducing": self.num_inducing})
+        return stats
+
+    # ------------------------------------------------------------------ prediction
+    def _refresh_cache(self) -> None:
+        with torch.no_grad():
+            cache = []
+            for q in range(self.num_latents):
+                z = self.z(q)
+                if z.shape[0] == 0:
+                    cache.append(None)
+                    continue
+                L_K = self._chol_K(self.kernels[q], z)
+                m_w = _tril_solve(L_K, self._q_mean(q).detach()[:, None])[:, 0]
+                L_w = _tril_solve(L_K, self._chol_S(q, detach=True))
+                cache.append((L_K, m_w, L_w))
+            self._cache = cache
+
+    def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Standardised mean and variance (N, P) of f at checked inputs."""
+        if self._cache is None:
+            self._refresh_cache()
+        means, variances = [], []
+        for q in range(self.num_latents):
+            kernel = self.kernels[q]
+            kxx = kernel.diag(x)
+            entry = self._cache[q]
+            if entry is None:
+                means.append(torch.zeros_like(kxx))
+                variances.append(kxx)
+                continue
+            L_K, m_w, L_w = entry
+            V = _tril_solve(L_K, kernel(self.z(q), x))
+            LtV = L_w.T @ V
+            means.append(V.T @ m_w)
+            variances.append((kxx - (V * V).sum(0) + (LtV * LtV).sum(0)).clamp_min(0.0))
+        A = self.mixing
+        return torch.stack(means, 1) @ A.T, torch.stack(variances, 1) @ (A * A).T
+
+    def predict(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and variance (G, P) of the latent f at x, in the original target units."""
+        xt = self._check_x(x)
+        with torch.no_grad():
+            mean, var = self._latent(xt)
+            return mean * self.y_std + self.y_mean, var * self.y_std ** 2
+
+    def log_predictive_density(self, x, y) -> torch.Tensor:
+        """log p(y*|x*) (N, P) in the original units (includes the Jacobian of the standardisation)."""
+        xt = self._check_x(x)
+        yt, mask = self._check_y(y, xt.shape[0], allow_missing=False)
+        with torch.no_grad():
+            mean, var = self._latent(xt)
+            lpd = self.likelihood.log_predictive_density(self._standardise(yt, mask), mean, var)
+            if self.likelihood.standardise_targets:
+                lpd = lpd - torch.log(self.y_std)
+            return lpd
+
+    def extra_repr(self) -> str:
+        return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, num_latents={self.num_latents}, "
+                f"num_inducing={self.num_inducing}/{self.config.num_inducing}")
