@@ -4,11 +4,15 @@ State: inducing inputs Z (M x D), dual parameters a (M x P) and B (P x M x M), k
 hyperparameters. q(u) = N(m, S) with m = K (K+B)^{-1} a and S = K (K+B)^{-1} K, K = K_ZZ + jitter I, and
 
     E[f(x)]   = k_x^T (K+B)^{-1} a
-    Var[f(x)] = k(x,x) - k_x^T K^{-1} k_x + k_x^T (K+B)^{-1} k_x,
+    Var[f(x)] = k(x,x) - k_x^T K^{-1} k_x + k_x^T (K+B)^{-1} k_x.
 
-evaluated through L = chol(K) and R = chol(I + L^{-1} B L^{-T}); chol(K+B) = L R, and I + L^{-1}BL^{-T} has
-every eigenvalue >= 1, so only K can ever need more jitter. The P outputs are independent latent GPs that
-share Z and the kernel; each has its own likelihood parameter (noise variance).
+Numerics: the duals are stored whitened by L = chol(K): a_w = L^{-1} a and W = L^{-1} B L^{-T} (``a`` and
+``B`` are available as properties). chol(K + B) = L R with R = chol(I + W); I + W has every eigenvalue >= 1,
+so only K can ever need more jitter. B itself grows like (number of data) / (noise variance) while K is
+ill-conditioned, so moving B between inducing sets or hyperparameters in raw form (A_p^T B A_p) and
+whitening it afterwards loses every digit; in whitened form the same move is G^T W G with G = L_old^{-1} C
+L_new^{-T}, which is close to the identity. The P outputs are independent latent GPs that share Z and the
+kernel; each has its own likelihood parameter (noise variance).
 
 Bookkeeping (every datum seen contributes exactly once):
     a = a_old + sum_{i held} k_i lambda1_i,     B = B_old + sum_{i held} lambda2_i k_i k_i^T
@@ -39,16 +43,22 @@ Sites stay fixed during the steps. When theta changes, held data's contributions
 k_i (their sites are per datum), while the old part is kept fixed as a pseudo-likelihood on u = f(Z): its
 natural parameters K^{-1} a_old and K^{-1} B_old K^{-1} (eqs. 14-17: ytilde_u, Sigma_u) do not depend on theta,
 so a_old <- K_new K_old^{-1} a_old and B_old <- K_new K_old^{-1} B_old K_old^{-1} K_new, the same A_p transport
-as a move of Z (A_p = K_old^{-1} K_new). This is exact for a change of signal variance (k_i and K scale
-together), where keeping (a_old, B_old) fixed, as the reference code does, is not. After the steps the held
-sites are refitted under the new hyperparameters (n_steps BLR steps) before any is folded into the old part.
+as a move of Z (A_p = K_old^{-1} Cov(u_old, u_new)). This is exact for a change of signal variance (k_i and
+K scale together), where keeping (a_old, B_old) fixed, as the reference code does, is not. After the steps
+the held sites are refitted under the new hyperparameters (n_steps BLR steps) before any is folded.
 
 Inducing inputs: a fixed grid, or pivoted Cholesky over [Z; X_batch] in every full update (Z listed first,
 so ties keep existing points), stopping at num_inducing points or when no candidate's residual prior variance
 exceeds 1e-4 of the largest, so the number of inducing points starts small (a few for a first batch along a
 short stretch of path) and grows up to num_inducing as the robot explores; no point ever duplicates another.
-When Z changes, (a_old, B_old) are projected with A_p = K_old^{-1} K_{old,new} (eq. 27); held data need no
-projection (recomputed exactly).
+When Z is full, re-selection only exchanges points: the batch point with the largest residual variance
+replaces the most redundant inducing point (smallest variance given the others) while that increases the
+smallest residual variance: Z changes only where the batch is poorly covered, because every change
+projects the old part with A_p = K_old^{-1} K_{old,new} (eq. 27), a Nystrom step that loses what the new
+columns cannot represent (growing Z loses nothing: kept points are carried exactly). Held data need no
+projection (recomputed exactly). Z is not trained by gradient on the dual-fixed objective (the authors'
+magnetometer script does): a move of Z that projects old information away lowers the KL term by more than
+the scaled memory term notices, and on the Solin et al. data the map diverged (RMSE 45-50 uT).
 
 Modes: 'fast' conditions on the batch with hyperparameters and Z frozen, one dual step (exact for the
 Gaussian likelihood): O(N M^2 + M^3). The batch is held as pending, so the next full update treats all data
@@ -63,7 +73,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import time
 from typing import Iterator
 
@@ -72,7 +81,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
-from .inducing import DEFAULT_REL_TOL, grid_points, pivoted_cholesky, project_duals, projection_matrix
+from .inducing import DEFAULT_REL_TOL, grid_points, pivoted_cholesky
 from .kernels import GPNumericalError, build_kernel, jittered_cholesky
 from .likelihoods import build_likelihood
 
@@ -96,11 +105,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _sym(W: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (W + W.transpose(-1, -2))
+
+
+def _site_sums(V: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whitened site sums (V lambda1 (M, P), V diag(lambda2) V^T (P, M, M)) for V = L^{-1} K_ZX (M, N)."""
+    a_w = V @ lam1
+    W = torch.einsum("mn,np,kn->pmk", V, lam2, V)
+    return a_w, _sym(W)
+
+
 class DualSVGP(nn.Module):
     """Online dual-parameter SVGP with bounded memory. See the module docstring for the method."""
 
     #: buffers whose size changes as data arrive (resized on load_state_dict)
-    RESIZABLE = ("Z", "a", "B", "a_old", "B_old", "mem_x", "mem_y", "mem_lam1", "mem_lam2", "mem_logkey",
+    RESIZABLE = ("Z", "a_w", "W", "a_w_old", "W_old", "mem_x", "mem_y", "mem_lam1", "mem_lam2", "mem_logkey",
                  "pend_x", "pend_y", "pend_lam1", "pend_lam2", "rng_state")
 
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int, *,
@@ -127,10 +147,10 @@ class DualSVGP(nn.Module):
             z0 = torch.zeros(0, d, **f64)
         m = z0.shape[0]
         self.register_buffer("Z", z0)
-        self.register_buffer("a", torch.zeros(m, p, **f64))
-        self.register_buffer("B", torch.zeros(p, m, m, **f64))
-        self.register_buffer("a_old", torch.zeros(m, p, **f64))
-        self.register_buffer("B_old", torch.zeros(p, m, m, **f64))
+        self.register_buffer("a_w", torch.zeros(m, p, **f64))
+        self.register_buffer("W", torch.zeros(p, m, m, **f64))
+        self.register_buffer("a_w_old", torch.zeros(m, p, **f64))
+        self.register_buffer("W_old", torch.zeros(p, m, m, **f64))
         self.register_buffer("jitter_t", torch.tensor(float(config.jitter), **f64))
         self.register_buffer("z_fixed", torch.tensor(z_fixed))
         self.register_buffer("y_mean", torch.zeros(p, **f64))
@@ -171,6 +191,21 @@ class DualSVGP(nn.Module):
     def jitter(self) -> float:
         return float(self.jitter_t)
 
+    @property
+    def a(self) -> torch.Tensor:
+        """Dual parameter a = sum_i k_i beta_i ytilde_i (M, P), standardised units."""
+        with torch.no_grad():
+            return self._chol_K() @ self.a_w if self.num_inducing else self.a_w.clone()
+
+    @property
+    def B(self) -> torch.Tensor:
+        """Dual parameter B = sum_i beta_i k_i k_i^T (P, M, M), standardised units."""
+        with torch.no_grad():
+            if not self.num_inducing:
+                return self.W.clone()
+            L = self._chol_K()
+            return L @ self.W @ L.T
+
     # ------------------------------------------------------------------ torch.nn.Module plumbing
     def _apply(self, fn, *args, **kwargs):
         self._cache = None  # cached factors live on the old device
@@ -192,10 +227,7 @@ class DualSVGP(nn.Module):
     # ------------------------------------------------------------------ input checking
     def _to_tensor(self, value, name: str) -> torch.Tensor:
         if isinstance(value, torch.Tensor):
-            if value.dtype == torch.bool or value.is_complex() or not (value.is_floating_point()
-                                                                       or value.dtype in (torch.int8, torch.int16,
-                                                                                          torch.int32, torch.int64,
-                                                                                          torch.uint8)):
+            if value.dtype == torch.bool or value.is_complex():
                 raise ModelInputError(f"{name} must hold real numbers, got dtype {value.dtype}")
             return value.detach().to(device=self.device, dtype=torch.float64)
         try:
@@ -250,21 +282,13 @@ class DualSVGP(nn.Module):
         self.standardised.fill_(True)
 
     # ------------------------------------------------------------------ linear algebra
-    def _chol_K(self) -> torch.Tensor:
-        """chol(K_ZZ + jitter I); the jitter escalates (and stays) if needed."""
-        kzz = self.kernel(self.Z, self.Z)
-        factor, used = jittered_cholesky(kzz, self.jitter)
+    def _chol_K(self, z: torch.Tensor | None = None) -> torch.Tensor:
+        """chol(K_ZZ + jitter I) (for ``z``, default Z); the jitter escalates (and stays) if needed."""
+        z = self.Z if z is None else z
+        factor, used = jittered_cholesky(self.kernel(z, z), self.jitter)
         if used > self.jitter:
             self.jitter_t.fill_(used)
         return factor
-
-    @staticmethod
-    def _whiten(L: torch.Tensor, a: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(L^{-1} a, L^{-1} B L^{-T})."""
-        a_w = torch.linalg.solve_triangular(L, a, upper=False)
-        LiB = torch.linalg.solve_triangular(L, B, upper=False)
-        W = torch.linalg.solve_triangular(L, LiB.transpose(-1, -2), upper=False)
-        return a_w, 0.5 * (W + W.transpose(-1, -2))
 
     @staticmethod
     def _posterior(a_w: torch.Tensor, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,13 +309,9 @@ class DualSVGP(nn.Module):
         var = kxx[:, None] - (V * V).sum(0)[:, None] + explained
         return mean, var.clamp_min(0.0), explained
 
-    @staticmethod
-    def _site_sums(K_zx: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum_i k_i lambda1_i (M, P), sum_i lambda2_i k_i k_i^T (P, M, M))."""
-        a = K_zx @ lam1
-        B = torch.einsum("mn,np,kn->pmk", K_zx, lam2, K_zx)
-        return a, 0.5 * (B + B.transpose(-1, -2))
+    def _features(self, L: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """V = L^{-1} K_Zx (M, N)."""
+        return torch.linalg.solve_triangular(L, self.kernel(self.Z, x), upper=False)
 
     def _refresh_cache(self) -> None:
         """Factors for prediction, always computed from the stored state (so a reload predicts identically)."""
@@ -300,8 +320,7 @@ class DualSVGP(nn.Module):
                 self._cache = None
                 return
             L = self._chol_K()
-            a_w, W = self._whiten(L, self.a, self.B)
-            R, c = self._posterior(a_w, W)
+            R, c = self._posterior(self.a_w, self.W)
             self._cache = (L, R, c)
 
     def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,8 +332,7 @@ class DualSVGP(nn.Module):
         if self._cache is None:
             self._refresh_cache()
         L, R, c = self._cache
-        V = torch.linalg.solve_triangular(L, self.kernel(self.Z, x), upper=False)
-        mean, var, _ = self._marginals(V, R, c, kxx)
+        mean, var, _ = self._marginals(self._features(L, x), R, c, kxx)
         return mean, var
 
     # ------------------------------------------------------------------ public prediction API
@@ -336,43 +354,9 @@ class DualSVGP(nn.Module):
                 lpd = lpd - torch.log(self.y_std)
             return lpd
 
-    # ------------------------------------------------------------------ site fitting
-    def _fit_sites(self, L: torch.Tensor, K_zh: torch.Tensor, kxx: torch.Tensor, y: torch.Tensor,
-                   lam1: torch.Tensor, lam2: torch.Tensor, fresh: torch.Tensor, n_steps: int, rho: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Damped BLR steps on the held data's sites (eq. 23), the old part fixed.
-
-        ``fresh`` marks data without a site yet (lambda = 0): their first step is undamped.
-        Returns the new sites and V = L^{-1} K_ZH.
-        """
-        a_w_old, W_old = self._whiten(L, self.a_old, self.B_old)
-        V = torch.linalg.solve_triangular(L, K_zh, upper=False)
-        for step in range(n_steps):
-            a_w = a_w_old + V @ lam1
-            W = W_old + torch.einsum("mn,np,kn->pmk", V, lam2, V)
-            R, c = self._posterior(a_w, 0.5 * (W + W.transpose(-1, -2)))
-            mean, var, _ = self._marginals(V, R, c, kxx)
-            new1, new2 = self.likelihood.dual_sites(y, mean, var)
-            r = torch.full((y.shape[0], 1), float(rho), dtype=y.dtype, device=y.device)
-            if step == 0:
-                r[fresh] = 1.0
-            lam1 = (1.0 - r) * lam1 + r * new1
-            lam2 = (1.0 - r) * lam2 + r * new2
-        return lam1, lam2, V
-
-    def _leverage(self, L: torch.Tensor, V: torch.Tensor, kxx: torch.Tensor, lam1: torch.Tensor,
-                  lam2: torch.Tensor, V_q: torch.Tensor, kxx_q: torch.Tensor, lam2_q: torch.Tensor
-                  ) -> torch.Tensor:
-        """Bayesian leverage scores (eq. 30) of the points with features V_q under the posterior with sites
-        (V, lam1, lam2) plus the old part: beta_i k_i^T K^{-1} S K^{-1} k_i, summed over outputs."""
-        a_w_old, W_old = self._whiten(L, self.a_old, self.B_old)
-        W = W_old + torch.einsum("mn,np,kn->pmk", V, lam2, V)
-        R, c = self._posterior(a_w_old + V @ lam1, 0.5 * (W + W.transpose(-1, -2)))
-        _, _, explained = self._marginals(V_q, R, c, kxx_q)
-        return (lam2_q * explained).sum(1)
-
     def leverage_scores(self, x, y) -> torch.Tensor:
-        """Bayesian leverage scores (N,) of (x, y) under the current posterior (sites at the current q)."""
+        """Bayesian leverage scores (N,) of (x, y) under the current posterior (sites at the current q):
+        beta_i k_i^T K^{-1} S K^{-1} k_i (eq. 30), summed over outputs."""
         xt = self._check_x(x)
         yt = self._standardise(self._check_y(y, xt.shape[0]))
         with torch.no_grad():
@@ -380,43 +364,69 @@ class DualSVGP(nn.Module):
                 return torch.zeros(xt.shape[0], dtype=xt.dtype, device=xt.device)
             self._refresh_cache()
             L, R, c = self._cache
-            V = torch.linalg.solve_triangular(L, self.kernel(self.Z, xt), upper=False)
-            mean, var, explained = self._marginals(V, R, c, self.kernel.diag(xt))
+            mean, var, explained = self._marginals(self._features(L, xt), R, c, self.kernel.diag(xt))
             _, lam2 = self.likelihood.dual_sites(yt, mean, var)
             return (lam2 * explained).sum(1)
 
+    # ------------------------------------------------------------------ site fitting
+    def _fit_sites(self, V: torch.Tensor, kxx: torch.Tensor, y: torch.Tensor, lam1: torch.Tensor,
+                   lam2: torch.Tensor, fresh: torch.Tensor, n_steps: int, rho: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Damped BLR steps (eq. 23) on the held data's sites, the old part fixed; V = L^{-1} K_ZH.
+
+        ``fresh`` marks data without a site yet (lambda = 0): their first step is undamped.
+        """
+        for step in range(n_steps):
+            a_h, W_h = _site_sums(V, lam1, lam2)
+            R, c = self._posterior(self.a_w_old + a_h, self.W_old + W_h)
+            mean, var, _ = self._marginals(V, R, c, kxx)
+            new1, new2 = self.likelihood.dual_sites(y, mean, var)
+            r = torch.full((y.shape[0], 1), float(rho), dtype=y.dtype, device=y.device)
+            if step == 0:
+                r[fresh] = 1.0
+            lam1 = (1.0 - r) * lam1 + r * new1
+            lam2 = (1.0 - r) * lam2 + r * new2
+        return lam1, lam2
+
     # ------------------------------------------------------------------ state changes
-    def _recompute_totals(self) -> None:
-        """a, B = old part + held (memory and pending) contributions at the current Z and hyperparameters."""
+    def _recompute_totals(self, L: torch.Tensor) -> None:
+        """Whitened totals = old part + held (memory and pending) contributions at the current Z and theta."""
         hx = torch.cat([self.mem_x, self.pend_x])
-        a_h, B_h = self._site_sums(self.kernel(self.Z, hx), torch.cat([self.mem_lam1, self.pend_lam1]),
-                                   torch.cat([self.mem_lam2, self.pend_lam2]))
-        self.a = self.a_old + a_h
-        self.B = self.B_old + B_h
+        a_h, W_h = _site_sums(self._features(L, hx), torch.cat([self.mem_lam1, self.pend_lam1]),
+                              torch.cat([self.mem_lam2, self.pend_lam2]))
+        self.a_w = self.a_w_old + a_h
+        self.W = self.W_old + W_h
 
-    def _transport_old_part(self, L_old: torch.Tensor, cross: torch.Tensor) -> None:
-        """Move (a_old, B_old) to a new prior: A_p = K_old^{-1} cross with cross = Cov(u_old, u_new)."""
-        if self.a_old.shape[0] == 0:
-            self.a_old = self.a_old.new_zeros(cross.shape[1], self.output_dims)
-            self.B_old = self.B_old.new_zeros(self.output_dims, cross.shape[1], cross.shape[1])
+    def _transport_old_part(self, L_old: torch.Tensor, cross: torch.Tensor, L_new: torch.Tensor) -> None:
+        """Carry the old part to a new prior: a <- A_p^T a, B <- A_p^T B A_p with A_p = K_old^{-1} cross,
+        cross = Cov(u_old, u_new); whitened, G = L_old^{-1} cross L_new^{-T}."""
+        m_new = L_new.shape[0]
+        if self.a_w_old.shape[0] == 0:
+            self.a_w_old = self.a_w_old.new_zeros(m_new, self.output_dims)
+            self.W_old = self.W_old.new_zeros(self.output_dims, m_new, m_new)
             return
-        A = projection_matrix(L_old, cross)
-        self.a_old, self.B_old = project_duals(self.a_old, self.B_old, A)
+        G = torch.linalg.solve_triangular(L_new, torch.linalg.solve_triangular(L_old, cross, upper=False).T,
+                                          upper=False).T
+        self.a_w_old = G.T @ self.a_w_old
+        self.W_old = _sym(G.T @ self.W_old @ G)
 
-    def _cross_with_jitter(self, z_old: torch.Tensor, z_new: torch.Tensor) -> torch.Tensor:
-        # Identical points keep their dual exactly: K_old's jitter belongs to the covariance of u with itself.
+    def _cross(self, z_old: torch.Tensor, z_new: torch.Tensor) -> torch.Tensor:
+        # Identical points keep their dual exactly: the jitter belongs to the covariance of u with itself.
         same = (z_old[:, None, :] == z_new[None, :, :]).all(-1)
         return self.kernel(z_old, z_new) + self.jitter * same.to(z_old.dtype)
 
-    def _move_inducing(self, z_new: torch.Tensor) -> None:
-        """Set Z, projecting the old part (held data are recomputed by the caller)."""
-        if self.num_inducing > 0:
-            L_old = self._chol_K()
-            self._transport_old_part(L_old, self._cross_with_jitter(self.Z, z_new))
-        else:
-            self._transport_old_part(self.Z.new_zeros(0, 0), self.Z.new_zeros(0, z_new.shape[0]))
+    def _move_inducing(self, z_new: torch.Tensor) -> torch.Tensor:
+        """Set Z, projecting the old part; returns the new chol(K). Held data are the caller's."""
+        L_old = self._chol_K() if self.num_inducing else None
+        cross = self._cross(self.Z, z_new)
         self.Z = z_new.clone()
         self.jitter_t.fill_(float(self.config.jitter))
+        L_new = self._chol_K()
+        if L_old is None:
+            self._transport_old_part(L_new[:0, :0], cross, L_new)
+        else:
+            self._transport_old_part(L_old, cross, L_new)
+        return L_new
 
     def set_inducing_points(self, z, fixed: bool = True) -> None:
         """Use these inducing inputs (old part projected onto them); ``fixed`` stops re-selection."""
@@ -424,9 +434,9 @@ class DualSVGP(nn.Module):
         if zt.shape[0] == 0:
             raise ModelInputError("z must hold at least one inducing point")
         with torch.no_grad():
-            self._move_inducing(zt)
+            L = self._move_inducing(zt)
             self.z_fixed.fill_(bool(fixed))
-            self._recompute_totals()
+            self._recompute_totals(L)
         self._refresh_cache()
 
     @contextlib.contextmanager
@@ -438,50 +448,73 @@ class DualSVGP(nn.Module):
         yield
         with torch.no_grad():
             if L_old is not None:
-                self._transport_old_part(L_old, self._cross_with_jitter(self.Z, self.Z))
-                self._recompute_totals()
+                L_new = self._chol_K()
+                self._transport_old_part(L_old, L_new @ L_new.T, L_new)
+                self._recompute_totals(L_new)
         self._refresh_cache()
 
     def _reselect_inducing(self, bx: torch.Tensor) -> bool:
-        cand = torch.cat([self.Z, bx])
-        idx, _ = pivoted_cholesky(self.kernel, self.kernel.diag(cand), cand, self.config.num_inducing,
-                                  self.inducing_rel_tol)
-        m_old = self.num_inducing
-        if idx.numel() == m_old and bool((idx < m_old).all()):
-            return False
-        self._move_inducing(cand[idx])
-        return True
+        """Grow Z by pivoted Cholesky over [Z; batch] while below num_inducing; once full, exchange points
+        (see the module docstring). Returns whether Z changed."""
+        m_max, m_old = self.config.num_inducing, self.num_inducing
+        if m_old < m_max:
+            cand = torch.cat([self.Z, bx])
+            idx, _ = pivoted_cholesky(self.kernel, self.kernel.diag(cand), cand, m_max, self.inducing_rel_tol)
+            if idx.numel() == m_old and bool((idx < m_old).all()):
+                return False
+            self._move_inducing(cand[idx])
+            return True
+        z = self.Z.clone()
+        L = self._chol_K()
+        Kinv = torch.cholesky_inverse(L)
+        changed = False
+        for _ in range(bx.shape[0]):
+            # Residual variance of each batch point given Z, and of each z_j given the other inducing points.
+            V = torch.linalg.solve_triangular(L, self.kernel(z, bx), upper=False)
+            resid = self.kernel.diag(bx) - (V * V).sum(0)
+            loo = 1.0 / torch.diagonal(Kinv)
+            i, j = int(torch.argmax(resid)), int(torch.argmin(loo))
+            if not float(resid[i]) > float(loo[j]) * (1.0 + 1e-9):
+                break
+            z[j] = bx[i]
+            L, _ = jittered_cholesky(self.kernel(z, z), self.jitter)
+            Kinv = torch.cholesky_inverse(L)
+            changed = True
+        if changed:
+            self._move_inducing(z)
+        return changed
 
     # ------------------------------------------------------------------ hyperparameters
     def _hyper_parameters(self) -> list[nn.Parameter]:
-        return [p for p in list(self.kernel.parameters()) + list(self.likelihood.parameters())]
+        return list(self.kernel.parameters()) + list(self.likelihood.parameters())
 
-    def _hyper_objective(self, L0, a_w0, W0, hx, hy, lam1, lam2, weights) -> torch.Tensor:
-        """Dual-fixed objective l(theta) (sites fixed, old part fixed on u = f(Z))."""
-        L = self._chol_K()
-        G = torch.linalg.solve_triangular(L0, L, upper=False)  # L0^{-1} L: transport of the old part
-        V = torch.linalg.solve_triangular(L, self.kernel(self.Z, hx), upper=False)
-        a_w = G.T @ a_w0 + V @ lam1
-        W = G.T @ W0 @ G + torch.einsum("mn,np,kn->pmk", V, lam2, V)
-        R, c = self._posterior(a_w, 0.5 * (W + W.transpose(-1, -2)))
+    def _hyper_objective(self, L0, z0, z, hx, hy, lam1, lam2, weights) -> torch.Tensor:
+        """Dual-fixed objective l(theta, Z): held sites fixed, the old part fixed as a pseudo-likelihood on
+        u_0 = f(Z_0) and carried to u = f(Z) by A_p = K_0^{-1} Cov(u_0, u) (whitened: G = L0^{-1} C L^{-T})."""
+        L = self._chol_K(z)
+        G = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L0, self._cross(z0, z),
+                                                                           upper=False).T, upper=False).T
+        V = torch.linalg.solve_triangular(L, self.kernel(z, hx), upper=False)
+        a_h, W_h = _site_sums(V, lam1, lam2)
+        R, c = self._posterior(G.T @ self.a_w_old + a_h, _sym(G.T @ self.W_old @ G) + W_h)
         mean, var, _ = self._marginals(V, R, c, self.kernel.diag(hx))
         data = (self.likelihood.expected_log_lik(hy, mean, var) * weights[:, None]).sum()
         eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
         R_inv = torch.linalg.solve_triangular(R, eye.expand_as(R), upper=False)
         mean_w = torch.linalg.solve_triangular(R.transpose(-1, -2), c[..., None], upper=True)[..., 0]
+        # KL[q || p] = 1/2 [log|K+B|/|K| + tr((K+B)^{-1} K) - M + a^T (K+B)^{-1} K (K+B)^{-1} a]
         kl = (torch.log(torch.diagonal(R, dim1=-2, dim2=-1)).sum()
               + 0.5 * ((R_inv * R_inv).sum() - R.shape[0] * R.shape[-1] + (mean_w * mean_w).sum()))
         return data - kl
 
     def _learn_hyperparameters(self, hx, hy, lam1, lam2, weights) -> tuple[int, float]:
-        """Adam steps on l(theta); returns (steps taken, final objective per datum). The old part is transported
-        to the new prior at the end; held contributions are the caller's."""
+        """Adam steps on l(theta); returns (steps, final objective per datum). At the end the old part is
+        carried to the new prior; held contributions are the caller's."""
         params = self._hyper_parameters()
         if not params or self.config.hyper_steps == 0:
             return 0, 0.0
-        with torch.no_grad():
-            L0 = self._chol_K()
-            a_w0, W0 = self._whiten(L0, self.a_old, self.B_old)
+        z = self.Z
+        L0 = self._chol_K()
         optimiser = torch.optim.Adam(params, lr=self.config.hyper_lr)
         scale = 1.0 / max(1.0, float(weights.sum()))
         good = [p.detach().clone() for p in params]
@@ -490,7 +523,7 @@ class DualSVGP(nn.Module):
             for _ in range(self.config.hyper_steps):
                 optimiser.zero_grad()
                 try:
-                    objective = self._hyper_objective(L0, a_w0, W0, hx, hy, lam1, lam2, weights) * scale
+                    objective = self._hyper_objective(L0, z, z, hx, hy, lam1, lam2, weights) * scale
                 except GPNumericalError:
                     objective = None
                 if objective is None or not bool(torch.isfinite(objective)):
@@ -508,11 +541,12 @@ class DualSVGP(nn.Module):
                 steps += 1
         with torch.no_grad():
             try:
-                self._chol_K()
+                L_new = self._chol_K()
             except GPNumericalError:
                 for p, g in zip(params, good):
                     p.copy_(g)
-            self._transport_old_part(L0, self._cross_with_jitter(self.Z, self.Z))
+                L_new = self._chol_K()
+            self._transport_old_part(L0, self._cross(z, z), L_new)
         return steps, value
 
     # ------------------------------------------------------------------ memory
@@ -526,9 +560,9 @@ class DualSVGP(nn.Module):
         w = w + 1e-12 * float(w.max())  # every point keeps a chance, so k distinct picks always exist
         return torch.multinomial(w, k, replacement=False, generator=self._generator)
 
-    def _reservoir(self, n_batch: int, cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A-Res keys for the candidates; returns (keys of candidates, indices into [memory; candidates] kept)."""
-        k = cand.shape[0]
+    def _reservoir(self, n_batch: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A-Res keys for k candidates standing for n_batch data; returns (their keys, indices into
+        [memory; candidates] that stay)."""
         weight = n_batch / max(k, 1)
         u = torch.rand(k, generator=self._generator, dtype=torch.float64).clamp_min(1e-300)
         keys = (torch.log(u) / weight).to(self.device)
@@ -576,18 +610,16 @@ class DualSVGP(nn.Module):
             # Nothing to condition on yet: inducing inputs from this batch (no old part to project).
             idx, _ = pivoted_cholesky(self.kernel, self.kernel.diag(x), x, self.config.num_inducing,
                                       self.inducing_rel_tol)
-            self._move_inducing(x[idx])
-            self._recompute_totals()
+            self._recompute_totals(self._move_inducing(x[idx]))
             z_moved = 1
         self._refresh_cache()
         L, R, c = self._cache
-        K_zx = self.kernel(self.Z, x)
-        V = torch.linalg.solve_triangular(L, K_zx, upper=False)
+        V = self._features(L, x)
         mean, var, _ = self._marginals(V, R, c, self.kernel.diag(x))
         lam1, lam2 = self.likelihood.dual_sites(ys, mean, var)  # one undamped dual step
-        a_n, B_n = self._site_sums(K_zx, lam1, lam2)
-        self.a = self.a + a_n
-        self.B = self.B + B_n
+        a_n, W_n = _site_sums(V, lam1, lam2)
+        self.a_w = self.a_w + a_n
+        self.W = self.W + W_n
         self.pend_x = torch.cat([self.pend_x, x])
         self.pend_y = torch.cat([self.pend_y, ys])
         self.pend_lam1 = torch.cat([self.pend_lam1, lam1])
@@ -596,10 +628,10 @@ class DualSVGP(nn.Module):
         excess = self.pend_x.shape[0] - self.max_pending
         if excess > 0:
             # Oldest pending points leave: their sites go to the old part (totals unchanged).
-            a_f, B_f = self._site_sums(self.kernel(self.Z, self.pend_x[:excess]), self.pend_lam1[:excess],
-                                       self.pend_lam2[:excess])
-            self.a_old = self.a_old + a_f
-            self.B_old = self.B_old + B_f
+            a_f, W_f = _site_sums(self._features(L, self.pend_x[:excess]), self.pend_lam1[:excess],
+                                  self.pend_lam2[:excess])
+            self.a_w_old = self.a_w_old + a_f
+            self.W_old = self.W_old + W_f
             for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2"):
                 setattr(self, name, getattr(self, name)[excess:])
             folded = excess
@@ -608,11 +640,10 @@ class DualSVGP(nn.Module):
     def _full_update(self, x: torch.Tensor, ys: torch.Tensor) -> dict:
         cfg = self.config
         n_pend, n_mem = self.pend_x.shape[0], self.mem_x.shape[0]
-        p = self.output_dims
         # The batch: pending points (with sites) and the new points (without).
         bx = torch.cat([self.pend_x, x])
         by = torch.cat([self.pend_y, ys])
-        zeros = x.new_zeros(x.shape[0], p)
+        zeros = x.new_zeros(x.shape[0], self.output_dims)
         n_b = bx.shape[0]
         z_moved = 0
         if not bool(self.z_fixed):
@@ -625,8 +656,8 @@ class DualSVGP(nn.Module):
         fresh[n_mem + n_pend:] = True
         kxx = self.kernel.diag(hx)
         L = self._chol_K()
-        K_zh = self.kernel(self.Z, hx)
-        lam1, lam2, V = self._fit_sites(L, K_zh, kxx, hy, lam1, lam2, fresh, cfg.n_steps, cfg.rho)
+        V = self._features(L, hx)
+        lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, fresh, cfg.n_steps, cfg.rho)
         steps, objective = 0, 0.0
         if cfg.learn_hyperparameters and cfg.hyper_steps > 0:
             n_old = self.num_seen - n_pend  # data seen before this batch
@@ -637,41 +668,42 @@ class DualSVGP(nn.Module):
             if steps:
                 kxx = self.kernel.diag(hx)
                 L = self._chol_K()
-                K_zh = self.kernel(self.Z, hx)
-                lam1, lam2, V = self._fit_sites(L, K_zh, kxx, hy, lam1, lam2,
-                                                torch.zeros_like(fresh), cfg.n_steps, cfg.rho)
+                V = self._features(L, hx)
+                lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, torch.zeros_like(fresh), cfg.n_steps,
+                                             cfg.rho)
         # Memory: candidates from the batch, then the reservoir over old members and candidates.
         k = min(cfg.memory_per_batch, n_b) if cfg.memory_size > 0 else 0
         if k > 0:
             if cfg.memory_selection == "leverage":
-                scores = self._leverage(L, V, kxx, lam1, lam2, V[:, n_mem:], kxx[n_mem:], lam2[n_mem:])
+                a_h, W_h = _site_sums(V, lam1, lam2)
+                R, c = self._posterior(self.a_w_old + a_h, self.W_old + W_h)
+                _, _, explained = self._marginals(V[:, n_mem:], R, c, kxx[n_mem:])
+                scores = (lam2[n_mem:] * explained).sum(1)  # Bayesian leverage score, eq. 30
             else:
                 scores = torch.ones(n_b, dtype=torch.float64, device=self.device)
             cand = self._draw_candidates(scores, k).to(self.device)
-            keys, keep = self._reservoir(n_b, cand)
+            keys, keep = self._reservoir(n_b, k)
         else:
             cand = torch.zeros(0, dtype=torch.long, device=self.device)
             keys = torch.zeros(0, dtype=torch.float64, device=self.device)
-            keep = torch.arange(n_mem, device=self.device) if cfg.memory_size > 0 else \
-                torch.zeros(0, dtype=torch.long, device=self.device)
+            keep = torch.arange(n_mem if cfg.memory_size > 0 else 0, device=self.device)
         # Positions in the held arrays: memory 0..n_mem-1, candidates n_mem + cand.
         pool = torch.cat([torch.arange(n_mem, device=self.device), n_mem + cand])
         pool_keys = torch.cat([self.mem_logkey, keys])
         kept = pool[keep]
-        stays = torch.zeros(hx.shape[0], dtype=torch.bool, device=self.device)
-        stays[kept] = True
-        leave = ~stays
-        a_f, B_f = self._site_sums(K_zh[:, leave], lam1[leave], lam2[leave])
-        self.a_old = self.a_old + a_f
-        self.B_old = self.B_old + B_f
+        leave = torch.ones(hx.shape[0], dtype=torch.bool, device=self.device)
+        leave[kept] = False
+        a_f, W_f = _site_sums(V[:, leave], lam1[leave], lam2[leave])
+        self.a_w_old = self.a_w_old + a_f
+        self.W_old = self.W_old + W_f
         self.mem_x, self.mem_y = hx[kept], hy[kept]
         self.mem_lam1, self.mem_lam2 = lam1[kept], lam2[kept]
         self.mem_logkey = pool_keys[keep]
         for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2"):
             setattr(self, name, getattr(self, name)[:0])
-        a_m, B_m = self._site_sums(K_zh[:, kept], self.mem_lam1, self.mem_lam2)
-        self.a = self.a_old + a_m
-        self.B = self.B_old + B_m
+        a_m, W_m = _site_sums(V[:, kept], self.mem_lam1, self.mem_lam2)
+        self.a_w = self.a_w_old + a_m
+        self.W = self.W_old + W_m
         return {"z_moved": z_moved, "hyper_steps": steps, "objective": objective, "folded": int(leave.sum())}
 
     def extra_repr(self) -> str:

@@ -13,6 +13,9 @@ from torch import nn
 
 # The largest diagonal jitter, relative to the mean of the matrix diagonal, tried before giving up.
 MAX_RELATIVE_JITTER = 1e-1
+# A factor whose smallest squared pivot is below this (relative to the mean diagonal) is rounding noise of
+# a singular matrix (LAPACK accepts any positive pivot): treated as a failure, so the jitter escalates.
+MIN_RELATIVE_PIVOT = 1e-13
 
 
 class GPNumericalError(ArithmeticError):
@@ -200,16 +203,25 @@ def jittered_cholesky(matrix: torch.Tensor, jitter: float, max_jitter: float | N
     scale = float(matrix.diagonal(dim1=-2, dim2=-1).abs().mean().detach().clamp_min(1e-300))
     cap = MAX_RELATIVE_JITTER * scale if max_jitter is None else float(max_jitter)
     eye = torch.eye(m, dtype=matrix.dtype, device=matrix.device)
+    floor = MIN_RELATIVE_PIVOT * scale
+
+    def attempt(a: torch.Tensor) -> torch.Tensor | None:
+        factor, info = torch.linalg.cholesky_ex(a)
+        if bool((info != 0).any()):
+            return None
+        pivots = factor.diagonal(dim1=-2, dim2=-1).detach()
+        return factor if bool(((pivots * pivots) > floor).all()) else None
+
     current = float(jitter)
     if current <= 0.0:
         # Try the matrix as it is first, then escalate from a tiny relative jitter.
-        factor, info = torch.linalg.cholesky_ex(matrix)
-        if not bool((info != 0).any()):
+        factor = attempt(matrix)
+        if factor is not None:
             return factor, 0.0
         current = 1e-12 * scale
     while True:
-        factor, info = torch.linalg.cholesky_ex(matrix + current * eye)
-        if not bool((info != 0).any()):
+        factor = attempt(matrix + current * eye)
+        if factor is not None:
             return factor, current
         if current >= cap:
             raise GPNumericalError(f"Cholesky factorisation failed even with jitter {current:.3g} "

@@ -1,0 +1,476 @@
+"""The dual SVGP engine against independent implementations: the exact GP, the Titsias (2009) optimal q(u)
+written out directly, ridge leverage scores, the exact log marginal likelihood; plus memory,
+state round trips, degenerate data and bad input."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gp_mapping.config import ConfigError, ModelConfig
+from gp_mapping.gp import DualSVGP, ModelInputError, build_model
+
+torch.set_num_threads(1)
+
+
+def make(d: int = 2, p: int = 1, **kw) -> DualSVGP:
+    kw.setdefault("device", "cpu")
+    return build_model(ModelConfig(**kw), d, p)
+
+
+def field(x: np.ndarray) -> np.ndarray:
+    return np.sin(1.3 * x[:, 0]) * np.cos(0.9 * x[:, 1]) + 0.3 * x[:, 0]
+
+
+def kmat(model: DualSVGP, x1, x2) -> np.ndarray:
+    with torch.no_grad():
+        return model.kernel(torch.as_tensor(x1, dtype=torch.float64),
+                            torch.as_tensor(x2, dtype=torch.float64)).numpy()
+
+
+def standardised(model: DualSVGP, y: np.ndarray) -> np.ndarray:
+    return (y.reshape(len(y), -1) - model.y_mean.numpy()) / model.y_std.numpy()
+
+
+def titsias(model: DualSVGP, z, x, y, xs, noise=None):
+    """Optimal sparse posterior (Titsias 2009) in the model's standardised units, by the direct formula,
+    returned in original units: mean = s^-2 K_*z Sigma K_zx y, var = k** - Q** + K_*z Sigma K_z*."""
+    noise = float(model.likelihood.noise_variance[0]) if noise is None else noise
+    kzz, kzx, ksz = kmat(model, z, z), kmat(model, z, x), kmat(model, xs, z)
+    sigma = np.linalg.inv(kzz + model.jitter * np.eye(len(z)) + kzx @ kzx.T / noise)
+    ys = standardised(model, y)[:, 0]
+    mean = ksz @ sigma @ kzx @ ys / noise
+    kzz_j = kzz + model.jitter * np.eye(len(z))
+    var = (np.diag(kmat(model, xs, xs)) - np.einsum("ij,ji->i", ksz, np.linalg.solve(kzz_j, ksz.T))
+           + np.einsum("ij,jk,ki->i", ksz, sigma, ksz.T))
+    s, m = float(model.y_std[0]), float(model.y_mean[0])
+    return mean * s + m, var * s * s
+
+
+def rel_err(got, want) -> float:
+    got = got.detach().numpy().reshape(-1) if isinstance(got, torch.Tensor) else np.asarray(got).reshape(-1)
+    want = np.asarray(want).reshape(-1)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def data(n: int, seed: int = 0, lo: float = 0.0, hi: float = 4.0, noise: float = 0.1):
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(lo, hi, (n, 2))
+    return x, field(x) + noise * rng.standard_normal(n)
+
+
+FIXED = dict(learn_hyperparameters=False, jitter=0.0, lengthscale=0.9, noise_variance=0.05)
+
+
+# ----------------------------------------------------------------------------------------------- 1. exact GP
+def test_inducing_at_every_input_gives_the_exact_gp_posterior():
+    x, y = data(40)
+    xs, _ = data(25, seed=1)
+    model = make(**FIXED, memory_size=0)
+    model.set_inducing_points(x)
+    model.update(x, y)
+    k = kmat(model, x, x)
+    ks = kmat(model, xs, x)
+    noise = float(model.likelihood.noise_variance[0])
+    ys = standardised(model, y)[:, 0]
+    A = k + noise * np.eye(40)
+    s, m = float(model.y_std[0]), float(model.y_mean[0])
+    mean = ks @ np.linalg.solve(A, ys) * s + m
+    var = (np.diag(kmat(model, xs, xs)) - np.einsum("ij,ji->i", ks, np.linalg.solve(A, ks.T))) * s * s
+    got_mean, got_var = model.predict(xs)
+    assert got_mean.shape == (25, 1) and got_var.dtype == torch.float64
+    assert rel_err(got_mean, mean) < 1e-8
+    assert rel_err(got_var, var) < 1e-8
+
+
+# ----------------------------------------------------------------------------------------------- 2. Titsias
+def test_one_undamped_step_gives_the_titsias_optimal_q():
+    x, y = data(60)
+    z = x[::4]
+    model = make(**FIXED, rho=1.0, n_steps=1, memory_size=0)
+    model.set_inducing_points(z)
+    model.update(x, y)
+    noise = float(model.likelihood.noise_variance[0])
+    kzz, kzx = kmat(model, z, z), kmat(model, z, x)
+    ys = standardised(model, y)[:, 0]
+    sigma = np.linalg.inv(kzz + kzx @ kzx.T / noise)
+    m_direct = kzz @ sigma @ kzx @ ys / noise
+    S_direct = kzz @ sigma @ kzz
+    a, B = model.a.numpy()[:, 0], model.B.numpy()[0]
+    K = kzz + model.jitter * np.eye(len(z))
+    m_dual = K @ np.linalg.solve(K + B, a)
+    S_dual = K @ np.linalg.solve(K + B, K)
+    assert rel_err(m_dual, m_direct) < 1e-8
+    assert rel_err(S_dual, S_direct) < 1e-8
+    xs, _ = data(30, seed=2)
+    mean, var = model.predict(xs)
+    t_mean, t_var = titsias(model, z, x, y, xs)
+    assert rel_err(mean, t_mean) < 1e-8 and rel_err(var, t_var) < 1e-8
+
+
+# ----------------------------------------------------------------------------------------------- 3. streaming
+@pytest.mark.parametrize("memory_size,per_batch,selection", [(10_000, 5, "leverage"), (4, 3, "leverage"),
+                                                             (6, 4, "random"), (0, 5, "leverage")])
+def test_streaming_equals_the_batch_posterior_without_double_counting(memory_size, per_batch, selection):
+    x, y = data(90, seed=4)
+    z = x[::6]
+    model = make(**FIXED, rho=0.5, n_steps=2, memory_size=memory_size, memory_per_batch=per_batch,
+                 memory_selection=selection)
+    model.set_inducing_points(z)
+    xs, _ = data(30, seed=5)
+    for i in range(0, 90, 15):
+        stats = model.update(x[i:i + 15], y[i:i + 15])
+        assert stats["memory_size"] <= memory_size
+        t_mean, t_var = titsias(model, z, x[:i + 15], y[:i + 15], xs)
+        mean, var = model.predict(xs)
+        assert rel_err(mean, t_mean) < 1e-8, f"after batch {i // 15}"
+        assert rel_err(var, t_var) < 1e-8
+    assert model.num_seen == 90
+    assert model.memory_size == min(memory_size, 6 * per_batch)
+
+
+def test_fast_updates_then_full_update_equal_the_batch_posterior():
+    x, y = data(80, seed=6)
+    z = x[::5]
+    model = make(**FIXED, full_update_every=3, memory_size=7, memory_per_batch=3)
+    model.set_inducing_points(z)
+    xs, _ = data(20, seed=7)
+    modes = []
+    for i in range(0, 80, 10):
+        stats = model.update(x[i:i + 10], y[i:i + 10])
+        modes.append(stats["mode"])
+        mean, _ = model.predict(xs)
+        assert rel_err(mean, titsias(model, z, x[:i + 10], y[:i + 10], xs)[0]) < 1e-8
+    assert modes == ["full", "fast", "fast"] * 2 + ["full", "fast"]
+    assert model.update(x[:5], y[:5], mode="fast")["pending"] == 15
+
+
+# ----------------------------------------------------------------------------------------------- 4. leverage
+def test_bayesian_leverage_equals_ridge_leverage_for_a_gaussian_likelihood():
+    x, y = data(30, seed=8)
+    z = x[:10]
+    model = make(**FIXED, rho=1.0, n_steps=1, memory_size=0)
+    model.set_inducing_points(z)
+    model.update(x, y)
+    noise = float(model.likelihood.noise_variance[0])
+    L = np.linalg.cholesky(kmat(model, z, z))
+    phi = np.linalg.solve(L, kmat(model, z, x)).T  # rows: whitened features of the linear model f = phi^T v
+    ridge = np.einsum("ij,jk,ik->i", phi, np.linalg.inv(phi.T @ phi + noise * np.eye(10)), phi)
+    bls = model.leverage_scores(x, y).numpy()
+    np.testing.assert_allclose(bls, ridge, rtol=1e-8)
+
+
+# ----------------------------------------------------------------------------------------------- 5. projection
+def test_moving_z_is_exact_when_the_data_lie_in_the_span():
+    # Data at the old inducing inputs: k(Z_new, x_i) = K_new,old K_old^-1 k(Z_old, x_i) exactly.
+    rng = np.random.default_rng(9)
+    z_old = rng.uniform(0, 4, (25, 2))
+    x = np.repeat(z_old[:12], 3, axis=0)
+    y = field(x) + 0.1 * rng.standard_normal(len(x))
+    model = make(**FIXED, memory_size=0)
+    model.set_inducing_points(z_old)
+    model.update(x, y)
+    z_new = rng.uniform(0, 4, (18, 2))
+    model.set_inducing_points(z_new)
+    xs, _ = data(20, seed=10)
+    mean, var = model.predict(xs)
+    t_mean, t_var = titsias(model, z_new, x, y, xs)
+    assert rel_err(mean, t_mean) < 1e-7 and rel_err(var, t_var) < 1e-7
+
+
+def test_inducing_points_follow_the_robot_into_new_areas_without_duplicates():
+    model = make(learn_hyperparameters=False, num_inducing=40, lengthscale=0.7, memory_size=50)
+    rng = np.random.default_rng(11)
+    t = np.linspace(0, 1, 400)
+    path = np.stack([12 * t, np.sin(6 * t)], 1)  # a 12 m drive, no bounding box given
+    sizes = []
+    for i in range(0, 400, 25):
+        xb = path[i:i + 25] + 0.01 * rng.standard_normal((25, 2))
+        model.update(xb, field(xb))
+        sizes.append(model.num_inducing)
+        assert not torch.isnan(model.Z).any()
+    assert sizes[0] < 40 and sizes[-1] == 40 and sizes == sorted(sizes)
+    z = model.Z.numpy()
+    gaps = np.linalg.norm(z[:, None] - z[None], axis=-1) + np.eye(len(z)) * 1e9
+    assert gaps.min() > 1e-3
+    assert z[:, 0].max() > 10.0  # Z reached the far end of the drive
+    far = path[-40:]
+    mean, var = model.predict(far)
+    assert np.sqrt(np.mean((mean.numpy()[:, 0] - field(far)) ** 2)) < 0.1
+
+
+# ----------------------------------------------------------------------------------------------- 6. likelihoods
+def test_bernoulli_classification_beats_the_prior():
+    rng = np.random.default_rng(12)
+    x = rng.uniform(-3, 3, (500, 2))
+    label = (np.sin(x[:, 0]) + 0.5 * x[:, 1] > 0).astype(float)
+    flip = rng.random(500) < 0.05
+    label[flip] = 1 - label[flip]
+    train, test = slice(0, 300), slice(300, 500)
+    model = make(likelihood="bernoulli", lengthscale=1.5, signal_variance=4.0, num_inducing=60, rho=0.8,
+                 n_steps=4, hyper_steps=10, hyper_lr=0.03, memory_per_batch=10)
+    prior_nlpd = float(-model.log_predictive_density(x[test], label[test]).mean())
+    for i in range(0, 300, 50):
+        model.update(x[train][i:i + 50], label[train][i:i + 50])
+    mean, _ = model.predict(x[test])
+    accuracy = float(np.mean((mean.numpy()[:, 0] > 0) == (label[test] > 0.5)))
+    nlpd = float(-model.log_predictive_density(x[test], label[test]).mean())
+    assert prior_nlpd == pytest.approx(math.log(2), rel=1e-9)
+    assert accuracy > 0.85
+    assert nlpd < 0.6 * prior_nlpd
+
+
+def test_student_t_map_ignores_spikes_that_bias_a_gaussian_map():
+    rng = np.random.default_rng(13)
+    x = rng.uniform(0, 4, (400, 2))
+    clean = field(x) + 0.1 * rng.standard_normal(400)
+    spiked = clean.copy()
+    hit = rng.random(400) < 0.06
+    spiked[hit] += 2.0  # 20 noise standard deviations, one-sided: a Gaussian map is pulled up
+    grid = np.stack(np.meshgrid(np.linspace(0.3, 3.7, 12), np.linspace(0.3, 3.7, 12)), -1).reshape(-1, 2)
+    truth = field(grid)
+
+    def rmse(likelihood, y):
+        model = make(likelihood=likelihood, learn_hyperparameters=False, lengthscale=1.0, noise_variance=0.02,
+                     num_inducing=64, rho=0.7, n_steps=6, memory_per_batch=20)
+        for i in range(0, 400, 50):
+            model.update(x[i:i + 50], y[i:i + 50])
+        mean, _ = model.predict(grid)
+        return float(np.sqrt(np.mean((mean.numpy()[:, 0] - truth) ** 2)))
+
+    gauss_clean, gauss_spiked = rmse("gaussian", clean), rmse("gaussian", spiked)
+    t_spiked = rmse("student_t", spiked)
+    assert gauss_spiked > 3 * gauss_clean  # the spikes bias the Gaussian map
+    assert t_spiked < 1.5 * gauss_clean  # the Student-t map stays where the clean data put it
+    assert t_spiked < 0.4 * gauss_spiked
+
+
+# ----------------------------------------------------------------------------------------------- 7. hyperparameters
+def exact_log_marginal(model: DualSVGP, x, y) -> float:
+    ys = standardised(model, y)[:, 0]
+    A = kmat(model, x, x) + float(model.likelihood.noise_variance[0]) * np.eye(len(x))
+    L = np.linalg.cholesky(A)
+    alpha = np.linalg.solve(L, ys)
+    return float(-0.5 * alpha @ alpha - np.log(np.diag(L)).sum() - 0.5 * len(x) * math.log(2 * math.pi))
+
+
+def test_online_hyperparameters_raise_the_marginal_likelihood_and_find_the_lengthscale():
+    # A field that M = 100 inducing points resolve (a sparse bound with too few points prefers longer
+    # lengthscales and more noise than the exact marginal likelihood does, whatever the engine).
+    rng = np.random.default_rng(14)
+    n, true_ls = 400, 1.0
+    x = rng.uniform(0, 4, (n, 2))
+    truth = make(kernel="matern52", constant_kernel=False, lengthscale=true_ls, learn_hyperparameters=False)
+    f = np.linalg.cholesky(kmat(truth, x, x) + 1e-8 * np.eye(n)) @ rng.standard_normal(n)
+    y = 3.0 + 2.0 * f + 0.5 * rng.standard_normal(n)
+    model = make(kernel="matern52", lengthscale=2.0, num_inducing=100, hyper_steps=40, hyper_lr=0.05,
+                 memory_size=200, memory_per_batch=20)
+    model.update(x[:50], y[:50], mode="fast")  # fixes the standardisation without learning anything
+    before = exact_log_marginal(model, x, y)
+    for i in range(50, n, 50):
+        model.update(x[i:i + 50], y[i:i + 50], mode="full")
+    after = exact_log_marginal(model, x, y)
+    ls = model.kernel.parts[0].lengthscale.detach().numpy()
+    assert after > before + 20
+    np.testing.assert_allclose(ls, [true_ls, true_ls], rtol=0.2)
+
+
+def test_objective_with_all_data_held_is_the_collapsed_titsias_bound():
+    x, y = data(60, seed=15)
+    z = x[::4]
+    model = make(**FIXED, memory_size=10_000, memory_per_batch=30)
+    model.set_inducing_points(z)
+    model.update(x[:30], y[:30])
+    model.update(x[30:], y[30:])
+    assert model.memory_size == 60
+    with torch.no_grad():
+        weights = torch.ones(60, dtype=torch.float64)
+        value = float(model._hyper_objective(model._chol_K(), model.Z, model.Z, model.mem_x, model.mem_y,
+                                             model.mem_lam1, model.mem_lam2, weights))
+    noise = float(model.likelihood.noise_variance[0])
+    kzz = kmat(model, z, z)
+    ys, xm = model.mem_y.numpy()[:, 0], model.mem_x.numpy()
+    q = kmat(model, xm, z) @ np.linalg.solve(kzz, kmat(model, z, xm))
+    A = q + noise * np.eye(60)
+    sign, logdet = np.linalg.slogdet(A)
+    bound = (-0.5 * ys @ np.linalg.solve(A, ys) - 0.5 * logdet - 30 * math.log(2 * math.pi)
+             - 0.5 * (np.trace(kmat(model, xm, xm)) - np.trace(q)) / noise)
+    assert value == pytest.approx(bound, rel=1e-9)
+
+
+def test_signal_variance_change_keeps_the_old_part_exact():
+    # The old part is carried as a pseudo-likelihood on u: exact when K and every k_i scale together.
+    x, y = data(50, seed=16)
+    z = x[::3]
+    model = make(**FIXED, constant_kernel=False, memory_size=0)
+    model.set_inducing_points(z)
+    model.update(x, y)
+    with model.hyperparameter_change():
+        model.kernel.variance_param.set(3.7)
+    xs, _ = data(20, seed=17)
+    mean, var = model.predict(xs)
+    t_mean, t_var = titsias(model, z, x, y, xs)
+    assert rel_err(mean, t_mean) < 1e-8 and rel_err(var, t_var) < 1e-8
+
+
+# ----------------------------------------------------------------------------------------------- memory
+def test_memory_is_bounded_and_represents_the_whole_stream():
+    counts = np.zeros(40)
+    for seed in range(12):
+        model = make(learn_hyperparameters=False, memory_size=40, memory_per_batch=4, memory_selection="random",
+                     num_inducing=8, seed=seed)
+        for b in range(40):
+            xb = np.column_stack([np.full(10, float(b)), np.arange(10.0)]) * 0.01
+            model.update(xb, np.arange(10.0) + b)
+            assert model.memory_size == min(40, 4 * (b + 1))
+        origin = np.rint(model.mem_x.numpy()[:, 0] * 100).astype(int)
+        np.add.at(counts, origin, 1)
+    # 480 members over 40 batches: ~120 per quarter of the stream (binomial sd ~9.5); keep-newest or
+    # keep-oldest would leave whole quarters empty.
+    quarters = counts.reshape(4, 10).sum(1)
+    np.testing.assert_allclose(quarters, 120, rtol=0.25)
+
+
+def test_memory_weights_batches_by_their_size():
+    small = large = 0
+    for seed in range(10):
+        model = make(learn_hyperparameters=False, memory_size=30, memory_per_batch=3, memory_selection="random",
+                     num_inducing=8, seed=seed)
+        for b in range(40):
+            n = 6 if b % 2 == 0 else 30
+            xb = np.column_stack([np.full(n, float(b)), np.arange(n)]) * 0.01
+            model.update(xb, np.arange(n, dtype=float))
+        origin = np.rint(model.mem_x.numpy()[:, 0] * 100).astype(int)
+        small += int(np.sum(origin % 2 == 0))
+        large += int(np.sum(origin % 2 == 1))
+    # Large batches hold 5x the data; A-Res weights give them most of the memory.
+    assert large > 2.5 * small
+
+
+# ----------------------------------------------------------------------------------------------- state
+def test_state_dict_round_trip_restores_identical_predictions_and_continuation():
+    x, y = data(200, seed=18)
+    cfg = dict(num_inducing=30, memory_size=25, memory_per_batch=6, hyper_steps=3, full_update_every=2)
+    model = make(**cfg)
+    for i in range(0, 150, 25):
+        model.update(x[i:i + 25], y[i:i + 25])
+    assert model.pend_x.shape[0] > 0 and model.memory_size > 0
+    state = model.state_dict()
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    fresh = make(**cfg)
+    fresh.load_state_dict(state)
+    xs, _ = data(40, seed=19)
+    for a, b in zip(model.predict(xs), fresh.predict(xs)):
+        assert torch.equal(a, b)
+    assert fresh.num_seen == model.num_seen == 150
+    for i in range(150, 200, 25):
+        model.update(x[i:i + 25], y[i:i + 25])
+        fresh.update(x[i:i + 25], y[i:i + 25])
+    for a, b in zip(model.predict(xs), fresh.predict(xs)):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------- robustness
+@pytest.mark.parametrize("likelihood", ["gaussian", "student_t", "bernoulli"])
+def test_degenerate_data_never_gives_nan(likelihood):
+    model = make(likelihood=likelihood, hyper_steps=5)
+    one = np.array([[1.0, 2.0]])
+    yv = (lambda n: np.ones(n)) if likelihood == "bernoulli" else (lambda n: np.full(n, 47.0))
+    batches = [(one, yv(1)), (np.repeat(one, 30, 0), yv(30)), (np.repeat(one, 5, 0), yv(5) * 0),
+               (np.vstack([one, one + 1e-12]), yv(2))]
+    for xb, yb in batches:
+        stats = model.update(xb, yb)
+        assert all(math.isfinite(v) for v in stats.values() if isinstance(v, float))
+        mean, var = model.predict(np.array([[1.0, 2.0], [5.0, 5.0]]))
+        assert torch.isfinite(mean).all() and torch.isfinite(var).all() and (var >= 0).all()
+    assert model.num_inducing == 1  # coincident (and 1e-12 apart) points never become duplicate inducing points
+
+
+def test_singular_inducing_set_escalates_jitter_and_reports_it():
+    model = make(jitter=0.0, learn_hyperparameters=False)
+    z = np.repeat(np.array([[0.0, 0.0], [1.0, 1.0], [2.0, 0.5]]), 2, axis=0)  # duplicated rows: K singular
+    model.set_inducing_points(z)
+    x, y = data(50, lo=0.0, hi=2.0)
+    stats = model.update(x, y)
+    assert stats["jitter"] > 0.0
+    mean, var = model.predict(x)
+    assert torch.isfinite(mean).all() and torch.isfinite(var).all()
+
+
+def test_bad_input_raises_model_input_error_and_empty_batch_is_a_no_op():
+    model = make()
+    x, y = data(10)
+    for bad_x, bad_y, match in [(x[:, :1], y, r"shape \(N, 2\)"), (x, y[:5], "rows"),
+                                (np.where(np.eye(10, 2) > 0, np.nan, x), y, "NaN or Inf"),
+                                (x, np.full(10, np.inf), "NaN or Inf"), (np.array([["a", "b"]]), [1.0], "real"),
+                                (x, np.ones((10, 2)), r"shape \(N, 1\)")]:
+        with pytest.raises(ModelInputError, match=match):
+            model.update(bad_x, bad_y)
+    with pytest.raises(ModelInputError):
+        model.predict(np.zeros((3, 3)))
+    with pytest.raises(ValueError, match="mode"):
+        model.update(x, y, mode="medium")
+    stats = model.update(np.zeros((0, 2)), np.zeros((0, 1)))
+    assert stats["n_batch"] == 0 and model.num_seen == 0 and stats["mode"] == "full"
+    clf = make(likelihood="bernoulli")
+    with pytest.raises(ModelInputError, match="0 or 1"):
+        clf.update(x, np.full(10, 0.5))
+
+
+def test_prior_before_any_update_and_config_errors():
+    model = make(signal_variance=2.0, constant_variance=0.5)
+    mean, var = model.predict(np.zeros((4, 2)))
+    assert torch.equal(mean, torch.zeros(4, 1, dtype=torch.float64))
+    np.testing.assert_allclose(var.numpy(), 2.5)
+    grid = make(inducing="grid", num_inducing=16)
+    np.testing.assert_allclose(grid.predict(np.ones((2, 2)))[1].numpy(), 2.0, rtol=1e-9)
+    assert model.device == torch.device("cpu")
+    with pytest.raises(ConfigError, match="grid"):
+        make(d=3, inducing="grid")
+    with pytest.raises(ConfigError, match="engine"):
+        build_model({"engine": "nope"}, 2, 1)
+
+
+def test_multiple_outputs_have_their_own_noise_and_match_single_output_models():
+    x, y1 = data(60, seed=20)
+    y2 = 5.0 - 2.0 * y1 + 0.3 * np.random.default_rng(21).standard_normal(60)
+    z = x[::5]
+    multi = make(p=2, **FIXED, memory_size=5)
+    multi.set_inducing_points(z)
+    with multi.hyperparameter_change():
+        multi.likelihood.noise_param.set(torch.tensor([0.05, 0.2], dtype=torch.float64))
+    singles = []
+    for yk, noise in ((y1, 0.05), (y2, 0.2)):
+        single = make(**{**FIXED, "noise_variance": noise}, memory_size=5)
+        single.set_inducing_points(z)
+        singles.append((single, yk))
+    for i in range(0, 60, 20):
+        multi.update(x[i:i + 20], np.column_stack([y1[i:i + 20], y2[i:i + 20]]))
+        for single, yk in singles:
+            single.update(x[i:i + 20], yk[i:i + 20])
+    xs, _ = data(15, seed=22)
+    mean, var = multi.predict(xs)
+    for k, (single, _) in enumerate(singles):
+        m1, v1 = single.predict(xs)
+        assert rel_err(mean[:, k], m1[:, 0]) < 1e-10 and rel_err(var[:, k], v1[:, 0]) < 1e-10
+    assert multi.log_predictive_density(xs, np.zeros((15, 2))).shape == (15, 2)
+
+
+@pytest.mark.gpu
+def test_cuda_predictions_match_cpu_float64():
+    x, y = data(300, seed=23)
+    cpu = make(num_inducing=64, hyper_steps=5)
+    for i in range(0, 300, 50):
+        cpu.update(x[i:i + 50], y[i:i + 50])
+    gpu = make(num_inducing=64, hyper_steps=5, device="cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    assert gpu.device.type == "cuda"
+    xs, _ = data(2000, seed=24)
+    (mc, vc), (mg, vg) = cpu.predict(xs), gpu.predict(xs)
+    # float64 on both: agreement to 1e-9 relative (different BLAS reduction orders only).
+    assert rel_err(mg.cpu(), mc) < 1e-9 and rel_err(vg.cpu(), vc) < 1e-9
+    gpu.update(x[:50], y[:50])
+    cpu.update(x[:50], y[:50])
+    assert rel_err(gpu.predict(xs)[0].cpu(), cpu.predict(xs)[0]) < 1e-6

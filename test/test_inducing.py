@@ -1,0 +1,110 @@
+"""Pivoted Cholesky against an independent brute-force greedy selection; the grid; the projection of duals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gp_mapping.gp.inducing import grid_points, pivoted_cholesky, project_duals, projection_matrix
+from gp_mapping.gp.kernels import Matern52Kernel, RBFKernel, SumKernel, ConstantKernel
+
+
+def _brute_force_greedy(K: np.ndarray, m: int, rel_tol: float) -> list[int]:
+    """Pick, m times, the candidate with the largest conditional variance given the picked ones, by solving
+    the conditional-variance formula from scratch each time (no Cholesky updates)."""
+    chosen: list[int] = []
+    threshold = rel_tol * K.diagonal().max()
+    for _ in range(m):
+        best, best_var = None, -np.inf
+        for c in range(len(K)):
+            if c in chosen:
+                continue
+            if chosen:
+                kc = K[np.ix_(chosen, [c])]
+                var = K[c, c] - (kc.T @ np.linalg.solve(K[np.ix_(chosen, chosen)], kc)).item()
+            else:
+                var = K[c, c]
+            if var > best_var:
+                best, best_var = c, var
+        if best_var <= threshold:
+            break
+        chosen.append(best)
+    return chosen
+
+
+def test_pivoted_cholesky_equals_brute_force_greedy_selection():
+    rng = np.random.default_rng(0)
+    x = torch.tensor(rng.uniform(0, 5, (60, 2)))
+    k = SumKernel(Matern52Kernel(2, lengthscale=0.8), ConstantKernel(2, variance=0.5))
+    with torch.no_grad():
+        idx, R = pivoted_cholesky(k, k.diag(x), x, 15, rel_tol=1e-8)
+        K = k(x, x).numpy()
+    assert idx.tolist() == _brute_force_greedy(K, 15, 1e-8)
+    # R^T R is the Nystrom approximation through the picked points: exact on their rows and columns.
+    approx = (R.T @ R).numpy()
+    sel = idx.numpy()
+    np.testing.assert_allclose(approx[np.ix_(sel, sel)], K[np.ix_(sel, sel)], atol=1e-10)
+    np.testing.assert_allclose(approx[:, sel], K[:, sel], atol=1e-10)
+
+
+def test_pivoted_cholesky_never_picks_duplicates_and_stops_at_the_threshold():
+    base = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    x = torch.cat([base.repeat(5, 1), base + 1e-9])  # 3 distinct places, repeated and jittered
+    k = RBFKernel(2, lengthscale=0.5)
+    with torch.no_grad():
+        idx, _ = pivoted_cholesky(k, k.diag(x), x, 10, rel_tol=1e-6)
+    assert len(idx) == 3
+    assert len({tuple(np.round(x[i].numpy(), 6)) for i in idx.tolist()}) == 3
+    exact_repeats = base.repeat(5, 1)
+    with torch.no_grad():
+        idx, _ = pivoted_cholesky(k, k.diag(exact_repeats), exact_repeats, 10, rel_tol=1e-6)
+    assert sorted(idx.tolist()) == [0, 1, 2]  # exact ties go to the first listed (the current Z in the model)
+
+
+def test_pivoted_cholesky_handles_empty_and_small_inputs():
+    k = RBFKernel(2)
+    empty = torch.zeros(0, 2, dtype=torch.float64)
+    idx, R = pivoted_cholesky(k, k.diag(empty), empty, 5)
+    assert idx.numel() == 0 and R.shape == (0, 0)
+    one = torch.ones(1, 2, dtype=torch.float64)
+    with torch.no_grad():
+        idx, _ = pivoted_cholesky(k, k.diag(one), one, 5)
+    assert idx.tolist() == [0]
+
+
+def test_grid_points_cover_the_box_with_its_aspect():
+    z = grid_points([-2.0, -4.0, 5.0, 2.0], 100).numpy()
+    assert len(z) <= 100 and len(z) >= 90
+    assert z[:, 0].min() == -2.0 and z[:, 0].max() == 5.0 and z[:, 1].min() == -4.0 and z[:, 1].max() == 2.0
+    nx, ny = len(np.unique(z[:, 0])), len(np.unique(z[:, 1]))
+    assert nx * ny == len(z) and nx >= ny  # wider than tall
+    assert len(grid_points([0, 0, 1, 1], 1)) == 1
+    with pytest.raises(ValueError, match="xmin < xmax"):
+        grid_points([1.0, 0.0, 0.0, 1.0], 10)
+
+
+def test_projection_is_exact_when_new_columns_lie_in_the_span_of_the_old():
+    rng = np.random.default_rng(1)
+    k = Matern52Kernel(2, lengthscale=1.0)
+    z_old = torch.tensor(rng.uniform(0, 3, (20, 2)))
+    z_new = torch.tensor(rng.uniform(0, 3, (14, 2)))
+    x = z_old[:9]  # data at old inducing inputs: k(Z_new, x) = K_new,old K_old^-1 k(Z_old, x) exactly
+    beta_y = torch.tensor(rng.standard_normal((9, 2)))
+    beta = torch.tensor(rng.uniform(0.5, 3.0, (9, 2)))
+    with torch.no_grad():
+        def duals(z):
+            kzx = k(z, x)
+            return kzx @ beta_y, torch.einsum("mn,np,kn->pmk", kzx, beta, kzx)
+
+        a_old, B_old = duals(z_old)
+        A = projection_matrix(torch.linalg.cholesky(k(z_old, z_old)), k(z_old, z_new))
+        a_proj, B_proj = project_duals(a_old, B_old, A)
+        a_new, B_new = duals(z_new)
+    np.testing.assert_allclose(a_proj.numpy(), a_new.numpy(), rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(B_proj.numpy(), B_new.numpy(), rtol=1e-7, atol=1e-9)
+    # Data away from the old inputs: the projection is only a Nystrom approximation.
+    x_far = torch.tensor(rng.uniform(3.5, 4.0, (5, 2)))
+    with torch.no_grad():
+        exact = k(z_new, x_far)
+        approx = A.T @ k(z_old, x_far)
+    assert float((exact - approx).abs().max()) > 1e-3
