@@ -143,7 +143,7 @@ def test_analytic_e_step_is_the_optimum_and_matches_dual_posterior():
     assert torch.allclose(m1, m2, rtol=0, atol=1e-7) and torch.allclose(v1, v2, rtol=0, atol=1e-7)
     ls = model.kernels[0].lengthscale.detach().numpy()
     ys = (y[:, 0] - float(model.y_mean)) / float(model.y_std)
-    titsias = titsias_bound(lambda a, b: matern52(a, b, ls, float(model.kernels[0].variance)), x, ys, z,
+    titsias = titsias_bound(lambda a, b: matern52(a, b, ls, float(model.kernels[0].variance.detach())), x, ys, z,
                             float(model.likelihood.noise_variance.detach())) - len(y) * math.log(float(model.y_std))
     assert float(model.elbo(x, y)) == pytest.approx(titsias, rel=1e-7)
     assert stats["bound"] == pytest.approx(titsias, rel=1e-7)
@@ -182,7 +182,7 @@ def test_continual_bound_terms_match_closed_form_with_new_hyperparameters_and_gr
     model = ContinualMOGP(config(learn_hyperparameters=False, num_inducing=8), 1, 2, num_latents=2)
     model.update(x1, y1)
     old = [model.latent_posterior(q) for q in range(2)]
-    old_hyper = [(model.kernels[q].lengthscale.detach().numpy().copy(), float(model.kernels[q].variance))
+    old_hyper = [(model.kernels[q].lengthscale.detach().numpy().copy(), float(model.kernels[q].variance.detach()))
                  for q in range(2)]
     # New hyperparameters and a grown inducing set (old points kept, new ones elsewhere).
     new_hyper = [(np.array([0.8]), 1.7), (np.array([0.3]), 0.6)]
@@ -361,10 +361,11 @@ def test_coregionalisation_recovers_known_mixing():
     """y = A u + noise with A (3 x 2) known and two unit-variance latents of lengthscale 0.5 over [0, 16].
     The latents share their kernel, so A is identifiable only up to a rotation (LMC identifiability): B is
     compared, not A. The realised latents are whitened over the sample (empirical covariance exactly I), so
-    A A^T is also the sample covariance of f; what remains is the error of estimating a prior variance from one
-    realisation 32 lengthscales long (about sqrt(2 / 18) = 0.33 per latent for independent draws; 0.17-0.30 of
-    ||B|| measured over six seeds; correlations off by 0.12-0.23). Tolerance: 0.35 relative Frobenius error (the identity, a B that knows
-    nothing of the mixing, is 0.65 away) and 0.3 on every correlation coefficient."""
+    A A^T is also the sample covariance of f. What remains is the error of estimating a prior variance from
+    one realisation 32 lengthscales long (about sqrt(2 / 18) = 0.33 per latent for independent draws;
+    0.17-0.30 of ||B|| measured over six seeds, correlations off by 0.12-0.23). Tolerance: 0.35 relative
+    Frobenius error (the identity, a B that knows nothing of the mixing, is 0.65 away) and 0.3 on every
+    correlation coefficient."""
     rng = np.random.default_rng(0)
     n = 800
     x = np.sort(rng.uniform(0, 16, (n, 1)), 0)

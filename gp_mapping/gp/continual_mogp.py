@@ -165,7 +165,8 @@ class ContinualMOGP(nn.Module):
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int, *, num_latents: int | None = None,
                  vem_iterations: int | None = None, variational_steps: int | None = None,
                  variational_lr: float | None = None, latent_lengthscale_ratio: float | None = None,
-                 mixing_learning: str | None = None, analytic_e_step: bool = True, inducing_rel_tol: float = DEFAULT_REL_TOL) -> None:
+                 mixing_learning: str | None = None, analytic_e_step: bool = True,
+                 inducing_rel_tol: float = DEFAULT_REL_TOL) -> None:
         super().__init__()
         if isinstance(input_dims, bool) or int(input_dims) < 1:
             raise ValueError(f"input_dims must be >= 1, got {input_dims!r}")
@@ -753,7 +754,8 @@ class ContinualMOGP(nn.Module):
                 self._update_standardisation(yt, mask)
             ys = self._standardise(yt, mask)
             first = self.num_updates == 0
-            if first and mode == "full" and self.config.learn_hyperparameters and bool(self._mixing_rows_learned().all()):
+            learn = mode == "full" and self.config.learn_hyperparameters
+            if first and learn and bool(self._mixing_rows_learned().all()):
                 self._initialise_mixing(ys, mask)
             old = None if first else [self.latent_posterior(q) for q in range(self.num_latents)]
             priors: list[ContinualPrior | None] = []
