@@ -600,7 +600,7 @@ class MapBagWriter:
     """
 
     def __init__(self, path: str | Path, field_unit: str, overwrite: bool = False) -> None:
-        from rosbags.rosbag2 import StoragePlugin, Writer
+        from rosbags.rosbag2 import CompressionFormat, CompressionMode, StoragePlugin, Writer
         from rosbags.typesys import Stores, get_typestore
 
         self.path = Path(path)
@@ -612,6 +612,8 @@ class MapBagWriter:
         self._ts = get_typestore(getattr(Stores, DEFAULT_ROS2_DISTRO))
         # rosbag2 names the storage file after the bag folder, so the metadata inside names the final file.
         self._writer = Writer(self._tmp / self.path.stem, version=9, storage_plugin=StoragePlugin.MCAP)
+        # zstd chunks (MCAP's own compression, read by rosbag2 and rosbags): successive maps are alike.
+        self._writer.set_compression(CompressionMode.STORAGE, CompressionFormat.ZSTD)
         self._writer.open()
         self._conns: dict[str, Any] = {}
 

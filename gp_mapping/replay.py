@@ -278,8 +278,9 @@ def plot_map(path: str | Path, result: ReplayResult) -> Path:
     for ax, name in zip(axes[0], names):
         mean, var = (np.asarray(a, dtype=np.float64) for a in grid.layers[name])
         values = mean[known] if np.any(known) else mean.ravel()
-        norm = Normalize(vmin=float(values.min()), vmax=float(values.max()) if values.max() > values.min()
-                         else float(values.min()) + 1e-12)
+        # The 1st-99th percentile of the known cells: a few extrapolated edge cells must not wash out the rest.
+        lo, hi = (float(v) for v in np.percentile(values, [1.0, 99.0]))
+        norm = Normalize(vmin=lo, vmax=hi if hi > lo else lo + 1e-12)
         rgba = cmap(norm(mean))
         rgba[..., 3] = opacity_from_variance(var, known)
         ax.set_facecolor("0.85")  # unknown cells show as grey
@@ -288,7 +289,8 @@ def plot_map(path: str | Path, result: ReplayResult) -> Path:
             ax.plot(trajectory[:, 0], trajectory[:, 1], color="white", lw=0.6, alpha=0.8)
             ax.plot(trajectory[:, 0], trajectory[:, 1], color="black", lw=0.25, alpha=0.8)
         label = "|B|" if name in ("magnitude", "norm") else f"B{name}"
-        fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, shrink=0.85, label=f"{label} [{unit}]")
+        fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, shrink=0.85, extend="both",
+                     label=f"{label} [{unit}]")
         ax.set_xlabel(f"x [m] ({grid.frame_id})")
         ax.set_ylabel("y [m]")
         ax.set_aspect("equal")
