@@ -34,7 +34,6 @@ POSE_WITH_COVARIANCE = "geometry_msgs/msg/PoseWithCovarianceStamped"
 POSE_TYPES = {POSE_STAMPED: "pose_stamped", ODOMETRY: "odometry", POSE_WITH_COVARIANCE: "pose_with_covariance"}
 # tf2_msgs on ROS 2 and ROS 1; the old tf/tfMessage of ROS 1 has the same layout.
 TF_TYPES = ("tf2_msgs/msg/TFMessage", "tf/msg/tfMessage")
-TF_TOPICS = ("/tf", "/tf_static")
 TF_STATIC_TOPIC = "/tf_static"
 # Message types of a bag without embedded definitions (rosbag2 before Iron) are taken from this ROS release.
 DEFAULT_ROS2_DISTRO = "ROS2_KILTED"
@@ -357,7 +356,10 @@ def choose_pose_source(bag: Bag, *, pose_topic: str | None = None, tf_frames: Se
                              "choose one with --pose-topic (or use --tf PARENT CHILD)")
         if candidates:
             return PoseSource("topic", topic=candidates[0], msgtype=msgtype), None
-    if tf_topics and mag_frame:
+    if tf_topics and not mag_frame:
+        raise NoPoseSourceError(f"no pose topic in {bag.path}, and its magnetometer messages carry no frame_id to "
+                                "look up in /tf; pass --pose-topic TOPIC or --tf PARENT CHILD")
+    if tf_topics:
         buffer = TransformBuffer.from_bag(bag, tf_topics)
         parent, child = _frame(map_frame), _frame(mag_frame)
         if buffer.connected(parent, child):
@@ -453,7 +455,7 @@ class TransformBuffer:
         buffer = cls()
         for topic, bag_time, _, msg in bag.messages(list(topics) if topics else bag.topics_of_type(TF_TYPES)):
             for sample in decode_tf(msg, bag_time):
-                buffer.add(sample, static=topic == TF_STATIC_TOPIC)
+                buffer.add(sample, static=topic.endswith(TF_STATIC_TOPIC))  # also /robot1/tf_static
         buffer.freeze()
         return buffer
 

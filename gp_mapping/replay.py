@@ -7,15 +7,16 @@ Every ``node.publish_period`` seconds of bag time the current map is recorded, a
 the recordings go to ``DIR/maps.mcap`` (a ROS 2 bag for ``ros2 bag play`` and RViz). At the end of the bag
 the final map is written to ``DIR/map.npz`` (arrays only, no pickles) and drawn in ``DIR/map.png``.
 
-Pose source. A pose topic (PoseStamped, Odometry or PoseWithCovarianceStamped) gives the body pose, and the
-config's ``sync.sensor_translation`` / ``sync.sensor_rotation`` place the magnetometer on the body, exactly as
-in the node. With the tf tree (``--tf PARENT CHILD``, or auto-detected from ``grid.frame_id`` to the
+Pose source. A pose topic (PoseStamped, Odometry or PoseWithCovarianceStamped, its type read from the bag, so
+``node.pose_type`` is not needed) gives the body pose, and the config's ``sync.sensor_translation`` /
+``sync.sensor_rotation`` place the magnetometer on the body, exactly as in the node; as in the node, a pose
+whose ``header.frame_id`` is not ``grid.frame_id`` is refused and counted (``pose_frame_mismatch``). With the tf tree (``--tf PARENT CHILD``, or auto-detected from ``grid.frame_id`` to the
 magnetometer's ``header.frame_id``) the chain is looked up at each magnetometer stamp (interpolated, never
 extrapolated, both neighbouring transforms within ``sync.max_pose_gap``). When the chain ends at the
 magnetometer's own frame it already contains the sensor extrinsic, so the replay uses an identity extrinsic
 and says so if the config held another one (applying both would place the sensor twice). When the chain ends
 at another frame (``--tf map base_link`` for a bag whose tf lacks the magnetometer), the config's extrinsic
-applies as with a pose topic.
+applies as with a pose topic. The map is labelled with the chain's parent frame.
 """
 from __future__ import annotations
 
@@ -70,8 +71,15 @@ def _as_config(config: MapperConfig | str | Path | None) -> MapperConfig:
 
 
 def _tf_config(config: MapperConfig, source: bag_io.PoseSource, mag_frame: str, notes: list[str]) -> MapperConfig:
-    """The config to map with: for a tf chain that ends at the magnetometer frame, an identity extrinsic."""
-    if source.kind != "tf" or source.child != mag_frame:
+    """The config to map with along a tf chain: the map lives in the chain's parent frame, and a chain that
+    ends at the magnetometer frame already holds the sensor extrinsic (so the config's is not applied again)."""
+    if source.kind != "tf":
+        return config
+    if source.parent != config.grid.frame_id:
+        notes.append(f"the map is in the tf chain's parent frame '{source.parent}', not the config's grid.frame_id "
+                     f"'{config.grid.frame_id}'")
+        config = dataclasses.replace(config, grid=dataclasses.replace(config.grid, frame_id=source.parent))
+    if source.child != mag_frame:
         return config
     sync = config.sync
     if not bag_io.is_identity_extrinsic(sync.sensor_translation, sync.sensor_rotation):
@@ -113,9 +121,9 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
         config = _tf_config(config, source, mag_frame, notes)
         mapper = Mapper(config)
         topics = [mag_topic] + ([source.topic] if source.kind == "topic" else [])
-        counts: dict[str, Any] = {"mag_messages": 0, "pose_messages": 0, "tf_lookups_failed": 0, "updates": 0,
-                                  "snapshots": 0}
-        pose_frames: set[str] = set()
+        counts: dict[str, Any] = {"mag_messages": 0, "pose_messages": 0, "pose_frame_mismatch": 0,
+                                  "tf_lookups_failed": 0, "updates": 0, "snapshots": 0}
+        other_frames: set[str] = set()
         period, max_gap = float(config.node.publish_period), float(config.sync.max_pose_gap)
         writer = None
         if out is not None:
@@ -139,8 +147,11 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
                     else:
                         counts["pose_messages"] += 1
                         pose = bag_io.decode_pose(msg, msgtype, bag_time_ns)
-                        pose_frames.add(pose.frame_id)
-                        mapper.add_pose(pose.stamp, pose.position, pose.orientation)
+                        if pose.frame_id == config.grid.frame_id:
+                            mapper.add_pose(pose.stamp, pose.position, pose.orientation)
+                        else:  # the node's rule: a pose in another frame is refused (no tf lookup)
+                            counts["pose_frame_mismatch"] += 1
+                            other_frames.add(pose.frame_id)
                     counts["updates"] += len(mapper.process())
                     if writer is None:
                         continue
@@ -168,10 +179,11 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
     if tf_buffer is not None and tf_buffer.rejected:
         notes.append(f"{tf_buffer.rejected} tf transforms were unusable (non-finite, non-unit quaternion, or a "
                      "second parent for a frame) and were left out")
-    other = sorted(pose_frames - {config.grid.frame_id})
-    if other:
-        notes.append(f"poses on {source.topic} are in frame(s) {', '.join(other)}, not grid.frame_id "
-                     f"'{config.grid.frame_id}'; the map is in the pose frame")
+    if other_frames:
+        notes.append(f"{counts['pose_frame_mismatch']} poses on {source.topic} are in frame(s) "
+                     f"{', '.join(repr(f) for f in sorted(other_frames))}, not grid.frame_id "
+                     f"'{config.grid.frame_id}', and were refused as the node refuses them; set grid.frame_id in "
+                     "the config to map in their frame")
     counts["mapper"] = mapper.diagnostics()
     result = ReplayResult(bag_path=bag_path, mag_topic=mag_topic, pose_source=source, mapper=mapper, grid=grid,
                           counts=counts, processing_seconds=processing, bag_duration=bag_duration, files=files,
@@ -206,6 +218,8 @@ def _rejections(diagnostics: dict[str, Any], counts: dict[str, Any]) -> str:
     parts = [f"{k} {v}" for k, v in diagnostics.get("rejected", {}).items() if v]
     if counts.get("tf_lookups_failed"):
         parts.append(f"no tf transform {counts['tf_lookups_failed']}")
+    if counts.get("pose_frame_mismatch"):
+        parts.append(f"poses not in grid.frame_id {counts['pose_frame_mismatch']}")
     return (f"{counts.get('mag_messages', 0)} magnetometer messages, {diagnostics.get('accepted', 0)} accepted; "
             f"rejected: {', '.join(parts) or 'none'}")
 

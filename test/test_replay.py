@@ -470,10 +470,11 @@ def _msgs():
             angular=T["geometry_msgs/msg/Vector3"](x=0.0, y=0.0, z=0.0)), covariance=np.zeros(36))))
 
     def tf(parent, child):
-        return ("tf2_msgs/msg/TFMessage", T["tf2_msgs/msg/TFMessage"](transforms=[T["geometry_msgs/msg/TransformStamped"](
+        transform = T["geometry_msgs/msg/TransformStamped"](
             header=header(parent), child_frame_id=child, transform=T["geometry_msgs/msg/Transform"](
                 translation=T["geometry_msgs/msg/Vector3"](x=1.0, y=0.0, z=0.0),
-                rotation=T["geometry_msgs/msg/Quaternion"](x=0.0, y=0.0, z=0.0, w=1.0)))]))
+                rotation=T["geometry_msgs/msg/Quaternion"](x=0.0, y=0.0, z=0.0, w=1.0)))
+        return ("tf2_msgs/msg/TFMessage", T["tf2_msgs/msg/TFMessage"](transforms=[transform]))
     return mag, stamped, odom, tf
 
 
@@ -579,3 +580,18 @@ def _plain(value):
     if isinstance(value, list):
         return [_plain(v) for v in value]
     return value
+
+
+def test_poses_in_another_frame_are_refused_like_the_node_does(short_bag, tmp_path):
+    from gp_mapping.replay import ReplayError, replay_bag
+
+    config = _fast_config(grid={"frame_id": "odom"})
+    with pytest.raises(ReplayError, match=r"no magnetometer sample .* poses not in grid.frame_id 400"):
+        replay_bag(short_bag, config, out_dir=tmp_path / "out")
+    assert not (tmp_path / "out" / "maps.mcap").exists() and not list((tmp_path / "out").glob(".maps-*"))
+    result = replay_bag(short_bag, config)
+    assert result.grid is None and result.counts["pose_frame_mismatch"] == 400
+    assert any("refused as the node refuses them" in note for note in result.notes)
+    # Along tf the map is in the chain's parent frame, and says so.
+    tf = replay_bag(short_bag, config, tf_frames=("map", "base_link"))
+    assert tf.grid.frame_id == "map" and any("parent frame 'map'" in note for note in tf.notes)
