@@ -179,14 +179,12 @@ class Bag:
         try:
             self._reader = AnyReader([storage], default_typestore=typestore)
             self._reader.open()
-        except (AnyReaderError, OSError, ValueError, KeyError) as err:
-            # rosbags reports an unreadable file through several exception types (reader errors, a missing
-            # metadata file, a malformed header); all of them mean "this is not a bag we can read".
+        except Exception as err:  # noqa: BLE001
+            # rosbags reports an unreadable file through several exception types (its reader errors, a missing
+            # metadata file, a parser error on a corrupt header); all of them mean "not a bag we can read".
+            reason = str(err) if isinstance(err, (AnyReaderError, OSError)) else f"{type(err).__name__}: {err}"
             raise NotABagError(f"{self.path} is not a readable ROS 1 (.bag) or ROS 2 (folder, .mcap, .db3) "
-                               f"bag: {err}") from None
-        except Exception as err:  # noqa: BLE001  - a corrupt file can surface as any parser error
-            raise NotABagError(f"{self.path} is not a readable ROS 1 (.bag) or ROS 2 (folder, .mcap, .db3) "
-                               f"bag: {type(err).__name__}: {err}") from None
+                               f"bag: {reason}") from None
         self.is_ros2 = bool(self._reader.is2)
         self.topics: dict[str, str] = {name: info.msgtype or "" for name, info in self._reader.topics.items()}
         self.counts: dict[str, int] = {name: info.msgcount for name, info in self._reader.topics.items()}
@@ -273,11 +271,6 @@ class Bag:
         for _, _, _, msg in self.messages([topic]):
             return _frame(msg.header.frame_id)
         return ""
-
-
-def open_bag(path: str | Path) -> Bag:
-    """Open a ROS 1 / ROS 2 bag for reading; BagNotFoundError or NotABagError when it cannot be read."""
-    return Bag(path)
 
 
 @dataclass(frozen=True)
