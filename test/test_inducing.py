@@ -108,3 +108,16 @@ def test_projection_is_exact_when_new_columns_lie_in_the_span_of_the_old():
         exact = k(z_new, x_far)
         approx = A.T @ k(z_old, x_far)
     assert float((exact - approx).abs().max()) > 1e-3
+
+
+def test_keep_first_keeps_current_points_and_drops_only_redundant_ones():
+    rng = np.random.default_rng(2)
+    k = Matern52Kernel(2, lengthscale=0.6)
+    z = torch.tensor(rng.uniform(0, 3, (6, 2)))
+    z = torch.cat([z, z[2:3] + 1e-9])  # the last current point is redundant
+    batch = torch.tensor(rng.uniform(0, 6, (30, 2)))
+    cand = torch.cat([z, batch])
+    with torch.no_grad():
+        idx, _ = pivoted_cholesky(k, k.diag(cand), cand, 12, rel_tol=1e-6, keep_first=7)
+    assert idx[:6].tolist() == list(range(6)) and 6 not in idx.tolist()
+    assert len(idx) == 12 and bool((idx[6:] >= 7).all())

@@ -47,9 +47,9 @@ as a move of Z (A_p = K_old^{-1} Cov(u_old, u_new)). This is exact for a change 
 K scale together), where keeping (a_old, B_old) fixed, as the reference code does, is not. After the steps
 the held sites are refitted under the new hyperparameters (n_steps BLR steps) before any is folded.
 
-Inducing inputs: a fixed grid, or pivoted Cholesky over [Z; X_batch] in every full update (Z listed first,
-so ties keep existing points), stopping at num_inducing points or when no candidate's residual prior variance
-exceeds 1e-4 of the largest, so the number of inducing points starts small (a few for a first batch along a
+Inducing inputs: a fixed grid, or pivoted Cholesky over [Z; X_batch] in every full update (the current Z
+kept first, then the greedy search over the batch), stopping at num_inducing points or when no candidate's
+residual prior variance exceeds 1e-4 of the largest, so the number of inducing points starts small (a few for a first batch along a
 short stretch of path) and grows up to num_inducing as the robot explores; no point ever duplicates another.
 When Z is full, re-selection only exchanges points: the batch point with the largest residual variance
 replaces the most redundant inducing point (smallest variance given the others) while that increases the
@@ -459,7 +459,8 @@ class DualSVGP(nn.Module):
         m_max, m_old = self.config.num_inducing, self.num_inducing
         if m_old < m_max:
             cand = torch.cat([self.Z, bx])
-            idx, _ = pivoted_cholesky(self.kernel, self.kernel.diag(cand), cand, m_max, self.inducing_rel_tol)
+            idx, _ = pivoted_cholesky(self.kernel, self.kernel.diag(cand), cand, m_max, self.inducing_rel_tol,
+                                      keep_first=m_old)
             if idx.numel() == m_old and bool((idx < m_old).all()):
                 return False
             self._move_inducing(cand[idx])

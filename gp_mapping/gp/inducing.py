@@ -20,13 +20,15 @@ KernelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def pivoted_cholesky(kernel: KernelFn, diag: torch.Tensor, candidates: torch.Tensor, max_points: int,
-                     rel_tol: float = DEFAULT_REL_TOL) -> tuple[torch.Tensor, torch.Tensor]:
+                     rel_tol: float = DEFAULT_REL_TOL, keep_first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy maximum-residual-variance selection among ``candidates`` (C, D).
 
     ``kernel(x1, x2)`` gives the cross-covariance and ``diag`` (C,) the prior variances of the candidates.
     Returns (indices (m,) in pick order, R (m, C)) where R^T R is the rank-m Nystrom approximation of K_CC.
     Only m kernel columns are evaluated (O(C m) memory), so large first batches are fine. Ties go to the
     lower index, so listing the current Z first keeps it where the new points add nothing.
+    ``keep_first``: the first candidates (the current Z) are picked first, in order, before the greedy search
+    (except one whose residual variance has fallen below the threshold: it is redundant and dropped).
     """
     c = candidates.shape[0]
     max_points = min(int(max_points), c)
@@ -38,11 +40,20 @@ def pivoted_cholesky(kernel: KernelFn, diag: torch.Tensor, candidates: torch.Ten
         threshold = float(rel_tol) * float(d.max())
         picked = torch.zeros(c, dtype=torch.bool, device=candidates.device)
         order: list[int] = []
-        for m in range(max_points):
-            p = int(torch.argmax(torch.where(picked, torch.full_like(d, -math.inf), d)))
-            dp = float(d[p])
-            if not dp > threshold:
+        forced = list(range(min(int(keep_first), c)))
+        for _ in range(c):
+            m = len(order)
+            if m >= max_points:
                 break
+            if forced:
+                p = forced.pop(0)
+                if not float(d[p]) > threshold:
+                    continue
+            else:
+                p = int(torch.argmax(torch.where(picked, torch.full_like(d, -math.inf), d)))
+                if not float(d[p]) > threshold:
+                    break
+            dp = float(d[p])
             column = kernel(candidates, candidates[p:p + 1])[:, 0]
             r = (column - rows[:m].T @ rows[:m, p]) / math.sqrt(dp)
             rows[m] = r
