@@ -22,8 +22,10 @@ $(STAMP): setup.py requirements-dev.txt constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/gp-mapping replay bags/demo --out out
 
+# One torch thread per process: the tests run the node and the test process side by side on small machines,
+# where more threads per process oversubscribe the cores and make updates many times slower.
 test: $(STAMP)
-	$(PY) -m pytest -q test
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q test
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu test
