@@ -49,8 +49,9 @@ the held sites are refitted under the new hyperparameters (n_steps BLR steps) be
 
 Inducing inputs: a fixed grid, or pivoted Cholesky over [Z; X_batch] in every full update (the current Z
 kept first, then the greedy search over the batch), stopping at num_inducing points or when no candidate's
-residual prior variance exceeds 1e-4 of the largest, so the number of inducing points starts small (a few for a first batch along a
-short stretch of path) and grows up to num_inducing as the robot explores; no point ever duplicates another.
+residual prior variance exceeds 1e-4 of the largest, so the number of inducing points starts small (a few
+for a first batch along a short stretch of path) and grows up to num_inducing as the robot explores; no
+point ever duplicates another.
 When Z is full, re-selection only exchanges points: the batch point with the largest residual variance
 replaces the most redundant inducing point (smallest variance given the others) while that increases the
 smallest residual variance: Z changes only where the batch is poorly covered, because every change
