@@ -31,10 +31,10 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu test
 
 bench: $(STAMP)
-	$(VENV)/bin/gp-mapping bench
+	$(PY) bench/bench_engine.py
 
 bench-quick: $(STAMP)
-	$(VENV)/bin/gp-mapping bench --quick
+	$(PY) bench/bench_engine.py --quick
 
 clean:
 	rm -rf $(VENV) out build *.egg-info
