@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .dual_svgp import ModelInputError, resolve_device
+from .dual_svgp import ModelInputError, check_inputs, resolve_device, to_float64_tensor
 from .inducing import DEFAULT_REL_TOL, pivoted_cholesky
 from .kernels import GPNumericalError, Kernel, StationaryKernel, SumKernel, build_kernel, jittered_cholesky
 from .likelihoods import GaussianLikelihood, Likelihood, build_likelihood
@@ -311,31 +311,10 @@ class ContinualMOGP(nn.Module):
 
     # ------------------------------------------------------------------ input checking
     def _to_tensor(self, value, name: str) -> torch.Tensor:
-        if isinstance(value, torch.Tensor):
-            if value.dtype == torch.bool or value.is_complex():
-                raise ModelInputError(f"{name} must hold real numbers, got dtype {value.dtype}")
-            return value.detach().to(device=self.device, dtype=torch.float64)
-        try:
-            arr = np.asarray(value)
-        except Exception as err:  # ragged lists and the like
-            raise ModelInputError(f"{name} cannot be read as a numeric array: {err}") from err
-        if arr.dtype.kind not in "fiu":
-            try:
-                arr = arr.astype(np.float64)
-            except (TypeError, ValueError) as err:
-                raise ModelInputError(f"{name} must hold real numbers, got dtype {arr.dtype}") from err
-        return torch.as_tensor(np.ascontiguousarray(arr, dtype=np.float64), device=self.device)
+        return to_float64_tensor(value, name, self.device)
 
     def _check_x(self, x, name: str = "x") -> torch.Tensor:
-        t = self._to_tensor(x, name)
-        if t.dim() == 1 and self.input_dims == 1:
-            t = t[:, None]
-        if t.dim() != 2 or t.shape[1] != self.input_dims:
-            raise ModelInputError(f"{name} must have shape (N, {self.input_dims}), got {tuple(t.shape)}")
-        bad = ~torch.isfinite(t).all(dim=1)
-        if bool(bad.any()):
-            raise ModelInputError(f"{name} holds NaN or Inf in {int(bad.sum())} of {t.shape[0]} rows")
-        return t
+        return check_inputs(x, self.input_dims, self.device, name)
 
     def _check_y(self, y, n: int, allow_missing: bool, name: str = "y") -> tuple[torch.Tensor, torch.Tensor]:
         """(targets with missing entries set to 0, mask of observed entries) both (N, P)."""

@@ -94,6 +94,37 @@ class ModelInputError(ValueError):
     """Inputs or targets given to the model have the wrong shape, type or non-finite values."""
 
 
+def to_float64_tensor(value, name: str, device: torch.device) -> torch.Tensor:
+    """``value`` (tensor, array or nested list of real numbers) as a float64 tensor on ``device``."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.is_complex():
+            raise ModelInputError(f"{name} must hold real numbers, got dtype {value.dtype}")
+        return value.detach().to(device=device, dtype=torch.float64)
+    try:
+        arr = np.asarray(value)
+    except Exception as err:  # ragged lists and the like
+        raise ModelInputError(f"{name} cannot be read as a numeric array: {err}") from err
+    if arr.dtype.kind not in "fiu":
+        try:
+            arr = arr.astype(np.float64)
+        except (TypeError, ValueError) as err:
+            raise ModelInputError(f"{name} must hold real numbers, got dtype {arr.dtype}") from err
+    return torch.as_tensor(np.ascontiguousarray(arr, dtype=np.float64), device=device)
+
+
+def check_inputs(x, input_dims: int, device: torch.device, name: str = "x") -> torch.Tensor:
+    """Model inputs as a finite (N, input_dims) float64 tensor, or ModelInputError saying what is wrong."""
+    t = to_float64_tensor(x, name, device)
+    if t.dim() == 1 and input_dims == 1:
+        t = t[:, None]
+    if t.dim() != 2 or t.shape[1] != input_dims:
+        raise ModelInputError(f"{name} must have shape (N, {input_dims}), got {tuple(t.shape)}")
+    bad = ~torch.isfinite(t).all(dim=1)
+    if bool(bad.any()):
+        raise ModelInputError(f"{name} holds NaN or Inf in {int(bad.sum())} of {t.shape[0]} rows")
+    return t
+
+
 def resolve_device(name: str) -> torch.device:
     """'cpu', 'cuda', or 'auto' (cuda when available)."""
     if name == "auto":
@@ -227,31 +258,10 @@ class DualSVGP(nn.Module):
 
     # ------------------------------------------------------------------ input checking
     def _to_tensor(self, value, name: str) -> torch.Tensor:
-        if isinstance(value, torch.Tensor):
-            if value.dtype == torch.bool or value.is_complex():
-                raise ModelInputError(f"{name} must hold real numbers, got dtype {value.dtype}")
-            return value.detach().to(device=self.device, dtype=torch.float64)
-        try:
-            arr = np.asarray(value)
-        except Exception as err:  # ragged lists and the like
-            raise ModelInputError(f"{name} cannot be read as a numeric array: {err}") from err
-        if arr.dtype.kind not in "fiu":
-            try:
-                arr = arr.astype(np.float64)
-            except (TypeError, ValueError) as err:
-                raise ModelInputError(f"{name} must hold real numbers, got dtype {arr.dtype}") from err
-        return torch.as_tensor(np.ascontiguousarray(arr, dtype=np.float64), device=self.device)
+        return to_float64_tensor(value, name, self.device)
 
     def _check_x(self, x, name: str = "x") -> torch.Tensor:
-        t = self._to_tensor(x, name)
-        if t.dim() == 1 and self.input_dims == 1:
-            t = t[:, None]
-        if t.dim() != 2 or t.shape[1] != self.input_dims:
-            raise ModelInputError(f"{name} must have shape (N, {self.input_dims}), got {tuple(t.shape)}")
-        bad = ~torch.isfinite(t).all(dim=1)
-        if bool(bad.any()):
-            raise ModelInputError(f"{name} holds NaN or Inf in {int(bad.sum())} of {t.shape[0]} rows")
-        return t
+        return check_inputs(x, self.input_dims, self.device, name)
 
     def _check_y(self, y, n: int, name: str = "y") -> torch.Tensor:
         t = self._to_tensor(y, name)
