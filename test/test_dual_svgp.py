@@ -288,7 +288,7 @@ def test_objective_with_all_data_held_is_the_collapsed_titsias_bound():
     with torch.no_grad():
         weights = torch.ones(60, dtype=torch.float64)
         value = float(model._hyper_objective(model._chol_K(), model.Z, model.Z, model.mem_x, model.mem_y,
-                                             model.mem_lam1, model.mem_lam2, weights))
+                                             model.mem_lam1, model.mem_lam2, weights)[0])
     noise = float(model.likelihood.noise_variance[0])
     kzz = kmat(model, z, z)
     ys, xm = model.mem_y.numpy()[:, 0], model.mem_x.numpy()
@@ -298,6 +298,64 @@ def test_objective_with_all_data_held_is_the_collapsed_titsias_bound():
     bound = (-0.5 * ys @ np.linalg.solve(A, ys) - 0.5 * logdet - 30 * math.log(2 * math.pi)
              - 0.5 * (np.trace(kmat(model, xm, xm)) - np.trace(q)) / noise)
     assert value == pytest.approx(bound, rel=1e-9)
+
+
+def test_inducing_objective_is_the_elbo_with_old_data_seen_through_the_moved_inducing_inputs():
+    """l_Z at moved inducing inputs against the ELBO written out directly. The old data sit at the old
+    inducing inputs Z0, so their pseudo-likelihood t_old(u0) is their exact Gaussian likelihood up to
+    constants, and E_q[log p(y_old | u0)] under u0 | u ~ N(A u, K00 - A K_z0) is closed form."""
+    x_old, y_old = data(12, seed=21)
+    x_new, y_new = data(20, seed=22)
+    model = make(**FIXED, memory_size=0, learn_inducing=False)
+    model.set_inducing_points(x_old)
+    model.update(x_old, y_old, mode="full")
+    assert model.memory_size == 0 and model.jitter == 0.0  # every old site is in the old part
+    noise = float(model.likelihood.noise_variance[0])
+    z_new = x_old + 0.3 * np.random.default_rng(23).standard_normal(x_old.shape)
+    ys_old, ys_new = standardised(model, y_old)[:, 0], standardised(model, y_new)[:, 0]
+    with torch.no_grad():
+        hx, hy = torch.as_tensor(x_new), torch.as_tensor(ys_new[:, None])
+        lam1, lam2 = hy / noise, torch.full_like(hy, 1.0 / noise)
+        l_theta, l_z = model._hyper_objective(model._chol_K(), model.Z, torch.as_tensor(z_new), hx, hy, lam1,
+                                              lam2, torch.ones(20, dtype=torch.float64), with_old_part=True)
+    k0, kz, kz0 = kmat(model, x_old, x_old), kmat(model, z_new, z_new), kmat(model, z_new, x_old)
+    kzx = kmat(model, z_new, x_new)
+    A = np.linalg.solve(kz, kz0).T                       # E[u0 | u] = A u
+    Kt = np.linalg.solve(kz, kzx).T                      # E[f_new | u] = Kt u
+    precision = np.linalg.inv(kz) + (A.T @ A + Kt.T @ Kt) / noise
+    S = np.linalg.inv(precision)
+    m = S @ (A.T @ ys_old + Kt.T @ ys_new) / noise
+
+    def expected_log_lik(y, P, cond_var):
+        mu, var = P @ m, cond_var + np.einsum("ij,jk,ik->i", P, S, P)
+        return np.sum(-0.5 * np.log(2 * np.pi * noise) - 0.5 * ((y - mu) ** 2 + var) / noise)
+
+    cond_old = np.diag(k0) - np.einsum("ij,ji->i", A, kz0)
+    cond_new = np.diag(kmat(model, x_new, x_new)) - np.einsum("ij,ji->i", Kt, kzx)
+    _, logdet_kz = np.linalg.slogdet(kz)
+    _, logdet_s = np.linalg.slogdet(S)
+    kl = 0.5 * (np.trace(np.linalg.solve(kz, S)) + m @ np.linalg.solve(kz, m) - len(m) + logdet_kz - logdet_s)
+    elbo = expected_log_lik(ys_old, A, cond_old) + expected_log_lik(ys_new, Kt, cond_new) - kl
+    old_constants = np.sum(-0.5 * np.log(2 * np.pi * noise) - 0.5 * ys_old ** 2 / noise)
+    assert float(l_z) == pytest.approx(elbo - old_constants, rel=1e-8, abs=1e-8)
+    # The paper's objective (held data only) is the same minus the old data's term.
+    assert float(l_theta) == pytest.approx(expected_log_lik(ys_new, Kt, cond_new) - kl, rel=1e-8)
+
+
+def test_learned_inducing_inputs_move_and_keep_the_map_finite():
+    x, y = data(400, seed=24)
+    model = make(**FIXED, num_inducing=12, learn_inducing=True, inducing_lr=0.05, hyper_steps=10)
+    frozen = make(**FIXED, num_inducing=12, learn_inducing=False, hyper_steps=10)
+    for i in range(0, 400, 50):
+        model.update(x[i:i + 50], y[i:i + 50])
+        frozen.update(x[i:i + 50], y[i:i + 50])
+    assert model.num_inducing == frozen.num_inducing == 12
+    assert not torch.equal(model.Z, frozen.Z)
+    xs, ys = data(300, seed=25, noise=0.0)
+    mean, var = model.predict(xs)
+    assert torch.isfinite(mean).all() and bool((var >= 0).all())
+    err = lambda m: float(np.sqrt(np.mean((m.predict(xs)[0].numpy()[:, 0] - ys) ** 2)))
+    assert err(model) < err(frozen), (err(model), err(frozen))
 
 
 def test_signal_variance_change_keeps_the_old_part_exact():

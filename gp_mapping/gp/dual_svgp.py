@@ -86,6 +86,10 @@ from .inducing import DEFAULT_REL_TOL, grid_points, pivoted_cholesky
 from .kernels import GPNumericalError, build_kernel, jittered_cholesky
 from .likelihoods import build_likelihood
 
+#: With learned inducing inputs, a full Z exchanges a point only for a batch point whose residual prior
+#: variance given Z exceeds this fraction of its prior variance (the robot is somewhere Z does not cover).
+NOVELTY_FRACTION = 0.5
+
 #: Pending (fast-mode) points kept before the oldest are folded into the old part.
 DEFAULT_MAX_PENDING = 8192
 
@@ -479,6 +483,8 @@ class DualSVGP(nn.Module):
         z = self.Z.clone()
         L = self._chol_K()
         Kinv = torch.cholesky_inverse(L)
+        learn_z = self.config.learn_inducing
+        prior = self.kernel.diag(bx)
         changed = False
         for _ in range(bx.shape[0]):
             # Residual variance of each batch point given Z, and of each z_j given the other inducing points.
@@ -488,6 +494,8 @@ class DualSVGP(nn.Module):
             i, j = int(torch.argmax(resid)), int(torch.argmin(loo))
             if not float(resid[i]) > float(loo[j]) * (1.0 + 1e-9):
                 break
+            if learn_z and not float(resid[i]) > NOVELTY_FRACTION * float(prior[i]):
+                break  # covered: leave the refinement to the gradient steps, whose work an exchange undoes
             z[j] = bx[i]
             L, _ = jittered_cholesky(self.kernel(z, z), self.jitter)
             Kinv = torch.cholesky_inverse(L)
@@ -500,65 +508,110 @@ class DualSVGP(nn.Module):
     def _hyper_parameters(self) -> list[nn.Parameter]:
         return list(self.kernel.parameters()) + list(self.likelihood.parameters())
 
-    def _hyper_objective(self, L0, z0, z, hx, hy, lam1, lam2, weights) -> torch.Tensor:
-        """Dual-fixed objective l(theta, Z): held sites fixed, the old part fixed as a pseudo-likelihood on
-        u_0 = f(Z_0) and carried to u = f(Z) by A_p = K_0^{-1} Cov(u_0, u) (whitened: G = L0^{-1} C L^{-T})."""
+    def _hyper_objective(self, L0, z0, z, hx, hy, lam1, lam2, weights, with_old_part: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Dual-fixed objectives at (theta, Z); held sites fixed, the old part fixed as a pseudo-likelihood
+        t_old on v0 = L0^{-1} f(Z0), carried to u = f(Z) by A_p (whitened: G = L0^{-1} Cov(u0, u) L^{-T}).
+
+        Returns (l_theta, l_Z):
+          l_theta = sum_held w_i E_q[log p(y_i|f_i)] - KL[q || p]   (the paper's objective, memory scaled)
+          l_Z     = sum_held E_q[log p(y_i|f_i)] + E_q[log t_old(v0)] - KL[q || p]   (only if with_old_part)
+        l_Z is an evidence lower bound in which the old data speak through t_old, evaluated under q(v0) =
+        int p(v0|u) q(u) du: Cov[v0] = I - G G^T + G Sigma G^T. The conditional term I - G G^T charges a move
+        of Z for the old information it can no longer represent, so Z cannot gain by forgetting (with l_theta
+        alone, moving Z to project the old part away lowers the KL more than the memory term notices).
+        """
         L = self._chol_K(z)
         G = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L0, self._cross(z0, z),
                                                                            upper=False).T, upper=False).T
         V = torch.linalg.solve_triangular(L, self.kernel(z, hx), upper=False)
         a_h, W_h = _site_sums(V, lam1, lam2)
-        R, c = self._posterior(G.T @ self.a_w_old + a_h, _sym(G.T @ self.W_old @ G) + W_h)
+        a_old = G.T @ self.a_w_old
+        W_old = _sym(G.T @ self.W_old @ G)
+        R, c = self._posterior(a_old + a_h, W_old + W_h)
         mean, var, _ = self._marginals(V, R, c, self.kernel.diag(hx))
-        data = (self.likelihood.expected_log_lik(hy, mean, var) * weights[:, None]).sum()
+        ell = self.likelihood.expected_log_lik(hy, mean, var)
         eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
         R_inv = torch.linalg.solve_triangular(R, eye.expand_as(R), upper=False)
         mean_w = torch.linalg.solve_triangular(R.transpose(-1, -2), c[..., None], upper=True)[..., 0]
         # KL[q || p] = 1/2 [log|K+B|/|K| + tr((K+B)^{-1} K) - M + a^T (K+B)^{-1} K (K+B)^{-1} a]
         kl = (torch.log(torch.diagonal(R, dim1=-2, dim2=-1)).sum()
               + 0.5 * ((R_inv * R_inv).sum() - R.shape[0] * R.shape[-1] + (mean_w * mean_w).sum()))
-        return data - kl
+        l_theta = (ell * weights[:, None]).sum() - kl
+        if not with_old_part:
+            return l_theta, None
+        # E_q[log t_old(v0)] = a_old^T E[v0] - 1/2 tr(W_old (Cov[v0] + E[v0] E[v0]^T)), per output, with
+        # G^T W_old G (= W_old above) carrying the projected part; Sigma = R^{-T} R^{-1}.
+        sigma = R_inv.transpose(-1, -2) @ R_inv
+        lost = torch.diagonal(self.W_old, dim1=-2, dim2=-1).sum() - torch.diagonal(W_old, dim1=-2, dim2=-1).sum()
+        old_term = ((a_old * mean_w.T).sum()
+                    - 0.5 * (lost + (W_old * sigma).sum()
+                             + torch.einsum("pm,pmn,pn->", mean_w, W_old, mean_w)))
+        return l_theta, ell.sum() + old_term - kl
 
     def _learn_hyperparameters(self, hx, hy, lam1, lam2, weights) -> tuple[int, float]:
-        """Adam steps on l(theta); returns (steps, final objective per datum). At the end the old part is
-        carried to the new prior; held contributions are the caller's."""
-        params = self._hyper_parameters()
-        if not params or self.config.hyper_steps == 0:
+        """Adam steps on theta (l_theta) and, if configured, on Z (l_Z); returns (steps, final l_theta per
+        datum). At the end the old part is carried to the new prior and Z; held contributions are the
+        caller's."""
+        cfg = self.config
+        params = self._hyper_parameters() if cfg.learn_hyperparameters else []
+        learn_z = cfg.learn_inducing and not bool(self.z_fixed) and self.num_inducing > 1
+        if (not params and not learn_z) or cfg.hyper_steps == 0:
             return 0, 0.0
-        z = self.Z
+        z0 = self.Z
         L0 = self._chol_K()
-        optimiser = torch.optim.Adam(params, lr=self.config.hyper_lr)
+        z = nn.Parameter(z0.clone(), requires_grad=learn_z)
+        groups = ([{"params": params, "lr": cfg.hyper_lr}] if params else []) + \
+            ([{"params": [z], "lr": cfg.inducing_lr}] if learn_z else [])
+        optimiser = torch.optim.Adam(groups)
         scale = 1.0 / max(1.0, float(weights.sum()))
+        scale_z = 1.0 / max(1.0, float(self.num_seen))
         good = [p.detach().clone() for p in params]
+        good_z = z0.clone()
         steps, value = 0, 0.0
         with torch.enable_grad():
-            for _ in range(self.config.hyper_steps):
+            for _ in range(cfg.hyper_steps):
                 optimiser.zero_grad()
                 try:
-                    objective = self._hyper_objective(L0, z, z, hx, hy, lam1, lam2, weights) * scale
+                    l_theta, l_z = self._hyper_objective(L0, z0, z, hx, hy, lam1, lam2, weights, learn_z)
+                    finite = bool(torch.isfinite(l_theta)) and (l_z is None or bool(torch.isfinite(l_z)))
+                    if finite:
+                        # Each objective drives its own variables (a datum's scaled memory weight stands for
+                        # old data in l_theta; in l_Z they speak through t_old instead).
+                        if params:
+                            grads = torch.autograd.grad(-l_theta * scale, params, retain_graph=learn_z,
+                                                        allow_unused=True)
+                            for p, g in zip(params, grads):
+                                p.grad = g
+                        if learn_z:
+                            z.grad, = torch.autograd.grad(-l_z * scale_z, [z])
                 except GPNumericalError:
-                    objective = None
-                if objective is None or not bool(torch.isfinite(objective)):
-                    with torch.no_grad():  # back to the last parameters that evaluated cleanly
+                    finite = False
+                grads_ok = finite and all(bool(torch.isfinite(p.grad).all())
+                                          for p in params + ([z] if learn_z else []) if p.grad is not None)
+                if not grads_ok:
+                    with torch.no_grad():  # back to the last variables that evaluated cleanly
                         for p, g in zip(params, good):
                             p.copy_(g)
-                    break
-                (-objective).backward()
-                if not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
+                        z.copy_(good_z)
                     break
                 with torch.no_grad():
                     good = [p.detach().clone() for p in params]
-                value = float(objective.detach())
+                    good_z = z.detach().clone()
+                value = float(l_theta.detach()) * scale
                 optimiser.step()
                 steps += 1
         with torch.no_grad():
+            z_new = z.detach().clone()
             try:
-                L_new = self._chol_K()
+                L_new = self._chol_K(z_new)
             except GPNumericalError:
                 for p, g in zip(params, good):
                     p.copy_(g)
-                L_new = self._chol_K()
-            self._transport_old_part(L0, self._cross(z, z), L_new)
+                z_new = good_z
+                L_new = self._chol_K(z_new)
+            self.Z = z_new
+            self._transport_old_part(L0, self._cross(z0, z_new), L_new)
         return steps, value
 
     # ------------------------------------------------------------------ memory
@@ -671,7 +724,7 @@ class DualSVGP(nn.Module):
         V = self._features(L, hx)
         lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, fresh, cfg.n_steps, cfg.rho)
         steps, objective = 0, 0.0
-        if cfg.learn_hyperparameters and cfg.hyper_steps > 0:
+        if (cfg.learn_hyperparameters or (cfg.learn_inducing and not bool(self.z_fixed))) and cfg.hyper_steps > 0:
             n_old = self.num_seen - n_pend  # data seen before this batch
             weights = torch.ones(hx.shape[0], dtype=torch.float64, device=self.device)
             if n_mem:
