@@ -84,6 +84,19 @@ class SyncConfig:
     input_dims: int = _opt(2, doc="map inputs: 2 (x, y) or 3 (x, y, z)", low=2, high=3)
     field_unit: str = _opt("microtesla", doc="unit of the field inside the mapper and in its outputs",
                            choices=("tesla", "millitesla", "microtesla", "nanotesla", "gauss"))
+    # Bad-input guards (README "Bad input and reliability"): each refusal is counted under a named reason.
+    max_field: float = _opt(0.01, doc="refuse readings with |B| above this, saturated or absurd [T]; 0: no limit",
+                            low=0.0, high=1e3)
+    max_position: float = _opt(1e7, doc="refuse poses farther than this from the map origin [m]", low=0.0,
+                               low_open=True, high=1e12)
+    quaternion_tolerance: float = _opt(0.01, doc="refuse orientations whose norm differs from 1 by more than this "
+                                       "(others are normalised)", low=0.0, high=1.0)
+    max_speed: float = _opt(20.0, doc="a pose farther than max_speed * dt from the previous one is a teleport: "
+                            "samples between the two are refused [m/s]; 0: no check", low=0.0, high=1e6)
+    max_stamp_jump: float = _opt(60.0, doc="refuse a stamp more than this ahead of the newest accepted stamp, so "
+                                 "one bad stamp cannot block later data [s]; 0: no check", low=0.0, high=1e9)
+    max_stamp_skew: float = _opt(0.0, doc="refuse stamps farther than this from their receive time (node clock, "
+                                 "bag time) [s]; 0: no check", low=0.0, high=1e9)
 
 
 @dataclass
@@ -124,6 +137,12 @@ class NodeConfig:
     publish_period: float = _opt(1.0, doc="seconds between map publications", low=0.0, low_open=True, high=3600.0)
     initial_map: str = _opt("", doc="map state file to start from (empty: start empty)")
     queue_depth: int = _opt(50, doc="subscription queue depth (sensor-data QoS)", low=1, high=100_000)
+    checkpoint_interval_s: float = _opt(0.0, doc="seconds (node clock) between atomic checkpoints of the whole "
+                                        "mapper state; 0: no checkpoints", low=0.0, high=1e6)
+    checkpoint_path: str = _opt("", doc="checkpoint file (empty: $ROS_HOME/gp_mapping/<node name>_checkpoint"
+                                ".safetensors)")
+    resume: bool = _opt(True, doc="with checkpoints on, start from the checkpoint file when it exists (an "
+                        "unreadable or incompatible one stops the node)")
 
 
 @dataclass
