@@ -384,9 +384,8 @@ class Mapper:
         self._clear()
 
     def save(self, path: str | Path) -> None:
-        """Write the model, coverage, trajectory, pending samples and counters to ``path`` (atomic).
-
-        Samples still waiting for a following pose, and the pose buffer, are not saved.
+        """Write the model, coverage, trajectory, pending samples, the sync's pose buffer and samples waiting
+        for a pose, and the counters to ``path`` (atomic): a mapper loaded from it continues exactly as this one.
         """
         write_state(path, self.snapshot())
 
@@ -431,6 +430,9 @@ class Mapper:
             "coverage_resolution": self._coverage.resolution,
             "trajectory_spacing": self._trajectory.spacing,
         }
+        sync_arrays, sync_info = self._sync.export_state()
+        arrays.update({f"sync_{k}": v for k, v in sync_arrays.items()})
+        info["sync"] = sync_info
         model_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return MapState(config=to_dict(self.config), model_state=model_state, arrays=arrays, info=info)
 
@@ -500,4 +502,7 @@ class Mapper:
         self.jitter_escalations = int(info.get("jitter_escalations", 0))
         self.checkpoints = int(info.get("checkpoints", 0))
         self.last_stamp = -math.inf if info["last_stamp"] is None else float(info["last_stamp"])
+        if "sync" in info:  # files written before the sync state was saved start with empty buffers
+            self._sync.import_state({k[len("sync_"):]: v for k, v in a.items() if k.startswith("sync_")},
+                                    info["sync"])
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -443,6 +444,38 @@ class MeasurementSync:
             self._waiting.popleft()
             self._reject("sync_overflow")
             excess -= 1
+
+    def export_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The buffers (poses, samples waiting for a pose) as arrays, and the stamp references as plain values,
+        for a checkpoint. Samples accepted and not yet popped are the caller's to save (pop them first)."""
+        st = self._poses
+        waiting_t = np.array([t for t, _ in self._waiting], dtype=np.float64)
+        waiting_b = np.array([b for _, b in self._waiting], dtype=np.float64).reshape(-1, 3)
+        arrays = {"pose_t": st.stamps.copy(), "pose_p": st._p[st._lo:st._hi].copy(),
+                  "pose_q": st._q[st._lo:st._hi].copy(), "pose_jump": st._jump[st._lo:st._hi].copy(),
+                  "waiting_t": waiting_t, "waiting_b": waiting_b}
+        finite = lambda v: v if math.isfinite(v) else None  # noqa: E731 - JSON has no infinity
+        info = {"last_field_stamp": finite(self._last_field_stamp), "last_pose_stamp": finite(self._last_pose_stamp),
+                "field_frame": self._field_frame}
+        return arrays, info
+
+    def import_state(self, arrays: dict[str, np.ndarray], info: dict[str, Any]) -> None:
+        """Inverse of :meth:`export_state` (raises KeyError / ValueError on malformed data)."""
+        t = np.asarray(arrays["pose_t"], dtype=np.float64).reshape(-1)
+        p = np.asarray(arrays["pose_p"], dtype=np.float64).reshape(t.shape[0], 3)
+        q = np.asarray(arrays["pose_q"], dtype=np.float64).reshape(t.shape[0], 4)
+        jump = np.asarray(arrays["pose_jump"], dtype=bool).reshape(t.shape[0])
+        wt = np.asarray(arrays["waiting_t"], dtype=np.float64).reshape(-1)
+        wb = np.asarray(arrays["waiting_b"], dtype=np.float64).reshape(wt.shape[0], 3)
+        if not (np.all(np.isfinite(t)) and np.all(np.isfinite(p)) and np.all(np.isfinite(wt))):
+            raise ValueError("non-finite pose or waiting-sample data")
+        self._poses = _PoseBuffer(max(256, t.shape[0]))
+        for k in range(t.shape[0]):
+            self._poses.append(float(t[k]), p[k], normalize_quaternion(q[k]), bool(jump[k]))
+        self._waiting = deque((float(wt[k]), wb[k].copy()) for k in range(wt.shape[0]))
+        self._last_field_stamp = -math.inf if info["last_field_stamp"] is None else float(info["last_field_stamp"])
+        self._last_pose_stamp = -math.inf if info["last_pose_stamp"] is None else float(info["last_pose_stamp"])
+        self._field_frame = str(info["field_frame"])
 
     def pop_ready(self) -> Measurements:
         """Every accepted sample not returned before, oldest first (possibly empty)."""
