@@ -414,6 +414,9 @@ class MapperNode(Node):
                         self._report(f"feeding the mapper failed: {type(err).__name__}: {err}")
                     if self._run_updates(max_updates=1) == 0:
                         break
+                # Python locks are not fair: a moment between batches lets publishing, diagnostics and the
+                # services take the lock while the updates run behind a flood.
+                time.sleep(0.002)
 
     def _report(self, message: str) -> None:
         """An error that the node survives: logged (throttled) and shown as ERROR in the diagnostics."""
