@@ -338,3 +338,57 @@ def test_node_refuses_bad_parameters_at_start_and_live_keeping_the_old_value(nod
     assert not result.successful and "read-only" in result.reason
     assert node.set_parameters([Parameter("node.publish_period", value=0.25)])[0].successful
     assert node.config.node.publish_period == 0.25 and node._publish_timer.timer_period_ns == 250_000_000
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_real_node_over_dds_refuses_bad_messages_and_keeps_publishing_an_accurate_map(tmp_path, ros_env):
+    """Bad messages of several kinds among a clean recording, over DDS to the node in its own process: each is
+    counted under its reason in /diagnostics and the map stays accurate and finite."""
+    from geometry_msgs.msg import PoseStamped
+    from sensor_msgs.msg import MagneticField
+
+    from gp_mapping.ros.conversions import cloud_to_array, seconds_to_stamp
+    from test_dds import RosHarness
+    from test_node_e2e import (T0, MapperProcess, check_accuracy, node_env, publish_recording, simulate,
+                               subscribe_map, wait_for_node, wait_until_settled, write_params)
+
+    params = write_params(tmp_path / "params.yaml")
+    rec = simulate()
+
+    def extra(k, pose_pub, mag_pub) -> int:
+        if k % 100 != 50:
+            return 0
+        stamp = seconds_to_stamp(T0 + rec.t[k] + 0.05)
+        bad_pose = PoseStamped()                      # zero quaternion, in the right frame
+        bad_pose.header.stamp, bad_pose.header.frame_id = stamp, "map"
+        bad_pose.pose.orientation.w = 0.0
+        pose_pub.publish(bad_pose)
+        future = MagneticField()                      # far-future stamp (year 2033; T0 is 1000 s)
+        future.header.stamp, future.header.frame_id = seconds_to_stamp(2e9), "magnetometer"
+        future.magnetic_field.x = 50e-6
+        mag_pub.publish(future)
+        mag_pub.publish(MagneticField())              # empty: zero stamp -> receive time, zero field
+        saturated = MagneticField()
+        saturated.header.stamp, saturated.header.frame_id = stamp, "magnetometer"
+        saturated.magnetic_field.x = math.inf
+        mag_pub.publish(saturated)
+        return 3
+
+    with RosHarness("bad_input_dds") as harness:
+        proc = MapperProcess(tmp_path, node_env(ros_env, tmp_path), params)
+        with proc:
+            view = subscribe_map(harness, proc)
+            wait_for_node(harness, view, proc)
+            sent = publish_recording(harness, proc, rec, "pose_stamped", extra)
+            values = wait_until_settled(harness, view, proc, sent)
+            assert "input refused or dropped since the last report" in proc.output  # the throttled summary
+    n = len(rec.t)
+    counts = {r: int(values[f"rejected/{r}"]) for r in ("pose_bad_quaternion", "field_stamp_jump", "field_zero",
+                                                          "field_nonfinite")}
+    if int(values["node/mag_messages"]) == n + 12 and int(values["node/pose_messages"]) == n + 4:
+        assert counts == {"pose_bad_quaternion": 4, "field_stamp_jump": 4, "field_zero": 4, "field_nonfinite": 4}
+        assert int(values["accepted"]) == n
+    else:  # best effort lost a message on the way: the bad ones that arrived are still all refused
+        assert all(1 <= c <= 4 for c in counts.values()), counts
+    check_accuracy(rec, view)
+    assert np.all(np.isfinite(np.column_stack(list(cloud_to_array(view.cloud[-1]).values()))))
