@@ -111,21 +111,25 @@ def test_truncated_or_corrupt_bag_that_cannot_be_read_at_all(bags, tmp_path, sto
 
 
 def test_missing_topics_and_unsupported_types_are_named(bags, tmp_path):
+    from gp_mapping.replay import replay_bag
+
     root, config, _ = bags
     bag = root / "mcap"
     cases = [
-        (["--mag-topic", "/no_such_mag"], ["/no_such_mag", "not in", "/mag (sensor_msgs/msg/MagneticField"]),
-        (["--pose-topic", "/no_such_pose"], ["/no_such_pose", "not in"]),
-        (["--pose-topic", "/mag"], ["pose topic /mag has type sensor_msgs/msg/MagneticField", "PoseStamped"]),
-        (["--mag-topic", "/pose"], ["magnetometer topic /pose has type geometry_msgs/msg/PoseStamped"]),
-        (["--tf", "map", "nowhere"], ["'nowhere'", "not connected"]),
+        ({"mag_topic": "/no_such_mag"}, ["/no_such_mag", "not in", "/mag (sensor_msgs/msg/MagneticField"]),
+        ({"pose_topic": "/no_such_pose"}, ["/no_such_pose", "not in"]),
+        ({"pose_topic": "/mag"}, ["pose topic /mag has type sensor_msgs/msg/MagneticField", "PoseStamped"]),
+        ({"mag_topic": "/pose"}, ["magnetometer topic /pose has type geometry_msgs/msg/PoseStamped"]),
+        ({"tf_frames": ("map", "nowhere")}, ["'nowhere'", "not connected"]),
     ]
-    for args, fragments in cases:
-        proc = _cli(str(bag), "--config", str(config), "--out", str(tmp_path / "out"), *args)
-        assert proc.returncode == 1, (args, proc.stderr)
-        assert "Traceback" not in proc.stderr
+    for kwargs, fragments in cases:
+        with pytest.raises(bag_io.BagError) as err:
+            replay_bag(bag, config, out_dir=tmp_path / "out", **kwargs)
         for fragment in fragments:
-            assert fragment in proc.stderr, (args, proc.stderr)
+            assert fragment in str(err.value), (kwargs, str(err.value))
+    # and the command says the same, exits 1, writes nothing
+    proc = _cli(str(bag), "--config", str(config), "--out", str(tmp_path / "out"), "--mag-topic", "/no_such_mag")
+    assert proc.returncode == 1 and "/no_such_mag" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "map.npz").exists()
 
 
