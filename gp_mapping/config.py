@@ -16,6 +16,10 @@ from typing import Any, Mapping
 import yaml
 
 
+#: model.mixing_learning choices (the continual_mogp engine reads them from here).
+MIXING_LEARNING_CHOICES = ("first", "always", "never")
+
+
 class ConfigError(ValueError):
     """A configuration key is unknown or its value is outside what is allowed."""
 
@@ -32,7 +36,9 @@ def _opt(default, *, doc: str, low=None, high=None, low_open=False, choices=None
 class ModelConfig:
     """The GP engine (section ``model``)."""
 
-    engine: str = _opt("dual_svgp", doc="GP engine", choices=("dual_svgp",))
+    engine: str = _opt("dual_svgp", doc="GP engine: dual_svgp (memory-based dual SVGP, seed 004; a vector target "
+                       "gets independent latents sharing Z) or continual_mogp (continual multi-output GP with a "
+                       "linear model of coregionalisation, seed 000)", choices=("dual_svgp", "continual_mogp"))
     kernel: str = _opt("matern52", doc="stationary kernel", choices=("matern12", "matern32", "matern52", "rbf"))
     ard: bool = _opt(True, doc="one lengthscale per input dimension")
     constant_kernel: bool = _opt(True, doc="add a learned constant (bias) kernel")
@@ -65,7 +71,21 @@ class ModelConfig:
                                   "inducing re-selection); the others are fast conditioning", low=1, high=1_000_000)
     jitter: float = _opt(1e-6, doc="initial diagonal jitter added to K before Cholesky", low=0.0, high=1.0)
     device: str = _opt("auto", doc="torch device for the model", choices=("auto", "cpu", "cuda"))
-    seed: int = _opt(0, doc="random seed (memory sampling)", low=0, high=2**31 - 1)
+    seed: int = _opt(0, doc="random seed (memory sampling, initial mixing weights)", low=0, high=2**31 - 1)
+    num_latents: int = _opt(3, doc="continual_mogp: number Q of latent GPs mixed into the output channels",
+                            low=1, high=64)
+    latent_lengthscale_ratio: float = _opt(2.0, doc="continual_mogp: latent q starts at lengthscale * ratio ** "
+                                           "(q - (Q - 1) / 2), so the latents cover several scales (1: all equal)",
+                                           low=1.0, high=100.0)
+    vem_iterations: int = _opt(4, doc="continual_mogp: variational EM iterations (M-step of hyper_steps Adam "
+                               "steps, then E-step) per full update", low=1, high=1000)
+    mixing_learning: str = _opt("first", doc="continual_mogp: when the mixing weights are learned: only while a "
+                                "channel is first seen (no forgetting through them), in every full update (as "
+                                "the paper), or never", choices=MIXING_LEARNING_CHOICES)
+    variational_steps: int = _opt(100, doc="continual_mogp, non-Gaussian likelihoods: Adam steps on q(u) per "
+                                  "E-step (a Gaussian likelihood has a closed-form E-step)", low=1, high=100_000)
+    variational_lr: float = _opt(0.02, doc="continual_mogp, non-Gaussian likelihoods: Adam learning rate on q(u)",
+                                 low=0.0, low_open=True, high=10.0)
 
 
 @dataclass
