@@ -78,7 +78,7 @@ class ModelConfig:
                                            "(q - (Q - 1) / 2), so the latents cover several scales (1: all equal)",
                                            low=1.0, high=100.0)
     vem_iterations: int = _opt(4, doc="continual_mogp: variational EM iterations (M-step of hyper_steps Adam "
-                               "steps, then E-step) per full update", low=1, high=1000)
+                               "steps, inducing inputs re-placed, E-step) per full update", low=1, high=1000)
     mixing_learning: str = _opt("first", doc="continual_mogp: when the mixing weights are learned: only while a "
                                 "channel is first seen (no forgetting through them), in every full update (as "
                                 "the paper), or never", choices=MIXING_LEARNING_CHOICES)

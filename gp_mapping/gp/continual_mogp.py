@@ -39,7 +39,11 @@ a candidate's residual prior variance exceeds 1e-4 of the largest prior variance
 is covered and nothing of q_old is lost. When more points are needed than the budget holds, the set moves:
 pivoted Cholesky over [Z_old; X_batch] re-covers the union, dropping old points where the cover is densest.
 A new point never coincides with a kept one (its residual variance would be zero), so K_nn and q~ stay
-positive definite.
+positive definite. Z is chosen again (from Z_old and the batch, q~ rebuilt there) after every M-step, under the
+kernel just learned, with its lengthscales capped at model.lengthscale for the choice only: a set chosen under
+a lengthscale that one batch has stretched is too sparse for any shorter one, and the sparse bound then keeps
+the lengthscale long in every later update (measured on the Osman 2021 recording: a latent stuck at 23 points
+and lengthscales of 5-13 m, its channel's noise inflating update after update).
 
 Variational EM per update (paper: "several steps of variational EM within each sequential update"):
   * E-step over q(u). Gaussian likelihood: closed form. The bound is E_q of a quadratic in u plus the entropy,
@@ -50,7 +54,8 @@ Variational EM per update (paper: "several steps of variational EM within each s
   * M-step: Adam steps on the kernel hyperparameters, the mixing weights and the noise variances. With the
     closed-form E-step, q(u) inside the objective is the exact optimum for the current hyperparameters
     (differentiated through), so each step climbs the bound maximised over q; otherwise q is held fixed.
-  The E-step follows the last M-step, so q is optimal for the final hyperparameters.
+  After each M-step Z is re-placed (above), then the E-step runs, so q is optimal for the final hyperparameters
+  and inducing inputs.
 Update modes: 'full' runs the VEM iterations; 'fast' only moves Z and runs the E-step (hyperparameters fixed).
 
 Asynchronous channels: NaN entries of y are missing observations; only observed entries enter the expected
