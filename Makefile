@@ -30,11 +30,12 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu test
 
+# Benchmarks (engines vs baselines, latency, growth): results in bench/results/. The full run takes tens of minutes.
 bench: $(STAMP)
-	$(PY) bench/bench_engine.py
+	OMP_NUM_THREADS=1 $(PY) -m gp_mapping.cli bench
 
 bench-quick: $(STAMP)
-	$(PY) bench/bench_engine.py --quick
+	OMP_NUM_THREADS=1 $(PY) -m gp_mapping.cli bench --quick --out bench/results/quick
 
 clean:
 	rm -rf $(VENV) out build *.egg-info

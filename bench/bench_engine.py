@@ -118,12 +118,13 @@ def steady_model(config: ModelConfig, stream: Stream):
     return model
 
 
-def time_updates(model, stream: Stream, mode: str, batch: int, reps: int, warmup: int, budget_s: float) -> dict:
-    """Wall time of ``model.update`` on consecutive batches; at least 3 timed reps, then stop at ``reps`` or when
-    the budget is spent."""
-    device = model.device
+def time_calls(step, stream: Stream, batch: int, reps: int, warmup: int, budget_s: float,
+               device: torch.device | str = "cpu") -> dict:
+    """Wall and CPU time of ``step(x, y)`` on consecutive batches of the stream (any method's update); at least
+    3 timed reps, then stop at ``reps`` or when the budget is spent. On CUDA the clock waits for the device."""
+    device = torch.device(device)
     for _ in range(warmup):
-        model.update(*stream.take(batch), mode=mode)
+        step(*stream.take(batch))
     _sync(device)
     seconds: list[float] = []
     cpu: list[float] = []
@@ -131,12 +132,18 @@ def time_updates(model, stream: Stream, mode: str, batch: int, reps: int, warmup
     while len(seconds) < reps and (len(seconds) < 3 or spent < budget_s):
         x, y = stream.take(batch)
         start, start_cpu = time.perf_counter(), time.process_time()
-        model.update(x, y, mode=mode)
+        step(x, y)
         _sync(device)
         seconds.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
         spent += seconds[-1]
     return _summary(seconds, cpu)
+
+
+def time_updates(model, stream: Stream, mode: str, batch: int, reps: int, warmup: int, budget_s: float) -> dict:
+    """Wall time of ``model.update`` in ``mode`` on consecutive batches (see :func:`time_calls`)."""
+    return time_calls(lambda x, y: model.update(x, y, mode=mode), stream, batch, reps, warmup, budget_s,
+                      model.device)
 
 
 def time_grid(model, area: tuple[float, float, float, float], cells: int, budget_s: float) -> dict:
@@ -158,6 +165,41 @@ def time_grid(model, area: tuple[float, float, float, float], cells: int, budget
     out["cells"] = spec.num_cells
     out["mcells_per_s"] = spec.num_cells / (out["median_ms"] * 1e-3) / 1e6
     return out
+
+
+def run_sweep(plan: dict, base: ModelConfig, x: np.ndarray, y: np.ndarray, area: tuple[float, float, float, float],
+              batch: int, log=print) -> tuple[list[dict], list[dict]]:
+    """Update latency (full and fast) for every M and memory size of ``plan``, and grid prediction time per M.
+
+    ``plan`` holds ms, memories, full_reps, fast_reps, grid_sizes and cell_seconds (see FULL and QUICK); the
+    engine is ``base`` with num_inducing, memory_size and memory_per_batch set per cell."""
+    updates: list[dict] = []
+    grids: list[dict] = []
+    for m in plan["ms"]:
+        for mem in plan["memories"]:
+            # Every point of a batch is a memory candidate, so the memory fills during the warm-up and the
+            # reservoir keeps it at memory_size; the cost of a full update depends on the memory's size only.
+            cfg = dataclasses.replace(base, num_inducing=m, memory_size=mem, memory_per_batch=mem)
+            stream = Stream(x, y)
+            t0 = time.perf_counter()
+            model = steady_model(cfg, stream)
+            log(f"M={m} memory={mem}: steady state in {time.perf_counter() - t0:.1f} s "
+                f"(M used {model.num_inducing}, memory {model.memory_size})")
+            # Full first: fast updates leave pending points that the next full update would take as its batch.
+            for mode, reps in (("full", plan["full_reps"]), ("fast", plan["fast_reps"])):
+                r = time_updates(model, stream, mode, batch, reps, warmup=2, budget_s=plan["cell_seconds"] / 2)
+                r.update({"M": m, "M_used": model.num_inducing, "memory": mem, "memory_used": model.memory_size,
+                          "mode": mode, "batch": batch,
+                          "budget_used": r["median_ms"] * 1e-3 / (batch / SAMPLE_RATE_HZ)})
+                updates.append(r)
+                log(f"  {mode:4s}: median {r['median_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms ({r['reps']} reps)")
+            if mem == plan["memories"][0]:  # prediction cost depends on M only
+                for cells in plan["grid_sizes"]:
+                    g = time_grid(model, area, cells, budget_s=plan["cell_seconds"] / 4)
+                    g.update({"M": m, "M_used": model.num_inducing, "grid": cells})
+                    grids.append(g)
+                    log(f"  grid {cells}x{cells}: median {g['median_ms']:.1f} ms")
+    return updates, grids
 
 
 # --------------------------------------------------------------------------------------------------- report
@@ -223,33 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     start_all = time.perf_counter()
     x, y, area = load_stream(args.data, args.seed)
     base = ModelConfig(device=device.type, seed=args.seed)
-    updates: list[dict] = []
-    grids: list[dict] = []
-    for m in plan["ms"]:
-        for mem in plan["memories"]:
-            # Every point of a batch is a memory candidate, so the memory fills during the warm-up and the
-            # reservoir keeps it at memory_size; the cost of a full update depends on the memory's size only.
-            cfg = dataclasses.replace(base, num_inducing=m, memory_size=mem, memory_per_batch=mem)
-            stream = Stream(x, y)
-            t0 = time.perf_counter()
-            model = steady_model(cfg, stream)
-            print(f"M={m} memory={mem}: steady state in {time.perf_counter() - t0:.1f} s "
-                  f"(M used {model.num_inducing}, memory {model.memory_size})", flush=True)
-            # Full first: fast updates leave pending points that the next full update would take as its batch.
-            for mode, reps in (("full", plan["full_reps"]), ("fast", plan["fast_reps"])):
-                r = time_updates(model, stream, mode, args.batch, reps, warmup=2, budget_s=plan["cell_seconds"] / 2)
-                r.update({"M": m, "M_used": model.num_inducing, "memory": mem, "memory_used": model.memory_size,
-                          "mode": mode, "batch": args.batch,
-                          "budget_used": r["median_ms"] * 1e-3 / (args.batch / SAMPLE_RATE_HZ)})
-                updates.append(r)
-                print(f"  {mode:4s}: median {r['median_ms']:.1f} ms, p95 {r['p95_ms']:.1f} ms ({r['reps']} reps)",
-                      flush=True)
-            if mem == plan["memories"][0]:  # prediction cost depends on M only
-                for cells in plan["grid_sizes"]:
-                    g = time_grid(model, area, cells, budget_s=plan["cell_seconds"] / 4)
-                    g.update({"M": m, "M_used": model.num_inducing, "grid": cells})
-                    grids.append(g)
-                    print(f"  grid {cells}x{cells}: median {g['median_ms']:.1f} ms", flush=True)
+    updates, grids = run_sweep(plan, base, x, y, area, args.batch)
     meta = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "device": device.type,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
             or platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),

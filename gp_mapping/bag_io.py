@@ -51,6 +51,15 @@ class NotABagError(BagError):
     """The path exists but is not a ROS 1 bag, a rosbag2 folder, or an MCAP / sqlite3 file rosbags can read."""
 
 
+class CorruptBagError(NotABagError):
+    """The bag opened, but reading or decoding its messages failed part way (truncated or corrupt data, or a
+    message type whose definition the bag does not carry). ``messages_read`` were delivered before it."""
+
+    def __init__(self, message: str, messages_read: int = 0) -> None:
+        super().__init__(message)
+        self.messages_read = messages_read
+
+
 class TopicError(BagError):
     """A topic the replay needs is absent, has the wrong message type, or cannot be chosen unambiguously."""
 
@@ -183,6 +192,9 @@ class Bag:
             # rosbags reports an unreadable file through several exception types (its reader errors, a missing
             # metadata file, a parser error on a corrupt header); all of them mean "not a bag we can read".
             reason = str(err) if isinstance(err, (AnyReaderError, OSError)) else f"{type(err).__name__}: {err}"
+            if "end magic" in reason:  # an MCAP whose recorder died before writing the footer
+                reason += (" (the file ends early, as when the recorder was killed; `mcap recover` or "
+                           "`ros2 bag reindex` can rebuild a readable file)")
             raise NotABagError(f"{self.path} is not a readable ROS 1 (.bag) or ROS 2 (folder, .mcap, .db3) "
                                f"bag: {reason}") from None
         self.is_ros2 = bool(self._reader.is2)
@@ -226,19 +238,30 @@ class Bag:
 
     def messages(self, topics: Sequence[str]) -> Iterator[tuple[str, int, str, object]]:
         """``(topic, bag_time_ns, msgtype, message)`` for the given topics, merged in bag-time order."""
-        from rosbags.highlevel import AnyReaderError
-
         wanted = set(topics)
         missing = wanted - set(self.topics)
         if missing:
             raise TopicError(f"topic(s) {', '.join(sorted(missing))} not in {self.path}; {self.describe_topics()}")
         connections = [c for c in self._reader.connections if c.topic in wanted]
-        for conn, bag_time, raw in self._reader.messages(connections=connections):
+        stream = self._reader.messages(connections=connections)
+        read, last = 0, None
+        while True:
+            try:
+                item = next(stream, None)
+            except Exception as err:  # noqa: BLE001 - rosbags and its codecs raise many types for bad data
+                where = f"after {read} messages (last bag time {last * 1e-9:.3f} s)" if last else "at its start"
+                raise CorruptBagError(f"{self.path} is truncated or corrupt: reading failed {where}: "
+                                      f"{type(err).__name__}: {err}", read) from None
+            if item is None:
+                return
+            conn, bag_time, raw = item
             try:
                 msg = self._reader.deserialize(raw, conn.msgtype)
-            except AnyReaderError as err:
-                raise NotABagError(f"{self.path}: cannot decode a {conn.msgtype} message on {conn.topic} "
-                                   f"at bag time {bag_time * 1e-9:.9f} s: {err}") from None
+            except Exception as err:  # noqa: BLE001 - unknown type, or bytes that do not fit the definition
+                raise CorruptBagError(f"{self.path}: cannot decode a {conn.msgtype} message on {conn.topic} "
+                                      f"at bag time {bag_time * 1e-9:.9f} s: {type(err).__name__}: {err}",
+                                      read) from None
+            read, last = read + 1, bag_time
             yield conn.topic, bag_time, conn.msgtype, msg
 
     # ---------------------------------------------------------------------------------- topic choice

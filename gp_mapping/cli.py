@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "demo-bag": ("gp_mapping.demo_bag", "write a simulated ROS 2 bag (MCAP) with ground truth"),
     "replay": ("gp_mapping.replay", "map a recorded bag offline and write map.npz, map.png, maps.mcap"),
     "node": ("gp_mapping.ros.mapper_node", "run the ROS 2 mapping node (same as `ros2 run gp_mapping mapper`)"),
+    "bench": ("gp_mapping.bench_cli", "benchmarks: engines vs baselines (accuracy, latency, growth); source tree only"),
 }
 
 

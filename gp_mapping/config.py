@@ -16,6 +16,10 @@ from typing import Any, Mapping
 import yaml
 
 
+#: model.mixing_learning choices (the continual_mogp engine reads them from here).
+MIXING_LEARNING_CHOICES = ("first", "always", "never")
+
+
 class ConfigError(ValueError):
     """A configuration key is unknown or its value is outside what is allowed."""
 
@@ -32,7 +36,9 @@ def _opt(default, *, doc: str, low=None, high=None, low_open=False, choices=None
 class ModelConfig:
     """The GP engine (section ``model``)."""
 
-    engine: str = _opt("dual_svgp", doc="GP engine", choices=("dual_svgp",))
+    engine: str = _opt("dual_svgp", doc="GP engine: dual_svgp (memory-based dual SVGP, seed 004; a vector target "
+                       "gets independent latents sharing Z) or continual_mogp (continual multi-output GP with a "
+                       "linear model of coregionalisation, seed 000)", choices=("dual_svgp", "continual_mogp"))
     kernel: str = _opt("matern52", doc="stationary kernel", choices=("matern12", "matern32", "matern52", "rbf"))
     ard: bool = _opt(True, doc="one lengthscale per input dimension")
     constant_kernel: bool = _opt(True, doc="add a learned constant (bias) kernel")
@@ -69,7 +75,21 @@ class ModelConfig:
                                   "inducing re-selection); the others are fast conditioning", low=1, high=1_000_000)
     jitter: float = _opt(1e-6, doc="initial diagonal jitter added to K before Cholesky", low=0.0, high=1.0)
     device: str = _opt("auto", doc="torch device for the model", choices=("auto", "cpu", "cuda"))
-    seed: int = _opt(0, doc="random seed (memory sampling)", low=0, high=2**31 - 1)
+    seed: int = _opt(0, doc="random seed (memory sampling, initial mixing weights)", low=0, high=2**31 - 1)
+    num_latents: int = _opt(3, doc="continual_mogp: number Q of latent GPs mixed into the output channels",
+                            low=1, high=64)
+    latent_lengthscale_ratio: float = _opt(2.0, doc="continual_mogp: latent q starts at lengthscale * ratio ** "
+                                           "(q - (Q - 1) / 2), so the latents cover several scales (1: all equal)",
+                                           low=1.0, high=100.0)
+    vem_iterations: int = _opt(4, doc="continual_mogp: variational EM iterations (M-step of hyper_steps Adam "
+                               "steps, inducing inputs re-placed, E-step) per full update", low=1, high=1000)
+    mixing_learning: str = _opt("first", doc="continual_mogp: when the mixing weights are learned: only while a "
+                                "channel is first seen (no forgetting through them), in every full update (as "
+                                "the paper), or never", choices=MIXING_LEARNING_CHOICES)
+    variational_steps: int = _opt(100, doc="continual_mogp, non-Gaussian likelihoods: Adam steps on q(u) per "
+                                  "E-step (a Gaussian likelihood has a closed-form E-step)", low=1, high=100_000)
+    variational_lr: float = _opt(0.02, doc="continual_mogp, non-Gaussian likelihoods: Adam learning rate on q(u)",
+                                 low=0.0, low_open=True, high=10.0)
 
 
 @dataclass
@@ -88,6 +108,19 @@ class SyncConfig:
     input_dims: int = _opt(2, doc="map inputs: 2 (x, y) or 3 (x, y, z)", low=2, high=3)
     field_unit: str = _opt("microtesla", doc="unit of the field inside the mapper and in its outputs",
                            choices=("tesla", "millitesla", "microtesla", "nanotesla", "gauss"))
+    # Bad-input guards (README "Bad input and reliability"): each refusal is counted under a named reason.
+    max_field: float = _opt(0.01, doc="refuse readings with |B| above this, saturated or absurd [T]; 0: no limit",
+                            low=0.0, high=1e3)
+    max_position: float = _opt(1e7, doc="refuse poses farther than this from the map origin [m]", low=0.0,
+                               low_open=True, high=1e12)
+    quaternion_tolerance: float = _opt(0.01, doc="refuse orientations whose norm differs from 1 by more than this "
+                                       "(others are normalised)", low=0.0, high=1.0)
+    max_speed: float = _opt(20.0, doc="a pose farther than max_speed * dt from the previous one is a teleport: "
+                            "samples between the two are refused [m/s]; 0: no check", low=0.0, high=1e6)
+    max_stamp_jump: float = _opt(60.0, doc="refuse a stamp more than this ahead of the newest accepted stamp, so "
+                                 "one bad stamp cannot block later data [s]; 0: no check", low=0.0, high=1e9)
+    max_stamp_skew: float = _opt(0.0, doc="refuse stamps farther than this from their receive time (node clock, "
+                                 "bag time) [s]; 0: no check", low=0.0, high=1e9)
 
 
 @dataclass
@@ -128,6 +161,12 @@ class NodeConfig:
     publish_period: float = _opt(1.0, doc="seconds between map publications", low=0.0, low_open=True, high=3600.0)
     initial_map: str = _opt("", doc="map state file to start from (empty: start empty)")
     queue_depth: int = _opt(50, doc="subscription queue depth (sensor-data QoS)", low=1, high=100_000)
+    checkpoint_interval_s: float = _opt(0.0, doc="seconds (node clock) between atomic checkpoints of the whole "
+                                        "mapper state; 0: no checkpoints", low=0.0, high=1e6)
+    checkpoint_path: str = _opt("", doc="checkpoint file (empty: $ROS_HOME/gp_mapping/<node name>_checkpoint"
+                                ".safetensors)")
+    resume: bool = _opt(True, doc="with checkpoints on, start from the checkpoint file when it exists (an "
+                        "unreadable or incompatible one stops the node)")
 
 
 @dataclass

@@ -43,6 +43,16 @@ class ReplayError(Exception):
     """The replay cannot run with the given inputs (the message says why)."""
 
 
+class IncompleteReplayError(ReplayError):
+    """The bag broke part way (truncated, corrupt, an undecodable message). What was read before was mapped and
+    its outputs written (``result.files``); ``cause`` is the bag error."""
+
+    def __init__(self, message: str, result: "ReplayResult", cause: Exception) -> None:
+        super().__init__(message)
+        self.result = result
+        self.cause = cause
+
+
 @dataclass
 class ReplayResult:
     """What a replay produced: the mapper (with its model and diagnostics), the final grid, counts and timing."""
@@ -57,6 +67,7 @@ class ReplayResult:
     bag_duration: float           # seconds of bag time between the first and last message
     files: dict[str, Path] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    error: str = ""               # why the bag could not be read to its end ("" when it was)
 
     @property
     def real_time_factor(self) -> float:
@@ -103,7 +114,9 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
     without it no snapshot is predicted, only the final map.
 
     Raises :class:`gp_mapping.bag_io.BagError` (bag, topic or pose-source problems), ConfigError, or
-    ReplayError when no sample could be matched with a pose.
+    ReplayError when no sample could be matched with a pose. A bag that breaks part way (truncated, corrupt, a
+    message that cannot be decoded) ends the reading there: what was read is mapped and written as usual, then
+    :class:`IncompleteReplayError` (carrying the result) is raised.
     """
     from tqdm import tqdm
 
@@ -130,25 +143,27 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
             out.mkdir(parents=True, exist_ok=True)
             writer = bag_io.MapBagWriter(out / MCAP_NAME, config.sync.field_unit, overwrite=True)
         started = time.perf_counter()
+        broken: list[bag_io.CorruptBagError] = []
         try:
             next_snapshot, snapshot_updates, bag_time = None, 0, bag.start_time
             with tqdm(total=sum(bag.counts.get(t, 0) for t in topics), unit="msg", desc=bag_path.name,
                       disable=not progress, file=sys.stderr, mininterval=0.5) as bar:
-                for topic, bag_time_ns, msgtype, msg in bag.messages(topics):
+                for topic, bag_time_ns, msgtype, msg in _until_broken(bag.messages(topics), broken):
                     bar.update()
                     bag_time = bag_time_ns * 1e-9
                     if topic == mag_topic:
                         counts["mag_messages"] += 1
                         sample = bag_io.decode_magnetic_field(msg, bag_time_ns)
                         if tf_buffer is None or _feed_tf_pose(mapper, tf_buffer, source, sample.stamp, max_gap):
-                            mapper.add_magnetic_field(sample.stamp, sample.field)
+                            mapper.add_magnetic_field(sample.stamp, sample.field, frame_id=sample.frame_id,
+                                                      receive_time=bag_time)
                         else:
                             counts["tf_lookups_failed"] += 1
                     else:
                         counts["pose_messages"] += 1
                         pose = bag_io.decode_pose(msg, msgtype, bag_time_ns)
                         if pose.frame_id == config.grid.frame_id:
-                            mapper.add_pose(pose.stamp, pose.position, pose.orientation)
+                            mapper.add_pose(pose.stamp, pose.position, pose.orientation, receive_time=bag_time)
                         else:  # the node's rule: a pose in another frame is refused (no tf lookup)
                             counts["pose_frame_mismatch"] += 1
                             other_frames.add(pose.frame_id)
@@ -167,6 +182,8 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
             if writer is not None and grid is not None:
                 counts["snapshots"] += _snapshot(writer, grid, bag_time)
             processing = time.perf_counter() - started
+            if broken and grid is None:
+                raise broken[0]  # nothing was mapped before the bag broke: the bag error is the whole story
             if out is not None and grid is None:
                 raise ReplayError(f"no magnetometer sample of {bag_path} could be matched with a pose, so there is "
                                   f"no map to write ({_rejections(mapper.diagnostics(), counts)})")
@@ -187,12 +204,23 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
     counts["mapper"] = mapper.diagnostics()
     result = ReplayResult(bag_path=bag_path, mag_topic=mag_topic, pose_source=source, mapper=mapper, grid=grid,
                           counts=counts, processing_seconds=processing, bag_duration=bag_duration, files=files,
-                          notes=notes)
+                          notes=notes, error=str(broken[0]) if broken else "")
     if out is not None:
         files["mcap"] = writer.close()
         files["npz"] = save_map_npz(out / NPZ_NAME, result)
         files["png"] = plot_map(out / PNG_NAME, result)
+    if broken:
+        raise IncompleteReplayError(f"{broken[0]}; the map of the {counts['mag_messages']} magnetometer messages "
+                                    "read before it was written", result, broken[0])
     return result
+
+
+def _until_broken(messages, broken: list):
+    """The messages of ``messages`` until the bag breaks; the CorruptBagError, if any, is appended to ``broken``."""
+    try:
+        yield from messages
+    except bag_io.CorruptBagError as err:
+        broken.append(err)
 
 
 def _feed_tf_pose(mapper, tf_buffer: bag_io.TransformBuffer, source: bag_io.PoseSource, stamp: float,
@@ -346,6 +374,12 @@ def run(args: argparse.Namespace) -> int:
         result = replay_bag(args.bag, load_config(args.config) if args.config else None, out_dir=args.out,
                             mag_topic=args.mag_topic, pose_topic=args.pose_topic, tf_frames=args.tf,
                             progress=not args.no_progress)
+    except IncompleteReplayError as err:
+        print(f"gp-mapping replay: error: {err}", file=sys.stderr)
+        for kind in ("npz", "png", "mcap"):
+            if kind in err.result.files:
+                print(f"wrote {err.result.files[kind].resolve()} (partial)")
+        return 1
     except (bag_io.BagError, ConfigError, ReplayError, GridError) as err:
         print(f"gp-mapping replay: error: {err}", file=sys.stderr)
         return 1

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from ..config import ConfigError, ModelConfig, section_from_dict
+from .continual_mogp import ContinualMOGP
 from .dual_svgp import DualSVGP, ModelInputError
 from .kernels import GPNumericalError
 from .likelihoods import BernoulliLikelihood, GaussianLikelihood, StudentTLikelihood
@@ -31,6 +32,7 @@ def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
 
 
 register_engine("dual_svgp")(DualSVGP)
+register_engine("continual_mogp")(ContinualMOGP)
 
 
 def build_model(model_config: ModelConfig | Mapping[str, Any], input_dims: int, output_dims: int):
@@ -48,5 +50,5 @@ def build_model(model_config: ModelConfig | Mapping[str, Any], input_dims: int, 
     return factory(model_config, int(input_dims), int(output_dims))
 
 
-__all__ = ["BernoulliLikelihood", "DualSVGP", "ENGINES", "GPNumericalError", "GaussianLikelihood",
+__all__ = ["BernoulliLikelihood", "ContinualMOGP", "DualSVGP", "ENGINES", "GPNumericalError", "GaussianLikelihood",
            "ModelInputError", "StudentTLikelihood", "build_model", "register_engine"]

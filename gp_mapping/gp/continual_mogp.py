@@ -39,7 +39,11 @@ a candidate's residual prior variance exceeds 1e-4 of the largest prior variance
 is covered and nothing of q_old is lost. When more points are needed than the budget holds, the set moves:
 pivoted Cholesky over [Z_old; X_batch] re-covers the union, dropping old points where the cover is densest.
 A new point never coincides with a kept one (its residual variance would be zero), so K_nn and q~ stay
-positive definite.
+positive definite. Z is chosen again (from Z_old and the batch, q~ rebuilt there) after every M-step, under the
+kernel just learned, with its lengthscales capped at model.lengthscale for the choice only: a set chosen under
+a lengthscale that one batch has stretched is too sparse for any shorter one, and the sparse bound then keeps
+the lengthscale long in every later update (measured on the Osman 2021 recording: a latent stuck at 23 points
+and lengthscales of 5-13 m, its channel's noise inflating update after update).
 
 Variational EM per update (paper: "several steps of variational EM within each sequential update"):
   * E-step over q(u). Gaussian likelihood: closed form. The bound is E_q of a quadratic in u plus the entropy,
@@ -50,7 +54,8 @@ Variational EM per update (paper: "several steps of variational EM within each s
   * M-step: Adam steps on the kernel hyperparameters, the mixing weights and the noise variances. With the
     closed-form E-step, q(u) inside the objective is the exact optimum for the current hyperparameters
     (differentiated through), so each step climbs the bound maximised over q; otherwise q is held fixed.
-  The E-step follows the last M-step, so q is optimal for the final hyperparameters.
+  After each M-step Z is re-placed (above), then the E-step runs, so q is optimal for the final hyperparameters
+  and inducing inputs.
 Update modes: 'full' runs the VEM iterations; 'fast' only moves Z and runs the E-step (hyperparameters fixed).
 
 Asynchronous channels: NaN entries of y are missing observations; only observed entries enter the expected
@@ -68,24 +73,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import MIXING_LEARNING_CHOICES, ModelConfig
 from .dual_svgp import ModelInputError, check_inputs, resolve_device, to_float64_tensor
 from .inducing import DEFAULT_REL_TOL, pivoted_cholesky
 from .kernels import GPNumericalError, Kernel, StationaryKernel, SumKernel, build_kernel, jittered_cholesky
 from .likelihoods import GaussianLikelihood, Likelihood, build_likelihood
 
-# Defaults for the ModelConfig fields this engine adds (used when the config predates them).
-DEFAULT_NUM_LATENTS = 3
-DEFAULT_VEM_ITERATIONS = 4
-DEFAULT_VARIATIONAL_STEPS = 100
-DEFAULT_VARIATIONAL_LR = 0.02
-# Latent q starts at lengthscale * ratio ** (q - (Q - 1) / 2), so the latents can specialise in different
-# scales (a magnetic map has a smooth large-scale trend and short-scale anomalies near iron).
-DEFAULT_LENGTHSCALE_RATIO = 2.0
-# When the mixing weights A are learned: in every full update until each channel has been seen ('first'), in
-# every full update ('always', as in the paper), or never (A stays at its initial value).
-MIXING_LEARNING = ("first", "always", "never")
-DEFAULT_MIXING_LEARNING = "first"
+# The engine's own settings are the model section's num_latents, latent_lengthscale_ratio, vem_iterations,
+# mixing_learning, variational_steps and variational_lr (config.py documents them); keyword arguments of
+# ContinualMOGP override them. latent_lengthscale_ratio: latent q starts at lengthscale * ratio ** (q - (Q-1)/2),
+# so the latents can specialise in different scales (a magnetic map has a smooth large-scale trend and
+# short-scale anomalies near iron).
+MIXING_LEARNING = MIXING_LEARNING_CHOICES
 # Smallest diagonal entry of a Cholesky factor of S written back through the inverse softplus.
 _MIN_CHOL_DIAG = 1e-150
 
@@ -176,26 +175,25 @@ class ContinualMOGP(nn.Module):
         self.input_dims = d = int(input_dims)
         self.output_dims = p = int(output_dims)
 
-        def setting(name: str, given, default, low: float, kind=int):
-            value = given if given is not None else getattr(config, name, default)
+        def setting(name: str, given, low: float, kind=int):
+            value = given if given is not None else getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low \
                     or not math.isfinite(value) or (kind is int and int(value) != value):
                 raise ValueError(f"continual_mogp: {name} must be {'an integer' if kind is int else 'a number'} "
                                  f">= {low}, got {value!r}")
             return kind(value)
 
-        self.num_latents = setting("num_latents", num_latents, DEFAULT_NUM_LATENTS, 1)
-        self.vem_iterations = setting("vem_iterations", vem_iterations, DEFAULT_VEM_ITERATIONS, 1)
-        self.variational_steps = setting("variational_steps", variational_steps, DEFAULT_VARIATIONAL_STEPS, 1)
-        self.variational_lr = setting("variational_lr", variational_lr, DEFAULT_VARIATIONAL_LR, 1e-300, float)
-        ratio = setting("latent_lengthscale_ratio", latent_lengthscale_ratio, DEFAULT_LENGTHSCALE_RATIO, 1.0, float)
+        self.num_latents = setting("num_latents", num_latents, 1)
+        self.vem_iterations = setting("vem_iterations", vem_iterations, 1)
+        self.variational_steps = setting("variational_steps", variational_steps, 1)
+        self.variational_lr = setting("variational_lr", variational_lr, 1e-300, float)
+        ratio = setting("latent_lengthscale_ratio", latent_lengthscale_ratio, 1.0, float)
         if config.inducing != "pivoted_cholesky":
             raise ValueError(f"continual_mogp: inducing policy {config.inducing!r} is not supported; "
                              "use 'pivoted_cholesky' (inducing sets grow and move with the data)")
         self.inducing_rel_tol = float(inducing_rel_tol)
         self.analytic_e_step = bool(analytic_e_step)
-        self.mixing_learning = mixing_learning if mixing_learning is not None else \
-            getattr(config, "mixing_learning", DEFAULT_MIXING_LEARNING)
+        self.mixing_learning = mixing_learning if mixing_learning is not None else config.mixing_learning
         if self.mixing_learning not in MIXING_LEARNING:
             raise ValueError(f"continual_mogp: mixing_learning must be one of {', '.join(MIXING_LEARNING)}, "
                              f"got {self.mixing_learning!r}")
@@ -651,7 +649,7 @@ class ContinualMOGP(nn.Module):
         return (self.num_observed_t == 0).to(torch.float64)[:, None]
 
     def _hyper_parameters(self) -> tuple[list[nn.Parameter], dict[int, torch.Tensor]]:
-        params = [p for k in self.kernels for p in k.parameters() if p.requires_grad]
+        params = [p for p in self.kernels.parameters() if p.requires_grad]  # a shared kernel counts once
         masks = {}
         rows = self._mixing_rows_learned()
         if bool(rows.any()):
@@ -661,12 +659,25 @@ class ContinualMOGP(nn.Module):
         return params, masks
 
     # ------------------------------------------------------------------ inducing inputs
-    def _select_inducing(self, q: int, x: torch.Tensor) -> torch.Tensor:
-        """New Z_q. While the budget allows, every old point is kept (first, in order: nothing of q_old is lost)
-        and batch points are added greedily by their residual variance given Z_old; when more are needed than
-        the budget holds, the set moves: pivoted Cholesky over [Z_old; X] (old points listed first keep ties)."""
-        z_old = self.z(q)
+    def _placement_kernel(self, q: int) -> Kernel:
+        """Latent q's kernel with its lengthscales capped at model.lengthscale, for choosing Z only. Placed under
+        a lengthscale that one batch has stretched, Z would be too sparse for any shorter one, and the sparse
+        bound (its trace term) would then keep the lengthscale long in every later update: a trap."""
         kernel = self.kernels[q]
+        main = _stationary_part(kernel)
+        cap = float(self.config.lengthscale)
+        if main is None or bool((main.lengthscale <= cap).all()):
+            return kernel
+        capped = copy.deepcopy(kernel)
+        _stationary_part(capped).lengthscale_param.set(main.lengthscale.detach().clamp_max(cap))
+        return capped
+
+    def _select_inducing(self, q: int, x: torch.Tensor, z_old: torch.Tensor) -> torch.Tensor:
+        """New Z_q under latent q's current kernel. While the budget allows, every old point is kept (first, in
+        order: nothing of q_old is lost) and batch points are added greedily by their residual variance given
+        Z_old; when more are needed than the budget holds, the set moves: pivoted Cholesky over [Z_old; X] (old
+        points listed first keep ties)."""
+        kernel = self._placement_kernel(q)
         budget = int(self.config.num_inducing)
         with torch.no_grad():
             prior_diag = kernel.diag(x)
@@ -712,6 +723,22 @@ class ContinualMOGP(nn.Module):
                 if main is not None:
                     main.variance_param.set(evals[order[q]].clamp_min(1e-3 * float(evals.max())))
 
+    def _place_inducing(self, x: torch.Tensor, z_old: list[torch.Tensor],
+                        old: list[LatentPosterior] | None) -> list[ContinualPrior | None]:
+        """Choose every latent's Z_new from its Z_old and the batch, build q~ there (continual updates) and
+        warm-start q(u) at the prior (first update) or at q~; returns the continual priors (None: first)."""
+        priors: list[ContinualPrior | None] = []
+        for q in range(self.num_latents):
+            z_new = self._select_inducing(q, x, z_old[q])
+            if old is None:
+                priors.append(None)
+                self._set_q(q, z_new, z_new.new_zeros(z_new.shape[0]), self._chol_K(self.kernels[q], z_new))
+            else:
+                prior = self._continual_prior(old[q], z_new)
+                priors.append(prior)
+                self._set_q(q, z_new, prior.chol_old @ prior.mean_w, prior.chol_old @ prior.cov_chol_w)
+        return priors
+
     # ------------------------------------------------------------------ update
     def update(self, x, y, mode: str | None = None) -> dict:
         """Condition on a batch: x (N, D), y (N, P) with NaN for missing channels. mode: 'full' (variational
@@ -737,20 +764,8 @@ class ContinualMOGP(nn.Module):
             if first and learn and bool(self._mixing_rows_learned().all()):
                 self._initialise_mixing(ys, mask)
             old = None if first else [self.latent_posterior(q) for q in range(self.num_latents)]
-            priors: list[ContinualPrior | None] = []
-            for q in range(self.num_latents):
-                z_new = self._select_inducing(q, xt)
-                if not torch.equal(z_new, self.z(q)):
-                    stats["z_moved"] += 1
-                if old is None:
-                    priors.append(None)
-                    # Warm start at the prior N(0, K).
-                    self._set_q(q, z_new, z_new.new_zeros(z_new.shape[0]), self._chol_K(self.kernels[q], z_new))
-                else:
-                    prior = self._continual_prior(old[q], z_new)
-                    priors.append(prior)
-                    # Warm start at q~ (the old posterior carried to the new inducing inputs).
-                    self._set_q(q, z_new, prior.chol_old @ prior.mean_w, prior.chol_old @ prior.cov_chol_w)
+            z_old = [self.z(q) for q in range(self.num_latents)]
+            priors = self._place_inducing(xt, z_old, old)
             scale = 1.0 / float(mask.sum())
             stats["variational_steps"] += self._e_step(xt, ys, mask, priors, scale)
             if mode == "full" and self.config.learn_hyperparameters and self.config.hyper_steps > 0:
@@ -766,7 +781,11 @@ class ContinualMOGP(nn.Module):
                 for _ in range(self.vem_iterations):
                     taken, _ = self._adam(hyper, objective, self.config.hyper_steps, self.config.hyper_lr, masks)
                     stats["hyper_steps"] += taken
+                    # Z_new is chosen under the kernel just learned: a set picked under the initial kernel
+                    # (before the first batch has taught the lengthscales) is too sparse for a shorter one.
+                    priors[:] = self._place_inducing(xt, z_old, old)
                     stats["variational_steps"] += self._e_step(xt, ys, mask, priors, scale)
+            stats["z_moved"] = sum(not torch.equal(self.z(q), z_old[q]) for q in range(self.num_latents))
             with torch.no_grad():
                 value, _ = self._bound(xt, ys, mask, priors)
                 stats["bound"] = float(value - self._jacobian(mask))

@@ -5,9 +5,18 @@ Flow: ``add_pose`` / ``add_magnetic_field`` (SI units, stamps in seconds) feed a
 ``model.update`` per full batch; ``grid`` predicts the map over the grid on the model's device. Batches are cut
 in *data* time (sample stamps), never wall-clock time, so a replay reproduces the live node's batches. How often
 the map is published is the caller's business.
+
+Reliability. A model update that fails numerically (a Cholesky factorisation that even the escalated jitter
+cannot save, bad targets for the likelihood) or that leaves a non-finite prediction is rolled back: the model
+returns to its state before the batch, the batch is dropped and counted (``failed_updates``,
+``dropped_failed_update``), the reason is logged and kept in ``last_error``, and mapping goes on. Any other
+exception from the model (a programming error) is rolled back and counted the same way, then propagates.
+Jitter escalations reported by the model are counted and logged. :meth:`checkpoint` writes the whole state
+atomically (see :mod:`gp_mapping.mapping.state`); :meth:`load` restores it.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -27,6 +36,8 @@ STATE_DEFINING_KEYS = (("model", "engine"), ("model", "kernel"), ("model", "like
                        ("model", "constant_kernel"), ("sync", "target"), ("sync", "input_dims"),
                        ("sync", "field_unit"))
 TRAJECTORY_MAX_POINTS = 20_000
+PREDICTION_CHECK_POINTS = 64  # batch points predicted after each update to catch a non-finite model
+LOG = logging.getLogger("gp_mapping.mapper")
 UPDATE_TIMES_KEPT = 100
 
 
@@ -123,18 +134,27 @@ class Mapper:
         self._pending: deque[Measurements] = deque()
         self._pending_count = 0
         self.dropped = 0
+        self.dropped_overflow = 0       # pending samples dropped by the batching.max_pending bound
+        self.dropped_failed_update = 0  # samples of batches whose update failed (rolled back)
         self.updates = 0
         self.failed_updates = 0
+        self.jitter_escalations = 0
+        self.checkpoints = 0
+        self.last_error = ""
+        self._jitter = None  # the model's jitter after the last update (escalations are logged)
         self._update_seconds: deque[float] = deque(maxlen=UPDATE_TIMES_KEPT)
         self.last_stamp = -math.inf  # newest sample stamp used in an update
 
-    def add_pose(self, stamp: float, position, orientation_xyzw) -> bool:
-        """Body pose in the map frame (metres, quaternion [x, y, z, w]); False when rejected (counted)."""
-        return self._sync.add_pose(stamp, position, orientation_xyzw)
+    def add_pose(self, stamp: float, position, orientation_xyzw, receive_time: float | None = None) -> bool:
+        """Body pose in the map frame (metres, quaternion [x, y, z, w]); False when rejected (counted).
+        ``receive_time``: when it arrived, on the stamps' clock (enables ``sync.max_stamp_skew``)."""
+        return self._sync.add_pose(stamp, position, orientation_xyzw, receive_time=receive_time)
 
-    def add_magnetic_field(self, stamp: float, field_tesla) -> None:
-        """Magnetometer reading in the sensor frame, tesla (``sensor_msgs/MagneticField.magnetic_field``)."""
-        self._sync.add_field(stamp, field_tesla)
+    def add_magnetic_field(self, stamp: float, field_tesla, frame_id: str = "",
+                           receive_time: float | None = None) -> None:
+        """Magnetometer reading in the sensor frame, tesla (``sensor_msgs/MagneticField.magnetic_field``);
+        ``frame_id`` and ``receive_time`` as in :meth:`MeasurementSync.add_field`."""
+        self._sync.add_field(stamp, field_tesla, frame_id=frame_id, receive_time=receive_time)
 
     # ------------------------------------------------------------------------------------------------ updates
 
@@ -161,6 +181,7 @@ class Mapper:
                 self._pending[0] = head.slice(k)
             self._pending_count -= k
             self.dropped += k
+            self.dropped_overflow += k
             excess -= k
 
     def _take(self, n: int) -> Measurements:
@@ -193,20 +214,48 @@ class Mapper:
             return min(n, b.max_pending)
         return b.max_pending if t.shape[0] >= b.max_pending else 0
 
-    def _update(self, batch: Measurements) -> dict[str, Any]:
+    def _fail(self, batch: Measurements, before: dict, why: str) -> None:
+        """Roll the model back to ``before``, count the batch as dropped and log why."""
+        self.model.load_state_dict(before)
+        self.failed_updates += 1
+        self.dropped += len(batch)
+        self.dropped_failed_update += len(batch)
+        self.last_error = why
+        LOG.warning("model update %d failed and was rolled back (%d samples dropped): %s",
+                    self.updates + self.failed_updates, len(batch), why)
+
+    def _update(self, batch: Measurements) -> dict[str, Any] | None:
+        """One model update; None when it failed numerically and was rolled back (see the module docstring)."""
+        import torch
+
+        from gp_mapping.gp import GPNumericalError, ModelInputError
+
         start = time.perf_counter()
+        before = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         try:
             stats = self.model.update(batch.x, batch.y)
-        except Exception:
-            # The batch is gone either way; count it so the sample accounting still balances, then re-raise.
-            self.failed_updates += 1
-            self.dropped += len(batch)
+            check = batch.x[:PREDICTION_CHECK_POINTS]
+            mean, var = self.model.predict(check)
+            finite = bool(torch.isfinite(torch.as_tensor(mean)).all() and torch.isfinite(torch.as_tensor(var)).all())
+        except (GPNumericalError, ModelInputError, torch.linalg.LinAlgError) as err:
+            self._fail(batch, before, f"{type(err).__name__}: {err}")
+            return None
+        except Exception as err:
+            self._fail(batch, before, f"{type(err).__name__}: {err}")
             raise
+        if not finite:
+            self._fail(batch, before, "the update left a non-finite prediction")
+            return None
         device = getattr(self.model, "device", None)
         if device is not None and str(device).startswith("cuda"):
-            import torch
             torch.cuda.synchronize(device)  # honest timing: wait for the queued kernels
         seconds = time.perf_counter() - start
+        jitter = (stats or {}).get("jitter")
+        if jitter is not None:
+            if self._jitter is not None and jitter > self._jitter:
+                self.jitter_escalations += 1
+                LOG.info("Cholesky needed more jitter: %.3g (was %.3g)", jitter, self._jitter)
+            self._jitter = jitter
         self._coverage.add(batch.position)
         self.updates += 1
         self._update_seconds.append(seconds)
@@ -222,16 +271,20 @@ class Mapper:
         (a caller that limits updates and falls behind) is dropped, oldest first, and counted as ``dropped``.
 
         Returns the update statistics (the model's plus ``update``, ``batch_size``, ``update_seconds``,
-        ``stamp``, ``num_seen``), one dict per update, oldest first. An exception from ``model.update``
-        propagates after its batch is counted in ``dropped`` and ``failed_updates``.
+        ``stamp``, ``num_seen``), one dict per successful update, oldest first; a failed update counts against
+        ``max_updates`` and is handled as the module docstring says.
         """
         self._collect()
         out: list[dict[str, Any]] = []
-        while max_updates is None or len(out) < max_updates:
+        attempts = 0
+        while max_updates is None or attempts < max_updates:
             n = self._full_batch_size()
             if n == 0:
                 break
-            out.append(self._update(self._take(n)))
+            attempts += 1
+            stats = self._update(self._take(n))
+            if stats is not None:
+                out.append(stats)
         self._enforce_bound()
         return out
 
@@ -243,7 +296,9 @@ class Mapper:
             self._sync.finish()
         out = self.process()
         if self._pending_count:
-            out.append(self._update(self._take(self._pending_count)))
+            stats = self._update(self._take(self._pending_count))
+            if stats is not None:
+                out.append(stats)
         return out
 
     # ------------------------------------------------------------------------------------------------ outputs
@@ -298,10 +353,17 @@ class Mapper:
             "samples_rejected": sync["samples_rejected"],
             "poses_rejected": sync["poses_rejected"],
             "dropped": self.dropped,
+            "dropped_overflow": self.dropped_overflow,
+            "dropped_failed_update": self.dropped_failed_update,
             "waiting": self._sync.num_waiting,
             "pending": self.num_pending,
+            "teleports": sync["teleports"],
+            "reanchors": sync["reanchors"],
             "updates": self.updates,
             "failed_updates": self.failed_updates,
+            "jitter_escalations": self.jitter_escalations,
+            "checkpoints": self.checkpoints,
+            "last_error": self.last_error,
             "last_update_seconds": times[-1] if times else 0.0,
             "median_update_seconds": float(np.median(times)) if times else 0.0,
             "num_seen": int(self.model.num_seen),
@@ -322,10 +384,25 @@ class Mapper:
         self._clear()
 
     def save(self, path: str | Path) -> None:
-        """Write the model, coverage, trajectory, pending samples and counters to ``path`` (atomic).
-
-        Samples still waiting for a following pose, and the pose buffer, are not saved.
+        """Write the model, coverage, trajectory, pending samples, the sync's pose buffer and samples waiting
+        for a pose, and the counters to ``path`` (atomic): a mapper loaded from it continues exactly as this one.
         """
+        write_state(path, self.snapshot())
+
+    def checkpoint(self, path: str | Path) -> Path:
+        """A periodic checkpoint: :meth:`save` without running any update (batches stay as they would be cut
+        without it), counted in ``checkpoints``. Atomic (temporary file, fsync, rename), so a crash at any
+        moment leaves the previous checkpoint or this one, never a partial file. Returns ``path``."""
+        self.checkpoints += 1  # counted first, so the file records itself
+        try:
+            self.save(path)
+        except Exception:
+            self.checkpoints -= 1
+            raise
+        return Path(path)
+
+    def snapshot(self) -> MapState:
+        """The whole state as a :class:`MapState` of private copies (safe to write while mapping goes on)."""
         self._collect()
         pending = (Measurements.concatenate(list(self._pending)) if self._pending
                    else Measurements.empty(self.input_dims, self.output_dims))
@@ -341,14 +418,23 @@ class Mapper:
             "poses_accepted": self._sync.poses_accepted,
             "rejected": dict(self._sync.rejected),
             "dropped": self.dropped,
+            "dropped_overflow": self.dropped_overflow,
+            "dropped_failed_update": self.dropped_failed_update,
+            "teleports": self._sync.teleports,
+            "reanchors": self._sync.reanchors,
             "updates": self.updates,
             "failed_updates": self.failed_updates,
+            "jitter_escalations": self.jitter_escalations,
+            "checkpoints": self.checkpoints,
             "last_stamp": self.last_stamp if math.isfinite(self.last_stamp) else None,
             "coverage_resolution": self._coverage.resolution,
             "trajectory_spacing": self._trajectory.spacing,
         }
-        write_state(path, MapState(config=to_dict(self.config), model_state=self.model.state_dict(),
-                                   arrays=arrays, info=info))
+        sync_arrays, sync_info = self._sync.export_state()
+        arrays.update({f"sync_{k}": v for k, v in sync_arrays.items()})
+        info["sync"] = sync_info
+        model_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return MapState(config=to_dict(self.config), model_state=model_state, arrays=arrays, info=info)
 
     @classmethod
     def load(cls, path: str | Path, config: MapperConfig | None = None, model=None) -> "Mapper":
@@ -371,7 +457,13 @@ class Mapper:
         try:
             mapper.model.load_state_dict(state.model_state)
         except (RuntimeError, KeyError, ValueError) as err:
-            raise MapStateError(f"map state file {path} does not fit the model built from the config: {err}") from err
+            differs = ""
+            if config is not None:
+                changed = [f"model.{k} = {v!r} (saved {getattr(saved.model, k)!r})"
+                           for k, v in to_dict(config)["model"].items() if getattr(saved.model, k) != v]
+                differs = f"; the config differs from the saved one in {', '.join(changed)}" if changed else ""
+            raise MapStateError(f"map state file {path} does not fit the model built from the config{differs}: "
+                                f"{err}") from err
         try:
             mapper._restore(state)
         except (KeyError, TypeError, ValueError) as err:
@@ -401,7 +493,16 @@ class Mapper:
         self._sync.accepted = int(info["accepted"])
         self._sync.poses_accepted = int(info["poses_accepted"])
         self.dropped = int(info["dropped"])
+        self.dropped_overflow = int(info.get("dropped_overflow", 0))
+        self.dropped_failed_update = int(info.get("dropped_failed_update", 0))
+        self._sync.teleports = int(info.get("teleports", 0))
+        self._sync.reanchors = int(info.get("reanchors", 0))
         self.updates = int(info["updates"])
         self.failed_updates = int(info.get("failed_updates", 0))
+        self.jitter_escalations = int(info.get("jitter_escalations", 0))
+        self.checkpoints = int(info.get("checkpoints", 0))
         self.last_stamp = -math.inf if info["last_stamp"] is None else float(info["last_stamp"])
+        if "sync" in info:  # files written before the sync state was saved start with empty buffers
+            self._sync.import_state({k[len("sync_"):]: v for k, v in a.items() if k.startswith("sync_")},
+                                    info["sync"])
 

@@ -11,12 +11,23 @@ sensor sits at ``p + R(q) t_s`` in the map frame and a reading ``b`` (sensor fra
 map frame. The model input ``x`` is the sensor position's first ``sync.input_dims`` coordinates.
 
 Every sample or pose that is not used is counted under a named reason (:data:`REJECTION_REASONS`).
+
+Bad input (README, "Bad input and reliability"). Non-finite values and stamps, a zero reading, a reading above
+``sync.max_field``, a reading from a second magnetometer frame, a pose beyond ``sync.max_position`` or with an
+orientation whose norm is not 1 within ``sync.quaternion_tolerance``, stamps that go backwards or repeat, stamps
+more than ``sync.max_stamp_jump`` ahead of the newest accepted one and (when the caller gives the receive time)
+stamps more than ``sync.max_stamp_skew`` from it are refused and counted. A pose farther from the previous one
+than ``sync.max_speed`` allows is a teleport: it is kept (it starts a new trajectory segment) but no sample is
+interpolated across it. A stream whose stamps keep disagreeing with the accepted ones (a clock that really
+jumped, or a bad stamp accepted earlier) re-anchors after :data:`REANCHOR_AFTER` consistent messages: the
+buffers are cleared (waiting samples counted as ``stamp_reanchor``) and the new time base is accepted.
 """
 from __future__ import annotations
 
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -40,23 +51,40 @@ REJECTION_REASONS: dict[str, str] = {
     "field_nonfinite": "a field component is NaN or infinite",
     "field_stamp_nonfinite": "the field sample's stamp is NaN or infinite",
     "field_stamp_backwards": "the field sample is older than the previous field sample",
+    "field_stamp_duplicate": "the field sample has the same stamp as the previous field sample",
+    "field_stamp_jump": "the field sample's stamp is more than sync.max_stamp_jump ahead of the newest accepted stamp",
+    "field_stamp_skew": "the field sample's stamp is more than sync.max_stamp_skew from its receive time",
+    "field_zero": "the reading is exactly (0, 0, 0): an unset message or a dead sensor",
+    "field_out_of_range": "|B| is above sync.max_field (saturated or absurd)",
+    "field_frame_mismatch": "the reading's frame_id differs from the first magnetometer frame seen",
     "pose_nonfinite": "a pose position or orientation entry is NaN or infinite",
-    "pose_bad_quaternion": "the pose orientation has (near-)zero norm",
+    "pose_bad_quaternion": "the pose orientation has zero norm, or a norm off 1 by more than "
+                           "sync.quaternion_tolerance",
+    "pose_out_of_range": "the pose position is farther than sync.max_position from the origin",
     "pose_stamp_nonfinite": "the pose stamp is NaN or infinite",
     "pose_stamp_backwards": "the pose is older than the previous pose",
     "pose_stamp_duplicate": "the pose has the same stamp as the previous pose",
+    "pose_stamp_jump": "the pose stamp is more than sync.max_stamp_jump ahead of the newest accepted stamp",
+    "pose_stamp_skew": "the pose stamp is more than sync.max_stamp_skew from its receive time",
     "no_pose_before": "no buffered pose at or before the sample (before the first pose, or beyond the pose "
                       "buffer)",
     "pose_gap": "the nearest pose before or after the sample is more than sync.max_pose_gap away",
+    "pose_jump": "the poses around the sample are a teleport (faster than sync.max_speed) apart",
     "pose_timeout": "no pose followed the sample within sync.pose_buffer_seconds of field time",
     "no_pose_after": "the stream ended before a pose followed the sample",
     "sync_overflow": "more samples waited than the bound allows; the oldest were dropped",
+    "stamp_reanchor": "the sample was waiting for a pose when a stream re-anchored to a new time base",
 }
 # Reasons that count rejected poses; every other reason counts rejected field samples, so that
 # accepted + sum(rejected[r] for r in SAMPLE_REJECTION_REASONS) + waiting = field samples given.
-POSE_REJECTION_REASONS = ("pose_nonfinite", "pose_bad_quaternion", "pose_stamp_nonfinite", "pose_stamp_backwards",
-                          "pose_stamp_duplicate")
+POSE_REJECTION_REASONS = ("pose_nonfinite", "pose_bad_quaternion", "pose_out_of_range", "pose_stamp_nonfinite",
+                          "pose_stamp_backwards", "pose_stamp_duplicate", "pose_stamp_jump", "pose_stamp_skew")
 SAMPLE_REJECTION_REASONS = tuple(r for r in REJECTION_REASONS if r not in POSE_REJECTION_REASONS)
+# Consecutive messages of one stream, refused for their stamps (backwards or jump) and consistent among
+# themselves, after which the sync takes them as the new time base.
+REANCHOR_AFTER = 20
+# A teleport must exceed sync.max_speed * dt by this much [m]: localisation noise between close poses is no jump.
+TELEPORT_SLACK_M = 0.05
 
 
 class SyncError(ValueError):
@@ -117,6 +145,7 @@ class _PoseBuffer:
         self._t = np.empty(capacity)
         self._p = np.empty((capacity, 3))
         self._q = np.empty((capacity, 4))
+        self._jump = np.zeros(capacity, dtype=bool)  # True: this pose teleported from the previous one
         self._lo = 0
         self._hi = 0
 
@@ -131,17 +160,22 @@ class _PoseBuffer:
     def newest(self) -> float:
         return float(self._t[self._hi - 1])
 
-    def append(self, t: float, p: np.ndarray, q: np.ndarray) -> None:
+    @property
+    def newest_position(self) -> np.ndarray:
+        return self._p[self._hi - 1]
+
+    def append(self, t: float, p: np.ndarray, q: np.ndarray, jump: bool = False) -> None:
         if self._hi == self._t.shape[0]:
             n = len(self)
             cap = self._t.shape[0] * (2 if n > self._t.shape[0] // 2 else 1)
-            for name in ("_t", "_p", "_q"):
+            for name in ("_t", "_p", "_q", "_jump"):
                 old = getattr(self, name)
-                new = np.empty((cap,) + old.shape[1:])
+                new = np.empty((cap,) + old.shape[1:], dtype=old.dtype)
                 new[:n] = old[self._lo:self._hi]
                 setattr(self, name, new)
             self._lo, self._hi = 0, n
         self._t[self._hi], self._p[self._hi], self._q[self._hi] = t, p, q
+        self._jump[self._hi] = jump
         self._hi += 1
 
     def trim_before(self, cutoff: float) -> None:
@@ -151,8 +185,10 @@ class _PoseBuffer:
         if k > 0:
             self._lo += k
 
-    def interpolate(self, t: np.ndarray, max_gap: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Positions, orientations, and the masks (has a pose before, both within max_gap) at stamps ``t``.
+    def interpolate(self, t: np.ndarray, max_gap: float
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Positions, orientations, and the masks (has a pose before, both within max_gap, across a teleport)
+        at stamps ``t``. A sample exactly at a teleported pose counts as across it (its neighbourhood is unknown).
 
         Every ``t`` must be at or before the newest pose.
         """
@@ -171,7 +207,8 @@ class _PoseBuffer:
         q0, q1 = self._q[self._lo + i0c], self._q[self._lo + i1c]
         pos = p0 + alpha[:, None] * (p1 - p0)
         quat = slerp(q0, q1, alpha) if t.shape[0] else np.zeros((0, 4))
-        return pos, quat, has_before, within
+        across = self._jump[self._lo + i1c]
+        return pos, quat, has_before, within, across
 
 
 class MeasurementSync:
@@ -198,6 +235,8 @@ class MeasurementSync:
         self.rejected: dict[str, int] = {reason: 0 for reason in REJECTION_REASONS}
         self.accepted = 0
         self.poses_accepted = 0
+        self.teleports = 0   # accepted poses that jumped (events, not rejections)
+        self.reanchors = 0   # times a stream's stamps were taken as a new time base
         self.reset()
 
     def reset(self) -> None:
@@ -208,11 +247,16 @@ class MeasurementSync:
         self._ready_count = 0
         self._last_field_stamp = -math.inf
         self._last_pose_stamp = -math.inf
+        self._field_frame = ""
+        # Per stream: (consecutive stamp refusals consistent among themselves, the last refused stamp).
+        self._stale: dict[str, tuple[int, float]] = {"field": (0, -math.inf), "pose": (0, -math.inf)}
 
     def reset_counters(self) -> None:
         self.rejected = {reason: 0 for reason in REJECTION_REASONS}
         self.accepted = 0
         self.poses_accepted = 0
+        self.teleports = 0
+        self.reanchors = 0
 
     @property
     def num_waiting(self) -> int:
@@ -232,52 +276,112 @@ class MeasurementSync:
     def _reject(self, reason: str, count: int = 1) -> None:
         self.rejected[reason] += count
 
-    def add_pose(self, stamp: float, position, orientation_xyzw) -> bool:
-        """Buffer one body pose (map frame). Returns False, counting the reason, when it is rejected."""
+    def _stamp_refusal(self, stream: str, stamp: float, receive_time: float | None) -> str | None:
+        """Why ``stamp`` of ``stream`` ('field' or 'pose') is refused, or None. Re-anchors a stream whose
+        refused stamps keep agreeing with each other (see the module docstring)."""
+        if not math.isfinite(stamp):
+            return f"{stream}_stamp_nonfinite"
+        cfg = self.config
+        if cfg.max_stamp_skew > 0 and receive_time is not None and math.isfinite(receive_time) \
+                and abs(stamp - receive_time) > cfg.max_stamp_skew:
+            return f"{stream}_stamp_skew"
+        last = self._last_field_stamp if stream == "field" else self._last_pose_stamp
+        if stamp == last:
+            return f"{stream}_stamp_duplicate"  # a repeated stamp is never a new time base
+        newest = max(self._last_field_stamp, self._last_pose_stamp)
+        reason = None
+        if cfg.max_stamp_jump > 0 and math.isfinite(newest) and stamp > newest + cfg.max_stamp_jump:
+            reason = f"{stream}_stamp_jump"
+        elif stamp < last:
+            reason = f"{stream}_stamp_backwards"
+        if reason is None:
+            self._stale[stream] = (0, -math.inf)
+            return None
+        count, previous = self._stale[stream]
+        consistent = previous < stamp and (cfg.max_stamp_jump <= 0 or stamp - previous <= cfg.max_stamp_jump)
+        count = count + 1 if consistent else 1
+        if count < REANCHOR_AFTER:
+            self._stale[stream] = (count, stamp)
+            return reason
+        self._reanchor()
+        return None
+
+    def _reanchor(self) -> None:
+        """Take a new time base: forget poses, waiting samples (counted) and the stamp references."""
+        self._reject("stamp_reanchor", len(self._waiting))
+        self._waiting.clear()
+        self._poses = _PoseBuffer()
+        self._last_field_stamp = self._last_pose_stamp = -math.inf
+        self._stale = {"field": (0, -math.inf), "pose": (0, -math.inf)}
+        self.reanchors += 1
+
+    def add_pose(self, stamp: float, position, orientation_xyzw, receive_time: float | None = None) -> bool:
+        """Buffer one body pose (map frame). Returns False, counting the reason, when it is rejected.
+
+        ``receive_time`` (seconds on the stamps' clock, optional) enables the ``sync.max_stamp_skew`` check.
+        """
         p = np.asarray(position, dtype=np.float64)
         q = np.asarray(orientation_xyzw, dtype=np.float64)
         if p.shape != (3,) or q.shape != (4,):
             raise SyncError(f"a pose needs position (3,) and orientation [x, y, z, w] (4,), got {p.shape} and "
                             f"{q.shape}")
         stamp = float(stamp)
-        if not math.isfinite(stamp):
-            self._reject("pose_stamp_nonfinite")
-            return False
+        reason = None
         if not (np.all(np.isfinite(p)) and np.all(np.isfinite(q))):
-            self._reject("pose_nonfinite")
+            reason = "pose_nonfinite" if math.isfinite(stamp) else "pose_stamp_nonfinite"
+        elif not quaternion_norm_ok(q) or abs(float(np.linalg.norm(q)) - 1.0) > self.config.quaternion_tolerance:
+            reason = "pose_bad_quaternion" if math.isfinite(stamp) else "pose_stamp_nonfinite"
+        elif float(np.linalg.norm(p)) > self.config.max_position:
+            reason = "pose_out_of_range" if math.isfinite(stamp) else "pose_stamp_nonfinite"
+        else:
+            # Only a pose with usable values may take part in re-anchoring the stream's time base.
+            reason = self._stamp_refusal("pose", stamp, receive_time)
+        if reason is not None:
+            self._reject(reason)
             return False
-        if not quaternion_norm_ok(q):
-            self._reject("pose_bad_quaternion")
-            return False
-        if stamp < self._last_pose_stamp:
-            self._reject("pose_stamp_backwards")
-            return False
-        if stamp == self._last_pose_stamp:
-            self._reject("pose_stamp_duplicate")
-            return False
+        jump = False
+        if self.config.max_speed > 0 and len(self._poses):
+            dt = stamp - self._poses.newest
+            distance = float(np.linalg.norm(p - self._poses.newest_position))
+            jump = distance > self.config.max_speed * dt + TELEPORT_SLACK_M
+            self.teleports += int(jump)
         self._last_pose_stamp = stamp
-        self._poses.append(stamp, p, normalize_quaternion(q))
+        self._poses.append(stamp, p, normalize_quaternion(q), jump)
         self.poses_accepted += 1
         # Samples now bracketed are decided before the buffer trim can drop their left neighbour.
         self._decide_waiting()
         self._poses.trim_before(stamp - self.config.pose_buffer_seconds)
         return True
 
-    def add_field(self, stamp: float, field_tesla) -> None:
-        """Queue one magnetometer reading (sensor frame, tesla); decided now or when its next pose arrives."""
+    def add_field(self, stamp: float, field_tesla, frame_id: str = "", receive_time: float | None = None) -> None:
+        """Queue one magnetometer reading (sensor frame, tesla); decided now or when its next pose arrives.
+
+        ``frame_id`` (optional): the first non-empty one is the magnetometer's, readings in another are refused.
+        ``receive_time`` (optional) enables the ``sync.max_stamp_skew`` check.
+        """
         b = np.asarray(field_tesla, dtype=np.float64)
         if b.shape != (3,):
             raise SyncError(f"a magnetic field sample must have shape (3,), got {b.shape}")
         stamp = float(stamp)
+        magnitude = float(np.linalg.norm(b)) if np.all(np.isfinite(b)) else math.nan
+        reason = None
         if not math.isfinite(stamp):
-            self._reject("field_stamp_nonfinite")
+            reason = "field_stamp_nonfinite"
+        elif not math.isfinite(magnitude):
+            reason = "field_nonfinite"
+        elif magnitude == 0.0:
+            reason = "field_zero"
+        elif self.config.max_field > 0 and magnitude > self.config.max_field:
+            reason = "field_out_of_range"
+        elif frame_id and self._field_frame and frame_id != self._field_frame:
+            reason = "field_frame_mismatch"
+        else:
+            reason = self._stamp_refusal("field", stamp, receive_time)
+        if reason is not None:
+            self._reject(reason)
             return
-        if not np.all(np.isfinite(b)):
-            self._reject("field_nonfinite")
-            return
-        if stamp < self._last_field_stamp:
-            self._reject("field_stamp_backwards")
-            return
+        if frame_id and not self._field_frame:
+            self._field_frame = frame_id
         self._last_field_stamp = stamp
         self._waiting.append((stamp, b))
         # A pose stream that stopped long ago (in field time) will not bracket the oldest samples any more.
@@ -304,12 +408,14 @@ class MeasurementSync:
         items = [self._waiting.popleft() for _ in range(n)]
         t = np.array([s for s, _ in items])
         b = np.stack([f for _, f in items])
-        pos, quat, has_before, within = self._poses.interpolate(t, self.config.max_pose_gap)
+        pos, quat, has_before, within, across = self._poses.interpolate(t, self.config.max_pose_gap)
         self._reject("no_pose_before", int(np.count_nonzero(~has_before)))
         self._reject("pose_gap", int(np.count_nonzero(has_before & ~within)))
-        if not np.any(within):
+        self._reject("pose_jump", int(np.count_nonzero(within & across)))
+        ok = within & ~across
+        if not np.any(ok):
             return
-        t, b, pos, quat = t[within], b[within], pos[within], quat[within]
+        t, b, pos, quat = t[ok], b[ok], pos[ok], quat[ok]
         sensor_pos = pos + rotate_vectors(quat, self._t_sensor)
         if self.output_dims == 1:
             y = np.linalg.norm(b, axis=1, keepdims=True) * self._scale  # |B| does not depend on the frame
@@ -339,6 +445,38 @@ class MeasurementSync:
             self._reject("sync_overflow")
             excess -= 1
 
+    def export_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The buffers (poses, samples waiting for a pose) as arrays, and the stamp references as plain values,
+        for a checkpoint. Samples accepted and not yet popped are the caller's to save (pop them first)."""
+        st = self._poses
+        waiting_t = np.array([t for t, _ in self._waiting], dtype=np.float64)
+        waiting_b = np.array([b for _, b in self._waiting], dtype=np.float64).reshape(-1, 3)
+        arrays = {"pose_t": st.stamps.copy(), "pose_p": st._p[st._lo:st._hi].copy(),
+                  "pose_q": st._q[st._lo:st._hi].copy(), "pose_jump": st._jump[st._lo:st._hi].copy(),
+                  "waiting_t": waiting_t, "waiting_b": waiting_b}
+        finite = lambda v: v if math.isfinite(v) else None  # noqa: E731 - JSON has no infinity
+        info = {"last_field_stamp": finite(self._last_field_stamp), "last_pose_stamp": finite(self._last_pose_stamp),
+                "field_frame": self._field_frame}
+        return arrays, info
+
+    def import_state(self, arrays: dict[str, np.ndarray], info: dict[str, Any]) -> None:
+        """Inverse of :meth:`export_state` (raises KeyError / ValueError on malformed data)."""
+        t = np.asarray(arrays["pose_t"], dtype=np.float64).reshape(-1)
+        p = np.asarray(arrays["pose_p"], dtype=np.float64).reshape(t.shape[0], 3)
+        q = np.asarray(arrays["pose_q"], dtype=np.float64).reshape(t.shape[0], 4)
+        jump = np.asarray(arrays["pose_jump"], dtype=bool).reshape(t.shape[0])
+        wt = np.asarray(arrays["waiting_t"], dtype=np.float64).reshape(-1)
+        wb = np.asarray(arrays["waiting_b"], dtype=np.float64).reshape(wt.shape[0], 3)
+        if not (np.all(np.isfinite(t)) and np.all(np.isfinite(p)) and np.all(np.isfinite(wt))):
+            raise ValueError("non-finite pose or waiting-sample data")
+        self._poses = _PoseBuffer(max(256, t.shape[0]))
+        for k in range(t.shape[0]):
+            self._poses.append(float(t[k]), p[k], normalize_quaternion(q[k]), bool(jump[k]))
+        self._waiting = deque((float(wt[k]), wb[k].copy()) for k in range(wt.shape[0]))
+        self._last_field_stamp = -math.inf if info["last_field_stamp"] is None else float(info["last_field_stamp"])
+        self._last_pose_stamp = -math.inf if info["last_pose_stamp"] is None else float(info["last_pose_stamp"])
+        self._field_frame = str(info["field_frame"])
+
     def pop_ready(self) -> Measurements:
         """Every accepted sample not returned before, oldest first (possibly empty)."""
         if not self._ready:
@@ -361,5 +499,7 @@ class MeasurementSync:
             "poses_rejected": sum(self.rejected[r] for r in POSE_REJECTION_REASONS),
             "waiting": self.num_waiting,
             "ready": self.num_ready,
+            "teleports": self.teleports,
+            "reanchors": self.reanchors,
             "rejected": dict(self.rejected),
         }

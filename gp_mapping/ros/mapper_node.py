@@ -47,6 +47,20 @@ Services (std_srvs/Trigger)
                      it again with the parameter ``node.initial_map``.
     ``~/reset``      forgets the map and the buffered messages; publishes all-unknown grids of the last geometry.
 
+Checkpoints and resume. With ``node.checkpoint_interval_s`` > 0 a timer (node clock) has the Mapper write its
+whole state atomically (temporary file, fsync, rename; safetensors, nothing executable) to
+``node.checkpoint_path`` (default ``$ROS_HOME/gp_mapping/<node name>_checkpoint.safetensors``), and once more
+on a clean shutdown. With ``node.resume`` (default) a node that finds that file starts from it, so a crash (even
+SIGKILL) loses at most one interval. A checkpoint that cannot be read, or that was made with an incompatible
+config (another kernel, target, engine ...), stops the node at start with the reason (exit status 2): the file
+is left untouched, never overwritten by an empty map.
+
+Bad input. Every refused message is counted by reason (``rejected/<reason>`` and ``node/rejected/<reason>`` in
+the diagnostics; the table is in README "Bad input and reliability"), and a summary of new refusals is logged
+at most every LOG_THROTTLE_S seconds. The queues are bounded: the subscriptions keep ``node.queue_depth``
+messages, the inbox of the update thread 2 x ``batching.max_pending`` (oldest dropped, ``inbox_overflow``),
+the Mapper ``batching.max_pending`` samples (oldest dropped, ``dropped_overflow``).
+
 Parameters: every key of ``config/mapper.yaml`` (``model.*``, ``sync.*``, ``batching.*``, ``grid.*``,
 ``node.*``), declared with type, description and range, validated by :mod:`gp_mapping.config` at start (a bad
 value or an unknown key stops the node with a message naming it, exit status 2) and on every live change
@@ -95,6 +109,7 @@ VECTOR_LAYERS = ("x", "y", "z", "norm")
 # from it at start.
 LIVE_PARAMETERS = frozenset({"node.publish_period", "grid.unknown_distance", "grid.tile_size", "grid.margin"})
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_CONFIG = 0, 1, 2
+LOG_THROTTLE_S = 5.0  # seconds between two log lines about refused input, failed updates or dropped backlog
 
 _PARAMETER_TYPES = {"bool": ParameterType.PARAMETER_BOOL, "int": ParameterType.PARAMETER_INTEGER,
                     "float": ParameterType.PARAMETER_DOUBLE, "str": ParameterType.PARAMETER_STRING,
@@ -148,10 +163,11 @@ def parameter_descriptor(name: str, spec: dataclasses.Field) -> ParameterDescrip
     return descriptor
 
 
-def default_map_path(node_name: str = NODE_NAME) -> Path:
-    """Where ``~/save_map`` writes: ``$ROS_HOME/gp_mapping/<node name>_map.safetensors`` (ROS_HOME: ~/.ros)."""
+def default_map_path(node_name: str = NODE_NAME, kind: str = "map") -> Path:
+    """Where ``~/save_map`` writes: ``$ROS_HOME/gp_mapping/<node name>_map.safetensors`` (ROS_HOME: ~/.ros);
+    ``kind="checkpoint"``: the default checkpoint file ``<node name>_checkpoint.safetensors`` beside it."""
     ros_home = os.environ.get("ROS_HOME") or os.path.join(os.path.expanduser("~"), ".ros")
-    return Path(ros_home) / "gp_mapping" / f"{node_name}_map.safetensors"
+    return Path(ros_home) / "gp_mapping" / f"{node_name}_{kind}.safetensors"
 
 
 def _plain(value: Any) -> Any:
@@ -178,7 +194,8 @@ class MapperNode(Node):
         self._specs = field_specs()
         self._lock = threading.Lock()  # guards the mapper (updates, predictions, services)
         self._inbox_cond = threading.Condition()
-        self._inbox: deque[tuple[str, float, Any, Any]] = deque()
+        # (kind, stamp, values, orientation or frame_id, receive time or None)
+        self._inbox: deque[tuple[str, float, Any, Any, float | None]] = deque()
         self._stopping = False
         self._dirty = True  # a map loaded from node.initial_map is published on the first tick
         self._counts: dict[str, int] = {"mag_messages": 0, "pose_messages": 0, "updates": 0, "maps_published": 0,
@@ -186,6 +203,8 @@ class MapperNode(Node):
         self._node_rejected: dict[str, int] = {"pose_frame_mismatch": 0, "inbox_overflow": 0}
         self._latency = {"last": math.nan, "max": 0.0, "sum": 0.0, "count": 0}
         self._publish_seconds = math.nan
+        self._logged_counts: dict[str, int] = {}  # refusal counts at the last log line about them
+        self._checkpoint = {"written": 0, "failed": 0, "seconds": math.nan, "error": ""}
         self._last_error = ""
         self._last_grid = None  # the last published MapGrid (geometry for the cleared map after a reset)
 
@@ -209,6 +228,9 @@ class MapperNode(Node):
                                                 callback_group=outputs)
         self.create_timer(DIAGNOSTICS_PERIOD, self._publish_diagnostics,
                           callback_group=MutuallyExclusiveCallbackGroup())
+        if self.config.node.checkpoint_interval_s > 0:
+            self.create_timer(self.config.node.checkpoint_interval_s, self.write_checkpoint,
+                              callback_group=MutuallyExclusiveCallbackGroup())
         self.create_service(Trigger, "~/save_map", self.on_save_map, callback_group=outputs)
         self.create_service(Trigger, "~/reset", self.on_reset, callback_group=outputs)
         self.add_on_set_parameters_callback(self._validate_parameter_change)
@@ -239,8 +261,25 @@ class MapperNode(Node):
                                    ignore_override=True)
         return config
 
+    @property
+    def checkpoint_path(self) -> Path:
+        """The checkpoint file: ``node.checkpoint_path``, or the default beside the saved maps."""
+        configured = self.config.node.checkpoint_path
+        return Path(configured).expanduser() if configured else default_map_path(self.get_name(), "checkpoint")
+
     def _build_mapper(self) -> Mapper:
-        path = self.config.node.initial_map
+        node = self.config.node
+        checkpoint = self.checkpoint_path
+        if node.checkpoint_interval_s > 0 and node.resume and checkpoint.exists():
+            try:
+                mapper = Mapper.load(checkpoint, config=self.config)
+            except Exception as err:  # the file stays: an empty map must never overwrite what was learned
+                raise NodeStartError(f"cannot resume from the checkpoint {checkpoint}: {err}; move the file away "
+                                     "or set node.resume to false to start empty") from err
+            self.get_logger().info(f"resumed from the checkpoint {checkpoint} ({mapper.diagnostics()['num_seen']} "
+                                   f"samples in the model, {mapper.num_pending} pending)")
+            return mapper
+        path = node.initial_map
         if path:
             try:
                 mapper = Mapper.load(path, config=self.config)
@@ -280,7 +319,7 @@ class MapperNode(Node):
 
     # -------------------------------------------------------------------------------------------- inputs
 
-    def _push(self, item: tuple[str, float, Any, Any]) -> None:
+    def _push(self, item: tuple[str, float, Any, Any, float | None]) -> None:
         with self._inbox_cond:
             # Bounded like the mapper's own queue: a reading and a pose per sample.
             if len(self._inbox) >= 2 * self.config.batching.max_pending:
@@ -289,47 +328,54 @@ class MapperNode(Node):
             self._inbox.append(item)
             self._inbox_cond.notify()
 
+    def _now(self) -> float | None:
+        """The node clock [s], or None before it runs (sim time before the first /clock)."""
+        now = self.get_clock().now().nanoseconds * 1e-9
+        return now if now > 0 else None
+
     @property
     def backlog(self) -> int:
         """Messages received and not yet handed to the mapper (the update thread is busy)."""
         with self._inbox_cond:
             return len(self._inbox)
 
-    def _receive_stamp(self, stamp: float) -> float:
+    def _receive_stamp(self, stamp: float, now: float | None) -> float:
         """A message stamp, or the receive time (node clock) where the publisher left it at zero, as the
         offline replay uses the bag's receive time for such messages."""
         if stamp != 0.0:
             return stamp
         self._counts["stamps_from_clock"] += 1
-        return self.get_clock().now().nanoseconds * 1e-9
+        return now if now is not None else 0.0
 
     def on_mag(self, msg: MagneticField) -> None:
         """Subscription callback of ``mag`` (public so that tests can drive the node without DDS)."""
-        stamp, field_tesla, _frame = conversions.field_from_msg(msg)
+        stamp, field_tesla, frame = conversions.field_from_msg(msg)
+        now = self._now()
         self._counts["mag_messages"] += 1
-        self._push(("field", self._receive_stamp(stamp), field_tesla, None))
+        self._push(("field", self._receive_stamp(stamp, now), field_tesla, frame, now))
 
     def on_pose(self, msg: Any) -> None:
         """Subscription callback of ``pose``."""
         stamp, position, orientation, frame = conversions.pose_from_msg(msg)
-        stamp = self._receive_stamp(stamp)
+        now = self._now()
+        stamp = self._receive_stamp(stamp, now)
         self._counts["pose_messages"] += 1
         if frame != self.config.grid.frame_id:
             self._node_rejected["pose_frame_mismatch"] += 1
             self.get_logger().warning(f"pose in frame '{frame}', expected grid.frame_id '{self.config.grid.frame_id}'"
                                       f"; rejected (no tf lookup in this node)", throttle_duration_sec=5.0)
             return
-        self._push(("pose", stamp, position, orientation))
+        self._push(("pose", stamp, position, orientation, now))
 
     def _feed_inbox(self) -> None:
         """Hand every buffered message to the mapper in arrival order (caller holds ``_lock``)."""
         with self._inbox_cond:
             items, self._inbox = self._inbox, deque()
-        for kind, stamp, a, b in items:
+        for kind, stamp, a, b, now in items:
             if kind == "pose":
-                self.mapper.add_pose(stamp, a, b)
+                self.mapper.add_pose(stamp, a, b, receive_time=now)
             else:
-                self.mapper.add_magnetic_field(stamp, a)
+                self.mapper.add_magnetic_field(stamp, a, frame_id=b, receive_time=now)
 
     def _run_updates(self, flush: bool = False, max_updates: int | None = None) -> int:
         """Run the model updates the mapper has full batches for (``flush``: and the partial one, keeping samples
@@ -368,6 +414,9 @@ class MapperNode(Node):
                         self._report(f"feeding the mapper failed: {type(err).__name__}: {err}")
                     if self._run_updates(max_updates=1) == 0:
                         break
+                # Python locks are not fair: a moment between batches lets publishing, diagnostics and the
+                # services take the lock while the updates run behind a flood.
+                time.sleep(0.002)
 
     def _report(self, message: str) -> None:
         """An error that the node survives: logged (throttled) and shown as ERROR in the diagnostics."""
@@ -430,6 +479,40 @@ class MapperNode(Node):
                 pub.publish(msg)
         self._cloud_pub.publish(conversions.cloud_msg(grid, stamp, z=grid.height, empty=True))
 
+    def write_checkpoint(self) -> bool:
+        """Timer callback (``node.checkpoint_interval_s``): the Mapper writes its state to the checkpoint file.
+        A failure (disk full, say) is reported and counted; the node goes on and tries again next time."""
+        path = self.checkpoint_path
+        start = time.perf_counter()
+        try:
+            with self._lock:
+                self.mapper.checkpoint(path)
+        except Exception as err:
+            self._checkpoint["failed"] += 1
+            self._checkpoint["error"] = f"checkpoint to {path} failed: {type(err).__name__}: {err}"
+            self._report(self._checkpoint["error"])
+            return False
+        self._checkpoint["written"] += 1
+        self._checkpoint["seconds"] = time.perf_counter() - start
+        self._checkpoint["error"] = ""
+        return True
+
+    def _log_refusals(self, values: dict[str, Any]) -> None:
+        """One throttled warning naming every refusal / drop / failure counter that grew since the last one."""
+        keys = [k for k in values if k.startswith(("rejected/", "node/rejected/"))]
+        keys += ["dropped_overflow", "failed_updates", "reanchors", "teleports"]
+        grown = {k: int(values[k]) - self._logged_counts.get(k, 0) for k in keys if k in values}
+        grown = {k: v for k, v in grown.items() if v > 0}
+        if not grown:
+            return
+        text = ", ".join(f"{k.split('/')[-1]} +{v}" for k, v in grown.items())
+        error = values.get("last_error") or ""
+        logged = self.get_logger().warning(f"input refused or dropped since the last report: {text}"
+                                           + (f"; last update error: {error}" if error else ""),
+                                           throttle_duration_sec=LOG_THROTTLE_S)
+        if logged:  # rclpy returns whether the line was emitted; counts stay until one is
+            self._logged_counts.update({k: int(values[k]) for k in keys if k in values})
+
     def _publish_diagnostics(self) -> None:
         with self._lock:
             mapper_diag = self.mapper.diagnostics()
@@ -445,6 +528,12 @@ class MapperNode(Node):
         values["node/update_latency_mean_s"] = lat["sum"] / lat["count"] if lat["count"] else math.nan
         values["node/update_latency_max_s"] = lat["max"]
         values["node/publish_latency_last_s"] = self._publish_seconds
+        if self.config.node.checkpoint_interval_s > 0:
+            values["node/checkpoint_path"] = str(self.checkpoint_path)
+            values["node/checkpoints_written"] = self._checkpoint["written"]
+            values["node/checkpoints_failed"] = self._checkpoint["failed"]
+            values["node/checkpoint_seconds_last"] = self._checkpoint["seconds"]
+        self._log_refusals(values)
         status = DiagnosticStatus(name=f"{self.get_name()}: gp_mapping", hardware_id="gp_mapping")
         if self._last_error:
             status.level, status.message = DiagnosticStatus.ERROR, self._last_error
@@ -496,11 +585,18 @@ class MapperNode(Node):
     # ---------------------------------------------------------------------------------------------- stop
 
     def close(self) -> None:
-        """Stop the update thread and destroy the node."""
+        """Stop the update thread, write a last checkpoint (when they are on) and destroy the node."""
         with self._inbox_cond:
             self._stopping = True
             self._inbox_cond.notify_all()
         self._worker.join(timeout=30.0)
+        if self.config.node.checkpoint_interval_s > 0:
+            with self._lock:
+                try:
+                    self._feed_inbox()  # what was received is kept (no update runs: batches stay as cut)
+                except Exception as err:
+                    self._report(f"feeding the mapper failed: {type(err).__name__}: {err}")
+            self.write_checkpoint()
         self.destroy_node()
 
 

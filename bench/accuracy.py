@@ -1,0 +1,282 @@
+"""Accuracy on the Solin et al. (2018) recording: |B| over (x, y), engines against baselines, per batch.
+
+Protocol 1 (the dual-GP paper's): stream sequence 3 in 20 consecutive batches (recorded order); after every
+batch, test on sequences 1, 2, 4 and 5. Protocol 2: stream sequences 1-4 in batches of ``batch_seconds`` of
+recording (one second in the full run); test on sequence 5 every ``eval_every`` batches and after the last.
+
+Methods (same M and kernel everywhere; targets standardised inside each model):
+* streaming, scored after every evaluated batch: the dual SVGP engine in three schedules (``full``: every
+  update full; ``fast``: fast conditioning with a full update every ``fast_full_every``-th batch, as a robot
+  runs it; ``fast only``: one full update on the first batch, then only fast conditioning: Z and the
+  hyperparameters frozen), the continual multi-output GP when registered (fast schedule: its full update
+  runs variational EM and costs seconds), the streaming sparse GP of Bui et al. (2017), nearest neighbour and constant mean (both refitted on all data seen so far);
+* offline, trained once on all streamed data: batch SVGP (GPyTorch, the gold standard) and the exact GP
+  (on a seeded subsample when the data do not fit the plan's size). Their scores are constant lines.
+
+The ratio reported is online RMSE / offline-SVGP RMSE (the offline model trained on the whole stream, so
+early batches, which have seen less, read above 1 by construction; the last batch is the like-for-like
+ratio) and the NLPD gap online - offline (NLPD can be negative, so a ratio would mislead).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from bench.bench_engine import _summary
+from gp_mapping.baselines import (ConstantMean, ExactGPBaseline, KernelSpec, NearestNeighbour, OfflineSVGP, StreamingSparseGP,
+                                  gaussian_log_density, nlpd, rmse)
+from gp_mapping.config import ModelConfig
+from gp_mapping.datasets import load_solin2018
+from gp_mapping.gp import ENGINES, build_model
+
+NUM_INDUCING = 100  # the paper's M for this recording
+SAMPLE_RATE_HZ = 50.0
+TILE = 16384
+
+
+def engine_config(**overrides) -> ModelConfig:
+    """The engine as the benchmarks run it: configuration defaults (Matern-5/2 + constant, ARD, Gaussian)
+    with M = 100 on the CPU."""
+    return dataclasses.replace(ModelConfig(num_inducing=NUM_INDUCING, device="cpu", seed=0), **overrides)
+
+
+# ------------------------------------------------------------------------------------------------ methods
+
+class _Streaming:
+    """A streaming method: ``step(x, y)`` conditions on a batch; ``score(x, y)`` -> (rmse, nlpd, mean, var)."""
+
+    def __init__(self, name: str, label: str, step: Callable, predict: Callable, lpd: Callable | None):
+        self.name, self.label = name, label
+        self._step, self._predict, self._lpd = step, predict, lpd
+        self.seconds: list[float] = []
+        self.cpu_seconds: list[float] = []
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> None:
+        start, start_cpu = time.perf_counter(), time.process_time()
+        self._step(x, y)
+        self.seconds.append(time.perf_counter() - start)
+        self.cpu_seconds.append(time.process_time() - start_cpu)
+
+    def score(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        mean = self._predict(x)
+        out = {"rmse": rmse(mean, y)}
+        if self._lpd is not None:
+            out["nlpd"] = nlpd(self._lpd(x, y))
+        return out
+
+
+def _engine_method(name: str, label: str, config: ModelConfig, schedule: Callable[[int], str]) -> _Streaming:
+    model = build_model(config, input_dims=2, output_dims=1)
+    count = [0]
+
+    def step(x, y):
+        model.update(x, y, mode=schedule(count[0]))
+        count[0] += 1
+
+    method = _Streaming(name, label, step, lambda x: model.predict(x)[0].cpu().numpy(),
+                        lambda x, y: model.log_predictive_density(x, y).cpu().numpy())
+    method.model = model
+    return method
+
+
+def _osgpr_method(config: ModelConfig, iterations: int) -> _Streaming:
+    model = StreamingSparseGP.from_model_config(config, iterations=iterations, seed=config.seed)
+    method = _Streaming("bui2017_osgpr", f"Bui et al. 2017 OSGPR-VFE ({iterations} L-BFGS it/batch)",
+                        model.update, lambda x: model.predict(x)[0], model.log_predictive_density)
+    method.model = model
+    return method
+
+
+class _Refit(_Streaming):
+    """Nearest neighbour / constant mean on all data seen so far (refitted when scored)."""
+
+    def __init__(self, name: str, label: str):
+        super().__init__(name, label, self._append, None, None)
+        self.xs: list[np.ndarray] = []
+        self.ys: list[np.ndarray] = []
+
+    def _append(self, x, y):
+        self.xs.append(x)
+        self.ys.append(y)
+
+    def score(self, x, y):
+        xs, ys = np.vstack(self.xs), np.vstack(self.ys)
+        if self.name == "nearest_neighbour":
+            return {"rmse": rmse(NearestNeighbour(xs, ys).predict(x), y)}
+        const = ConstantMean(ys)
+        mean = const.predict(x)
+        # A Gaussian with the training mean and variance: the NLPD any map must beat.
+        return {"rmse": rmse(mean, y), "nlpd": nlpd(gaussian_log_density(y, mean, np.full_like(y, ys.var())))}
+
+
+def streaming_methods(plan: dict, notes: list[str]) -> list[_Streaming]:
+    cfg = engine_config()
+    every = int(plan["fast_full_every"])
+    methods = [
+        _engine_method("dual_svgp_full", "dual SVGP, full updates", cfg, lambda i: "full"),
+        _engine_method("dual_svgp_fast", f"dual SVGP, fast + full every {every}th", cfg,
+                       lambda i: "full" if i % every == 0 else "fast"),
+        _engine_method("dual_svgp_fast_only", "dual SVGP, fast only (after a first full)", cfg,
+                       lambda i: "full" if i == 0 else "fast"),
+    ]
+    if "continual_mogp" in ENGINES:
+        try:
+            # Its full update (variational EM with hyperparameter learning) costs seconds: run as the robot
+            # would, fast (E-step only) with a full update every fast_full_every-th batch.
+            methods.append(_engine_method("continual_mogp", f"continual multi-output GP, fast + full every {every}th",
+                                          engine_config(engine="continual_mogp"),
+                                          lambda i: "full" if i % every == 0 else "fast"))
+        except Exception as err:  # a registered engine that cannot be built is reported, not fatal
+            notes.append(f"continual_mogp is registered but could not be built: {type(err).__name__}: {err}")
+    else:
+        notes.append("continual_mogp is not registered in gp_mapping.gp.ENGINES: skipped")
+    methods.append(_osgpr_method(cfg, int(plan["osgpr_iterations"])))
+    methods.append(_Refit("nearest_neighbour", "nearest neighbour (data so far)"))
+    methods.append(_Refit("constant_mean", "constant mean (data so far)"))
+    return methods
+
+
+def offline_methods(x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np.ndarray, plan: dict
+                    ) -> dict[str, dict[str, Any]]:
+    """Offline SVGP and exact GP on all streamed data, scored once, with their training time."""
+    cfg = engine_config()
+    out: dict[str, dict[str, Any]] = {}
+    svgp = OfflineSVGP.from_model_config(cfg, iterations=int(plan["offline_iterations"]), batch_size=1024,
+                                         lr=0.05, ngd_lr=0.1, seed=0).fit(x, y)
+    s = svgp.evaluate(x_test, y_test)
+    out["offline_svgp"] = {"label": f"offline SVGP (GPyTorch, {plan['offline_iterations']} it)", "rmse": s.rmse,
+                           "nlpd": s.nlpd, "train_seconds": svgp.train_seconds, "model": svgp}
+    exact = ExactGPBaseline(KernelSpec.from_model_config(cfg), max_points=int(plan["exact_points"]),
+                            iterations=int(plan["exact_iterations"]), seed=0).fit(x, y)
+    s = exact.evaluate(x_test, y_test)
+    label = f"exact GP ({'subsample ' if exact.subsampled else ''}n={exact.n_used})"
+    out["exact_gp"] = {"label": label, "rmse": s.rmse, "nlpd": s.nlpd, "train_seconds": exact.train_seconds,
+                       "n_used": exact.n_used, "subsampled": exact.subsampled, "model": exact}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- protocols
+
+def _stack(seqs) -> tuple[np.ndarray, np.ndarray]:
+    return np.vstack([s.xy for s in seqs]), np.concatenate([s.magnitude_uT for s in seqs])[:, None]
+
+
+def run_protocol(name: str, batches: list[tuple[np.ndarray, np.ndarray]], x_test: np.ndarray, y_test: np.ndarray,
+                 eval_every: int, plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
+    """Stream the batches through every streaming method, score after every ``eval_every``-th batch and after
+    the last, then train the offline models on everything; per-batch ratios against the offline SVGP."""
+    notes: list[str] = []
+    methods = streaming_methods(plan, notes)
+    curves: dict[str, dict[str, list]] = {m.name: {"batch": [], "num_seen": [], "rmse": [], "nlpd": []}
+                                          for m in methods}
+    seen = 0
+    start = time.perf_counter()
+    for b, (xb, yb) in enumerate(batches):
+        seen += xb.shape[0]
+        last = b == len(batches) - 1
+        for m in methods:
+            m.step(xb, yb)
+        if (b + 1) % eval_every == 0 or last:
+            for m in methods:
+                s = m.score(x_test, y_test)
+                c = curves[m.name]
+                c["batch"].append(b + 1)
+                c["num_seen"].append(seen)
+                c["rmse"].append(s["rmse"])
+                c["nlpd"].append(s.get("nlpd"))
+        if (b + 1) % max(1, len(batches) // 5) == 0 or last:
+            log(f"  {name}: batch {b + 1}/{len(batches)}, dual full RMSE {curves['dual_svgp_full']['rmse'][-1]:.2f} "
+                f"({time.perf_counter() - start:.0f} s)")
+    x_all = np.vstack([xb for xb, _ in batches])
+    y_all = np.vstack([yb for _, yb in batches])
+    offline = offline_methods(x_all, y_all, x_test, y_test, plan)
+    log(f"  {name}: offline SVGP RMSE {offline['offline_svgp']['rmse']:.2f} "
+        f"({offline['offline_svgp']['train_seconds']:.0f} s), exact GP {offline['exact_gp']['rmse']:.2f}")
+    ref_rmse, ref_nlpd = offline["offline_svgp"]["rmse"], offline["offline_svgp"]["nlpd"]
+    results: dict[str, Any] = {}
+    for m in methods:
+        c = curves[m.name]
+        c["rmse_ratio"] = [r / ref_rmse for r in c["rmse"]]
+        c["nlpd_gap"] = [None if v is None else v - ref_nlpd for v in c["nlpd"]]
+        results[m.name] = {"label": m.label, "kind": "streaming", "curve": c, "final_rmse": c["rmse"][-1],
+                           "final_nlpd": c["nlpd"][-1], "final_rmse_ratio": c["rmse_ratio"][-1],
+                           "final_nlpd_gap": c["nlpd_gap"][-1]}
+        if m.name not in ("nearest_neighbour", "constant_mean"):
+            results[m.name]["update_latency"] = _summary(m.seconds, m.cpu_seconds)
+    for key, o in offline.items():
+        results[key] = {k: v for k, v in o.items() if k != "model"}
+        results[key]["kind"] = "offline"
+        results[key]["rmse_ratio"] = o["rmse"] / ref_rmse
+        results[key]["nlpd_gap"] = o["nlpd"] - ref_nlpd
+    models = {m.name: m.model for m in methods if hasattr(m, "model")}
+    models.update({k: o["model"] for k, o in offline.items()})
+    return {"name": name, "num_batches": len(batches), "num_train": int(x_all.shape[0]),
+            "num_test": int(x_test.shape[0]), "eval_every": eval_every, "notes": notes, "methods": results,
+            "seconds": time.perf_counter() - start, "_models": models}
+
+
+def protocol1(data_root, plan: dict, log) -> dict[str, Any]:
+    train = load_solin2018(data_root, 3)
+    x_test, y_test = _stack([load_solin2018(data_root, s) for s in (1, 2, 4, 5)])
+    x, y = _stack([train])
+    parts = np.array_split(np.arange(x.shape[0]), int(plan["p1_batches"]))
+    out = run_protocol("protocol 1", [(x[p], y[p]) for p in parts], x_test, y_test, 1, plan, log)
+    out["description"] = (f"stream sequence 3 in {plan['p1_batches']} consecutive batches; test on sequences "
+                          "1, 2, 4, 5 after every batch")
+    return out
+
+
+def protocol2(data_root, plan: dict, log) -> dict[str, Any]:
+    seqs = [load_solin2018(data_root, s) for s in (1, 2, 3, 4)]
+    test = load_solin2018(data_root, 5)
+    batch = int(round(plan["p2_batch_seconds"] * SAMPLE_RATE_HZ))
+    batches = []
+    for s in seqs:  # one-second batches within each recording (a batch never spans two recordings)
+        x, y = _stack([s])
+        batches += [(x[i:i + batch], y[i:i + batch]) for i in range(0, x.shape[0], batch)]
+    out = run_protocol("protocol 2", batches, test.xy, test.magnitude_uT[:, None], int(plan["p2_eval_every"]),
+                       plan, log)
+    out["description"] = (f"stream sequences 1-4 in {plan['p2_batch_seconds']:g}-second batches "
+                          f"({batch} samples); test on sequence 5 every {plan['p2_eval_every']} batches")
+    return out
+
+
+def grid_prediction_times(models: dict[str, Any], area: tuple[float, float, float, float], cells: int,
+                          reps: int) -> dict[str, dict]:
+    """Time one ``cells`` x ``cells`` map redraw (mean and variance of every cell) for each fitted model, through
+    the node's tiled code path (``predict_grid``); baselines are wrapped to return tensors."""
+    from gp_mapping.mapping.grid import GridSpec, predict_grid
+
+    width = max(area[2] - area[0], area[3] - area[1])
+    spec = GridSpec(origin_x=area[0], origin_y=area[1], resolution=width / cells, width=cells, height=cells)
+    out = {}
+    for name, model in models.items():
+        if name == "exact_gp":
+            continue  # GPyTorch's exact predictive materialises the test covariance: not a map redraw path
+        target = model if isinstance(model, torch.nn.Module) else _TensorPredictor(model)
+        predict_grid(target, GridSpec(area[0], area[1], width / 16, 16, 16), TILE)  # warm-up
+        seconds, cpu = [], []
+        for _ in range(reps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            predict_grid(target, spec, TILE)
+            seconds.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        out[name] = dict(_summary(seconds, cpu), cells=spec.num_cells)
+    return out
+
+
+class _TensorPredictor:
+    """A numpy baseline seen through the engine's predict contract (tensors) for ``predict_grid``."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, model):
+        self.model = model
+
+    def predict(self, x: torch.Tensor):
+        mean, var = self.model.predict(x.cpu().numpy())
+        return torch.as_tensor(mean), torch.as_tensor(var)

@@ -1,0 +1,70 @@
+"""Small helpers shared by the benchmark sections: the machine, resident memory, JSON-safe numbers."""
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process, from /proc/self/statm (no psutil); 0 where /proc is absent."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE_SIZE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform.processor() elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cuda = torch.cuda.is_available()
+    return {"date": _dt.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(),
+            "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "cuda": torch.cuda.get_device_name(0) if cuda else None}
+
+
+def percentiles(seconds: list[float] | np.ndarray) -> dict[str, float]:
+    """Median, 95th percentile and mean of durations given in seconds, in milliseconds."""
+    a = np.asarray(seconds, dtype=np.float64) * 1e3
+    if a.size == 0:
+        return {"n": 0, "median_ms": math.nan, "p95_ms": math.nan, "mean_ms": math.nan}
+    return {"n": int(a.size), "median_ms": float(np.median(a)), "p95_ms": float(np.percentile(a, 95)),
+            "mean_ms": float(a.mean())}
+
+
+def jsonable(value: Any) -> Any:
+    """Numpy scalars and arrays to Python; non-finite floats to None (JSON has no NaN)."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return jsonable(value.tolist())
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        return v if math.isfinite(v) else None
+    return value

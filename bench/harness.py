@@ -1,0 +1,362 @@
+"""Run every benchmark section in one process and write ``bench.json``, ``bench.md`` and PNG curves.
+
+    gp-mapping bench [--quick] [--out DIR] [--data DIR] [--threads N] [--only SECTION ...]
+    python -m bench.harness [same options]          (from the repository root)
+
+Sections: ``accuracy`` (protocols 1 and 2 on the Solin 2018 recording; skipped with the reason when the
+recording is absent), ``speed`` (engine latency over M, grid prediction, replay real-time factors),
+``growth`` (cost against samples seen over a long simulated drive) and ``cuda`` (the engine sweep on the
+GPU; skipped without CUDA). A section that fails is recorded with its error and the others still run; the
+exit status is then 1. Everything in the outputs is regenerated from code on every run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from bench.common import REPO_ROOT, jsonable, machine_info
+
+SECTIONS = ("accuracy", "speed", "growth", "cuda")
+JSON_NAME = "bench.json"
+MD_NAME = "bench.md"
+
+# Full: the protocols as specified, one-hour drive. Quick: the same code on less work (< 3 minutes).
+FULL = {
+    "p1_batches": 20, "p2_batch_seconds": 1.0, "p2_eval_every": 10, "fast_full_every": 10,
+    "offline_iterations": 2000, "exact_points": 2000, "exact_iterations": 100, "osgpr_iterations": 20,
+    "grid_cells": 200, "grid_reps": 3,
+    "engine": {"ms": (64, 128, 256), "memories": (500,), "full_reps": 10, "fast_reps": 30,
+               "grid_sizes": (100, 400), "cell_seconds": 30.0},
+    "solin_sequences": (1, 3, 5), "solin_max_seconds": None, "demo_bag": True,
+    "drive_seconds": 3600.0, "drive_sample_every": 500,
+}
+QUICK = {
+    "p1_batches": 20, "p2_batch_seconds": 30.0, "p2_eval_every": 4, "fast_full_every": 10,
+    "offline_iterations": 200, "exact_points": 600, "exact_iterations": 20, "osgpr_iterations": 3,
+    "grid_cells": 100, "grid_reps": 1,
+    "engine": {"ms": (64,), "memories": (500,), "full_reps": 3, "fast_reps": 5, "grid_sizes": (100,),
+               "cell_seconds": 4.0},
+    "solin_sequences": (1,), "solin_max_seconds": 20.0, "demo_bag": False,
+    "drive_seconds": 60.0, "drive_sample_every": 250,
+}
+
+
+def _data_root(given: Path | None) -> tuple[Path | None, str | None]:
+    """The recordings folder, or None and the reason it is unusable."""
+    from gp_mapping.datasets import DatasetError, load_solin2018, shared_data_root
+
+    try:
+        root = Path(given) if given is not None else shared_data_root()
+        load_solin2018(root, 1)
+        return root, None
+    except DatasetError as err:
+        return None, f"Solin 2018 recording unavailable: {err}"
+
+
+def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[[str], None]) -> dict[str, Any]:
+    from bench import accuracy, growth, speed
+
+    results: dict[str, Any] = {"machine": machine_info(), "plan": plan, "sections": {}}
+    root, why = _data_root(data)
+    total = time.perf_counter()
+    for section in sections:
+        start = time.perf_counter()
+        log(f"[{section}]")
+        try:
+            if section == "accuracy":
+                if root is None:
+                    out: dict[str, Any] = {"skipped": why}
+                else:
+                    out = {}
+                    for key, fn in (("protocol1", accuracy.protocol1), ("protocol2", accuracy.protocol2)):
+                        p = fn(root, plan, log)
+                        models = p.pop("_models")
+                        lo, hi = _area_of(root)
+                        p["grid_prediction"] = accuracy.grid_prediction_times(
+                            models, (lo[0], lo[1], hi[0], hi[1]), plan["grid_cells"], plan["grid_reps"])
+                        out[key] = p
+            elif section == "speed":
+                out = {"engine": speed.engine_sweep(plan["engine"], "cpu", log)}
+                out["replay"] = []
+                if plan["demo_bag"]:
+                    out["replay"].append(speed.replay_demo(log))
+                if root is None:
+                    out["replay_solin_skipped"] = why
+                else:
+                    out["replay"] += speed.replay_solin(root, plan["solin_sequences"], plan["solin_max_seconds"],
+                                                        log)["runs"]
+            elif section == "growth":
+                out = growth.drive(plan["drive_seconds"], plan["drive_sample_every"], log)
+            elif section == "cuda":
+                out = speed.cuda_section(plan["engine"], log)
+            else:
+                raise ValueError(f"unknown section {section!r}; choose from {', '.join(SECTIONS)}")
+        except Exception as err:  # one broken section must not hide the others' numbers
+            out = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+            log(f"  section {section} failed: {out['error']}")
+        out["seconds"] = time.perf_counter() - start
+        results["sections"][section] = out
+    results["total_seconds"] = time.perf_counter() - total
+    return results
+
+
+def _area_of(root: Path) -> tuple[np.ndarray, np.ndarray]:
+    from gp_mapping.datasets import load_solin2018
+
+    xy = np.vstack([load_solin2018(root, s).xy for s in (1, 2, 3, 4, 5)])
+    return xy.min(axis=0), xy.max(axis=0)
+
+
+# ------------------------------------------------------------------------------------------------- report
+
+def _f(v: Any, fmt: str = ".2f") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return format(v, fmt)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    quick = results.get("quick")
+    lines = [f"# gp_mapping benchmarks{' (quick plan)' if quick else ''}", "",
+             f"Measured {m['date']} on {m['cpu']} ({m['logical_cpus']} logical CPUs, torch {m['torch']}, "
+             f"{m['torch_threads']} torch thread{'s' if m['torch_threads'] != 1 else ''}, Python {m['python']}"
+             f"{', CUDA: ' + m['cuda'] if m['cuda'] else ', no GPU'}); total {results['total_seconds']:.0f} s. "
+             "Regenerate with `gp-mapping bench` (bench/README.md explains every number).", ""]
+    sec = results["sections"]
+    acc = sec.get("accuracy")
+    if acc is not None:
+        lines += ["## Accuracy: |B| on the Solin et al. (2018) recording (uT)", ""]
+        if "skipped" in acc or "error" in acc:
+            lines += [f"Skipped: {acc.get('skipped') or acc.get('error')}", ""]
+        else:
+            for key in ("protocol1", "protocol2"):
+                p = acc[key]
+                lines += [f"### {p['name'].capitalize()}: {p['description']}", "",
+                          f"{p['num_train']} training samples in {p['num_batches']} batches, {p['num_test']} test "
+                          f"samples; M = 100 for every sparse GP. Ratio = RMSE / offline-SVGP RMSE; "
+                          "NLPD gap = NLPD - offline-SVGP NLPD (after the last batch).", "",
+                          "| method | RMSE | NLPD | RMSE ratio | NLPD gap | update median ms | update p95 ms "
+                          "| grid ms | train s |",
+                          "|:---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                grid = p.get("grid_prediction", {})
+                for name, r in p["methods"].items():
+                    lat = r.get("update_latency") or {}
+                    rm = r.get("final_rmse", r.get("rmse"))
+                    nl = r.get("final_nlpd", r.get("nlpd"))
+                    ratio = r.get("final_rmse_ratio", r.get("rmse_ratio"))
+                    gap = r.get("final_nlpd_gap", r.get("nlpd_gap"))
+                    g = grid.get(name, {})
+                    lines.append(f"| {r['label']} | {_f(rm)} | {_f(nl)} | {_f(ratio)} | {_f(gap, '+.2f')} | "
+                                 f"{_f(lat.get('median_ms'), '.1f')} | {_f(lat.get('p95_ms'), '.1f')} | "
+                                 f"{_f(g.get('median_ms'), '.0f')} | {_f(r.get('train_seconds'), '.0f')} |")
+                cells = next(iter(grid.values()), {}).get("cells")
+                lines += ["", f"Grid ms: one redraw of {cells} cells (mean and variance) through `predict_grid`. "
+                          f"Curves: `{key}.png`." + (" Notes: " + "; ".join(p["notes"]) if p["notes"] else ""), ""]
+    spd = sec.get("speed")
+    if spd is not None:
+        lines += ["## Speed", ""]
+        if "error" in spd:
+            lines += [f"Failed: {spd['error']}", ""]
+        else:
+            eng = spd["engine"]
+            lines += [f"### Engine update latency ({eng['device']}, simulated stream, {eng['batch']} samples = 1 s "
+                      "per update, memory full)", "",
+                      "| M | M used | memory | mode | median ms | p95 ms | CPU ms | real-time budget used |",
+                      "|---:|---:|---:|:---|---:|---:|---:|---:|"]
+            for r in eng["updates"]:
+                lines.append(f"| {r['M']} | {r['M_used']} | {r['memory_used']} | {r['mode']} | {r['median_ms']:.1f} "
+                             f"| {r['p95_ms']:.1f} | {r['cpu_median_ms']:.1f} | {r['budget_used']:.0%} |")
+            lines += ["", "| M used | grid | median ms | Mcells/s |", "|---:|:---|---:|---:|"]
+            for g in eng["grids"]:
+                lines.append(f"| {g['M_used']} | {g['grid']}x{g['grid']} | {g['median_ms']:.1f} | "
+                             f"{g['mcells_per_s']:.2f} |")
+            lines += ["", "### Replay real-time factor (shipped config/mapper.yaml, CPU)", "",
+                      "| recording | duration s | processing s | real-time factor | updates | update median ms |",
+                      "|:---|---:|---:|---:|---:|---:|"]
+            for r in spd["replay"]:
+                lat = r.get("update_latency") or r.get("update_latency_last_100") or {}
+                lines.append(f"| {r['recording']} | {r['duration_s']:.0f} | {r['processing_s']:.1f} | "
+                             f"{r['real_time_factor']:.1f} | {r['updates']} | {_f(lat.get('median_ms'), '.1f')} |")
+            if "replay_solin_skipped" in spd:
+                lines.append(f"\nSolin replay skipped: {spd['replay_solin_skipped']}")
+            lines.append("")
+    gr = sec.get("growth")
+    if gr is not None:
+        lines += ["## Cost as the stream grows", ""]
+        if "error" in gr:
+            lines += [f"Failed: {gr['error']}", ""]
+        else:
+            s = gr["summary"]
+            lines += [f"{gr['duration_s'] / 60:.0f}-minute simulated drive at {gr['rate_hz']:.0f} Hz "
+                      f"({gr['samples']} samples) through the Mapper with config/mapper.yaml (batches of "
+                      f"{gr['batching']['size']}, full update every {gr['batching']['full_update_every']}); "
+                      f"{gr['processing_s']:.0f} s of processing (x{gr['real_time_factor']:.1f} real time). "
+                      f"First decile = the tenth of the drive after the first {s['warmup_samples']} samples.", "",
+                      "| quantity | first decile | last decile | last / first |", "|:---|---:|---:|---:|",
+                      f"| update latency, median ms | {_f(s['latency_first_decile_ms'], '.1f')} | "
+                      f"{_f(s['latency_last_decile_ms'], '.1f')} | {_f(s['latency_ratio'])} |",
+                      f"| resident memory, MiB | {_f(s['rss_first_decile_mib'], '.0f')} | "
+                      f"{_f(s['rss_last_decile_mib'], '.0f')} | {_f(s['rss_ratio'])} |",
+                      f"| model state, MiB | {_f(s['state_first_decile_mib'], '.2f')} | "
+                      f"{_f(s['state_last_decile_mib'], '.2f')} | {_f(s['state_ratio'])} |", "",
+                      f"Latency slope after warm-up: {_f(s.get('latency_slope_ms_per_10k_samples'), '+.3f')} ms per "
+                      "10 000 samples. Curves: `growth.png`.", ""]
+    cu = sec.get("cuda")
+    if cu is not None:
+        lines += ["## CUDA", ""]
+        if "skipped" in cu or "error" in cu:
+            lines += [f"Skipped: {cu.get('skipped') or cu.get('error')}", ""]
+        else:
+            lines += [f"Device: {cu['device_name']}.", "", "| M | mode | median ms | p95 ms |",
+                      "|---:|:---|---:|---:|"]
+            lines += [f"| {r['M']} | {r['mode']} | {r['median_ms']:.1f} | {r['p95_ms']:.1f} |" for r in cu["updates"]]
+            lines += ["", "| M | grid | median ms |", "|---:|:---|---:|"]
+            lines += [f"| {g['M_used']} | {g['grid']}x{g['grid']} | {g['median_ms']:.1f} |" for g in cu["grids"]]
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plots(results: dict[str, Any], out: Path) -> list[str]:
+    """protocol1.png, protocol2.png (RMSE and NLPD against samples seen) and growth.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    acc = results["sections"].get("accuracy", {})
+    for key in ("protocol1", "protocol2"):
+        p = acc.get(key)
+        if not p:
+            continue
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for name, r in p["methods"].items():
+            for ax, metric in zip(axes, ("rmse", "nlpd")):
+                if r["kind"] == "streaming":
+                    c = r["curve"]
+                    pts = [(s, v) for s, v in zip(c["num_seen"], c[metric]) if v is not None]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="." if len(pts) < 40 else None, label=r["label"])
+                elif r.get(metric) is not None:
+                    ax.axhline(r[metric], linestyle="--", linewidth=1, label=r["label"], color="k" if
+                               name == "offline_svgp" else "grey")
+        for ax, metric in zip(axes, ("RMSE [uT]", "NLPD")):
+            ax.set_xlabel("training samples seen")
+            ax.set_ylabel(metric)
+            ax.grid(alpha=0.3)
+        axes[1].set_yscale("symlog")
+        axes[0].legend(fontsize=7)
+        fig.suptitle(f"{p['name']}: {p['description']}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out / f"{key}.png", dpi=110)
+        plt.close(fig)
+        written.append(f"{key}.png")
+    gr = results["sections"].get("growth", {})
+    if "updates" in gr:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        u, mem = gr["updates"], gr["memory"]
+        axes[0].plot(u["num_seen"], u["ms"], ",", alpha=0.5)
+        axes[0].set_ylabel("update latency [ms]")
+        axes[1].plot(mem["samples"], np.asarray(mem["rss_bytes"]) / 2 ** 20, label="process RSS")
+        axes[1].set_ylabel("resident memory [MiB]")
+        ax2 = axes[1].twinx()
+        ax2.plot(mem["samples"], np.asarray(mem["state_bytes"]) / 2 ** 20, color="C1", label="model state")
+        ax2.set_ylabel("model state [MiB]")
+        for ax in axes:
+            ax.set_xlabel("samples seen")
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"{gr['duration_s'] / 60:.0f}-minute simulated drive at 50 Hz through the Mapper", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out / "growth.png", dpi=110)
+        plt.close(fig)
+        written.append("growth.png")
+    return written
+
+
+def write(results: dict[str, Any], out: Path) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"json": out / JSON_NAME, "md": out / MD_NAME}
+    results["plots"] = plots(results, out)
+    files["json"].write_text(json.dumps(jsonable(results), indent=1, allow_nan=False) + "\n")
+    files["md"].write_text(markdown(results))
+    return files
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="the same sections on less work (under 3 minutes; what the smoke test runs)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results",
+                        help="output folder (default bench/results)")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="folder holding solin2018_invensense (default ../shared/data or $GP_MAPPING_DATA)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: the batches are small and cores are often shared)")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=None, help="run only these sections")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                        help="combine the sections of earlier runs' bench.json files (later files win) and write "
+                             "the report to --out, running nothing (for sections run in parallel processes)")
+    parser.add_argument("--drive-minutes", type=float, default=None,
+                        help="length of the simulated drive of the growth section (default: 60, quick: 1)")
+
+
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """One result from several runs' JSON: the sections of every file (a later file's section wins)."""
+    merged: dict[str, Any] = {}
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        sections = {**merged.get("sections", {}), **part["sections"]}
+        merged = {**merged, **part, "sections": sections,
+                  "total_seconds": merged.get("total_seconds", 0.0) + part["total_seconds"]}
+    return merged
+
+
+def main_with_args(args: argparse.Namespace) -> int:
+    if args.merge:
+        files = write(merge(args.merge), args.out)
+        print(files["md"].read_text())
+        return 0
+    if args.threads < 1:
+        print("error: --threads must be at least 1", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    plan = dict(QUICK if args.quick else FULL)
+    if args.drive_minutes is not None:
+        if not (math.isfinite(args.drive_minutes) and 0.1 <= args.drive_minutes <= 24 * 60):
+            print("error: --drive-minutes must be between 0.1 and 1440", file=sys.stderr)
+            return 2
+        plan["drive_seconds"] = 60.0 * args.drive_minutes
+    sections = tuple(args.only) if args.only else SECTIONS
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
+    results = run(plan, sections, args.data, log)
+    results = {"quick": bool(args.quick), **results}
+    files = write(results, args.out)
+    print(files["md"].read_text())
+    print(f"wrote {', '.join(str(p) for p in files.values())} and {len(results['plots'])} PNG files in {args.out}")
+    failed = [s for s, r in results["sections"].items() if "error" in r]
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.harness", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return main_with_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Speed: engine latency over M (bench_engine's sweep), replay real-time factors, and the CUDA section.
+
+Real-time factor = seconds of recording / seconds of processing, through the same ``Mapper`` the node and the
+replay drive, with the shipped ``config/mapper.yaml``:
+* ``bags/demo``: ``gp_mapping.replay.replay_bag`` (bag reading, sync, batching, model updates, final grid);
+* the Solin et al. (2018) recordings: each sequence's poses (identity orientation: the field is already in
+  the room frame) and fields (converted to tesla, as a MagneticField message carries them) fed in time
+  order to a Mapper, ``process()`` after every sample, ``flush()`` and one final grid at the end.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from bench import bench_engine
+from bench.common import REPO_ROOT, percentiles
+from gp_mapping.config import MapperConfig, ModelConfig, load_config
+
+SHIPPED_CONFIG = REPO_ROOT / "config" / "mapper.yaml"
+DEMO_BAG = REPO_ROOT / "bags" / "demo"
+
+
+def shipped_config(device: str = "cpu") -> MapperConfig:
+    """config/mapper.yaml with the model on ``device`` (the file says 'auto')."""
+    cfg = load_config(SHIPPED_CONFIG)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=device))
+
+
+def engine_sweep(plan: dict, device: str, log: Callable[[str], None]) -> dict[str, Any]:
+    """bench_engine's latency sweep (M, memory, full/fast, grid sizes) on the simulated stream."""
+    x, y, area = bench_engine.load_stream("sim", 0)
+    base = ModelConfig(device=device, seed=0)
+    updates, grids = bench_engine.run_sweep(plan, base, x, y, area, int(bench_engine.SAMPLE_RATE_HZ), log=log)
+    return {"device": device, "data": "sim", "batch": int(bench_engine.SAMPLE_RATE_HZ), "updates": updates,
+            "grids": grids}
+
+
+def replay_demo(log: Callable[[str], None]) -> dict[str, Any]:
+    """Replay bags/demo with the shipped config (no output files: only the final map is predicted)."""
+    from gp_mapping.replay import replay_bag
+
+    result = replay_bag(DEMO_BAG, shipped_config(), out_dir=None)
+    mapper = result.mapper
+    out = {"recording": "bags/demo", "duration_s": result.bag_duration,
+           "processing_s": result.processing_seconds, "real_time_factor": result.real_time_factor,
+           "updates": result.counts["updates"], "samples": int(mapper.model.num_seen),
+           "update_latency_last_100": percentiles(list(mapper._update_seconds))}
+    log(f"  replay bags/demo: {out['duration_s']:.0f} s of bag in {out['processing_s']:.1f} s "
+        f"(x{out['real_time_factor']:.1f} real time)")
+    return out
+
+
+def replay_solin(data_root, sequences: tuple[int, ...], max_seconds: float | None,
+                 log: Callable[[str], None]) -> dict[str, Any]:
+    """Feed Solin 2018 sequences through a Mapper with the shipped config; ``max_seconds`` keeps only the start
+    of each sequence (the quick plan)."""
+    from gp_mapping.datasets import load_solin2018
+    from gp_mapping.mapping.mapper import Mapper
+
+    rows = []
+    for s in sequences:
+        seq = load_solin2018(data_root, s)
+        t = seq.t
+        keep = slice(None) if max_seconds is None else slice(0, int(np.searchsorted(t, t[0] + max_seconds)))
+        t, xy, field_t = t[keep], seq.xy[keep], seq.field_uT[keep] * 1e-6
+        identity = (0.0, 0.0, 0.0, 1.0)
+        mapper = Mapper(shipped_config())
+        seconds: list[float] = []
+        start = time.perf_counter()
+        for i in range(t.shape[0]):
+            mapper.add_pose(float(t[i]), (float(xy[i, 0]), float(xy[i, 1]), 0.0), identity)
+            mapper.add_magnetic_field(float(t[i]), field_t[i])
+            seconds += [u["update_seconds"] for u in mapper.process()]
+        seconds += [u["update_seconds"] for u in mapper.flush()]
+        grid = mapper.grid()
+        processing = time.perf_counter() - start
+        duration = float(t[-1] - t[0])
+        row = {"recording": f"solin2018 sequence {s}", "duration_s": duration, "processing_s": processing,
+               "real_time_factor": duration / processing, "updates": len(seconds),
+               "samples": int(mapper.model.num_seen), "grid_cells": None if grid is None else int(grid.spec.num_cells),
+               "update_latency": percentiles(seconds)}
+        rows.append(row)
+        log(f"  replay Solin sequence {s}: {duration:.0f} s in {processing:.1f} s "
+            f"(x{row['real_time_factor']:.1f} real time, {row['samples']} samples)")
+    return {"runs": rows}
+
+
+def cuda_section(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
+    """The engine sweep on CUDA beside the same sweep on the CPU, or why it was skipped."""
+    if not torch.cuda.is_available():
+        return {"skipped": "torch.cuda.is_available() is False on this machine (no NVIDIA GPU / CUDA build)"}
+    out = engine_sweep(plan, "cuda", log)
+    out["device_name"] = torch.cuda.get_device_name(0)
+    return out
+

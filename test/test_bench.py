@@ -1,0 +1,137 @@
+"""Smoke test of the benchmark harness: `gp-mapping bench --quick` end to end, output structure, finite ratios.
+
+The harness runs once per module (in a child process, one torch thread, about two minutes on two cores);
+the accuracy checks skip when the Solin 2018 recording is absent (the harness then records the section as
+skipped with the reason, which is checked instead).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT, SHARED_DATA, shared_data
+
+pytest.importorskip("gpytorch")
+pytestmark = pytest.mark.slow
+
+SECTIONS = ("accuracy", "speed", "growth", "cuda")
+STREAMING = ("dual_svgp_full", "dual_svgp_fast", "dual_svgp_fast_only", "bui2017_osgpr", "nearest_neighbour",
+             "constant_mean")
+OFFLINE = ("offline_svgp", "exact_gp")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "gp_mapping.cli", "bench", "--quick", "--out", str(out)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"out": out, "json": json.loads((out / "bench.json").read_text()), "md": (out / "bench.md").read_text(),
+            "stdout": proc.stdout}
+
+
+def _ratios(node, path=""):
+    """Every value stored under a key that names a ratio, anywhere in the JSON (lists included)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if "ratio" in k and not isinstance(v, (dict,)):
+                yield f"{path}/{k}", v
+            else:
+                yield from _ratios(v, f"{path}/{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _ratios(v, f"{path}[{i}]")
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def test_quick_bench_writes_every_section_and_finite_ratios(quick_run):
+    res = quick_run["json"]
+    assert res["quick"] is True
+    assert set(res["sections"]) == set(SECTIONS)
+    for name, section in res["sections"].items():
+        assert "error" not in section, f"section {name} failed: {section.get('error')}"
+    for key in ("date", "cpu", "torch", "torch_threads"):
+        assert res["machine"][key]
+    ratios = list(_ratios(res))
+    assert len(ratios) >= 5
+    for path, value in ratios:
+        values = value if isinstance(value, list) else [value]
+        assert values and all(_finite(v) and v > 0 for v in values), f"{path} holds a non-finite ratio: {value}"
+    md = quick_run["md"]
+    for heading in ("## Speed", "## Cost as the stream grows", "## CUDA"):
+        assert heading in md
+    assert (quick_run["out"] / "growth.png").stat().st_size > 1000
+
+
+def test_quick_bench_speed_growth_and_cuda_sections(quick_run):
+    sec = quick_run["json"]["sections"]
+    eng = sec["speed"]["engine"]
+    modes = {r["mode"] for r in eng["updates"]}
+    assert modes == {"full", "fast"}
+    for r in eng["updates"]:
+        assert r["median_ms"] > 0 and r["p95_ms"] >= r["median_ms"] and r["reps"] >= 3
+    assert eng["grids"] and all(g["median_ms"] > 0 and g["cells"] == g["grid"] ** 2 for g in eng["grids"])
+    for r in sec["speed"]["replay"]:
+        assert r["real_time_factor"] > 0 and r["updates"] > 0 and r["samples"] > 0
+    g = sec["growth"]
+    assert g["samples"] == int(g["duration_s"] * g["rate_hz"])
+    # One RSS and state reading every sample_every samples and at the end; one latency per model update.
+    assert g["memory"]["samples"][-1] == g["samples"]
+    assert len(g["updates"]["ms"]) == len(g["updates"]["num_seen"]) > 10
+    assert g["updates"]["num_seen"][-1] <= g["samples"]
+    assert all(b > 0 for b in g["memory"]["rss_bytes"]) and all(b > 0 for b in g["memory"]["state_bytes"])
+    import torch
+
+    cuda = sec["cuda"]
+    if torch.cuda.is_available():
+        assert cuda["updates"] and cuda["device"] == "cuda"
+    else:
+        assert "CUDA" in cuda["skipped"] or "cuda" in cuda["skipped"]
+
+
+def test_quick_bench_accuracy_protocols(quick_run):
+    acc = quick_run["json"]["sections"]["accuracy"]
+    if not SHARED_DATA.joinpath("solin2018_invensense").exists():
+        assert "absent" in acc["skipped"] or "unavailable" in acc["skipped"]
+    shared_data("solin2018_invensense")
+    from gp_mapping.gp import ENGINES
+
+    expected = STREAMING + OFFLINE + (("continual_mogp",) if "continual_mogp" in ENGINES else ())
+    for key, n_batches in (("protocol1", 20), ("protocol2", None)):
+        p = acc[key]
+        assert set(expected) <= set(p["methods"]), sorted(p["methods"])
+        for name in STREAMING:
+            c = p["methods"][name]["curve"]
+            assert len(c["rmse"]) == len(c["rmse_ratio"]) == len(c["num_seen"]) >= 2
+            assert c["num_seen"][-1] == p["num_train"]
+            assert all(_finite(v) and v > 0 for v in c["rmse"])
+            if name != "nearest_neighbour":
+                assert all(_finite(v) for v in c["nlpd"]), (name, c["nlpd"])
+        if n_batches:
+            assert p["num_batches"] == n_batches
+            assert p["methods"]["dual_svgp_full"]["curve"]["batch"] == list(range(1, n_batches + 1))
+        off = p["methods"]["offline_svgp"]
+        assert off["rmse_ratio"] == pytest.approx(1.0) and off["nlpd_gap"] == pytest.approx(0.0)
+        assert p["grid_prediction"]["dual_svgp_full"]["median_ms"] > 0
+        assert (quick_run["out"] / f"{key}.png").stat().st_size > 1000
+    # Real data, real result: on protocol 2 the gold standard beats the constant-mean floor by a wide margin.
+    p2 = acc["protocol2"]["methods"]
+    assert p2["offline_svgp"]["rmse"] < 0.5 * p2["constant_mean"]["final_rmse"]
+    assert "## Accuracy" in quick_run["md"] and "Protocol 2" in quick_run["md"]
+
+
+def test_bench_command_outside_the_source_tree_says_so(tmp_path, monkeypatch, capsys):
+    from gp_mapping import bench_cli
+
+    monkeypatch.setattr(bench_cli, "SOURCE_ROOT", Path(tmp_path))
+    assert bench_cli.run(object()) == 2
+    assert "needs the gp_mapping source tree" in capsys.readouterr().err
