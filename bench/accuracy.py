@@ -52,6 +52,7 @@ class _Streaming:
     def __init__(self, name: str, label: str, step: Callable, predict: Callable, lpd: Callable | None):
         self.name, self.label = name, label
         self._step, self._predict, self._lpd = step, predict, lpd
+        self.model: Any = None  # the fitted model, for the grid timing (None for the refitted floors)
         self.seconds: list[float] = []
         self.cpu_seconds: list[float] = []
 
@@ -188,9 +189,9 @@ def run_protocol(name: str, batches: list[tuple[np.ndarray, np.ndarray]], x_test
                 c["num_seen"].append(seen)
                 c["rmse"].append(s["rmse"])
                 c["nlpd"].append(s.get("nlpd"))
-        if (b + 1) % max(1, len(batches) // 5) == 0 or last:
+        if ((b + 1) % max(1, len(batches) // 5) == 0 or last) and curves["dual_svgp_full"]["rmse"]:
             log(f"  {name}: batch {b + 1}/{len(batches)}, dual full RMSE {curves['dual_svgp_full']['rmse'][-1]:.2f} "
-                f"({time.perf_counter() - start:.0f} s)")
+                f"(at batch {curves['dual_svgp_full']['batch'][-1]}; {time.perf_counter() - start:.0f} s)")
     x_all = np.vstack([xb for xb, _ in batches])
     y_all = np.vstack([yb for _, yb in batches])
     offline = offline_methods(x_all, y_all, x_test, y_test, plan)
@@ -212,7 +213,7 @@ def run_protocol(name: str, batches: list[tuple[np.ndarray, np.ndarray]], x_test
         results[key]["kind"] = "offline"
         results[key]["rmse_ratio"] = o["rmse"] / ref_rmse
         results[key]["nlpd_gap"] = o["nlpd"] - ref_nlpd
-    models = {m.name: m.model for m in methods if hasattr(m, "model")}
+    models = {m.name: m.model for m in methods if m.model is not None}
     models.update({k: o["model"] for k, o in offline.items()})
     return {"name": name, "num_batches": len(batches), "num_train": int(x_all.shape[0]),
             "num_test": int(x_test.shape[0]), "eval_every": eval_every, "notes": notes, "methods": results,
@@ -222,11 +223,13 @@ def run_protocol(name: str, batches: list[tuple[np.ndarray, np.ndarray]], x_test
 def protocol1(data_root, plan: dict, log) -> dict[str, Any]:
     train = load_solin2018(data_root, 3)
     x_test, y_test = _stack([load_solin2018(data_root, s) for s in (1, 2, 4, 5)])
+    stride = int(plan["test_stride"])
+    x_test, y_test = x_test[::stride], y_test[::stride]
     x, y = _stack([train])
     parts = np.array_split(np.arange(x.shape[0]), int(plan["p1_batches"]))
     out = run_protocol("protocol 1", [(x[p], y[p]) for p in parts], x_test, y_test, 1, plan, log)
     out["description"] = (f"stream sequence 3 in {plan['p1_batches']} consecutive batches; test on sequences "
-                          "1, 2, 4, 5 after every batch")
+                          "1, 2, 4, 5 after every batch" + (f" (every {stride}th sample)" if stride > 1 else ""))
     return out
 
 
@@ -234,14 +237,21 @@ def protocol2(data_root, plan: dict, log) -> dict[str, Any]:
     seqs = [load_solin2018(data_root, s) for s in (1, 2, 3, 4)]
     test = load_solin2018(data_root, 5)
     batch = int(round(plan["p2_batch_seconds"] * SAMPLE_RATE_HZ))
+    limit = plan.get("p2_seconds_per_sequence")
     batches = []
-    for s in seqs:  # one-second batches within each recording (a batch never spans two recordings)
+    for s in seqs:  # batches within each recording (a batch never spans two recordings)
         x, y = _stack([s])
+        if limit is not None:  # the quick plan: only the start of each recording
+            n = int(np.searchsorted(s.t, s.t[0] + float(limit)))
+            x, y = x[:n], y[:n]
         batches += [(x[i:i + batch], y[i:i + batch]) for i in range(0, x.shape[0], batch)]
-    out = run_protocol("protocol 2", batches, test.xy, test.magnitude_uT[:, None], int(plan["p2_eval_every"]),
-                       plan, log)
-    out["description"] = (f"stream sequences 1-4 in {plan['p2_batch_seconds']:g}-second batches "
-                          f"({batch} samples); test on sequence 5 every {plan['p2_eval_every']} batches")
+    stride = int(plan["test_stride"])
+    out = run_protocol("protocol 2", batches, test.xy[::stride], test.magnitude_uT[::stride, None],
+                       int(plan["p2_eval_every"]), plan, log)
+    out["description"] = (f"stream sequences 1-4{'' if limit is None else f' (first {limit:g} s of each)'} in "
+                          f"{plan['p2_batch_seconds']:g}-second batches ({batch} samples); test on sequence 5"
+                          f"{'' if stride == 1 else f' (every {stride}th sample)'} every {plan['p2_eval_every']} "
+                          "batches")
     return out
 
 

@@ -42,7 +42,9 @@ def machine_info() -> dict[str, Any]:
     return {"date": _dt.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(),
             "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform(),
-            "cuda": torch.cuda.get_device_name(0) if cuda else None}
+            "cuda": torch.cuda.get_device_name(0) if cuda else None,
+            # Other processes on the machine inflate wall times: the 1-minute load average says how busy it was.
+            "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
 def percentiles(seconds: list[float] | np.ndarray) -> dict[str, float]:

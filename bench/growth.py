@@ -44,6 +44,7 @@ def drive(duration: float, sample_every: int, log: Callable[[str], None], seed: 
     upd_seen: list[int] = []
     upd_ms: list[float] = []
     upd_mode: list[str] = []
+    upd_cpu_ms: list[float] = []  # CPU time of this process: what the update costs, whatever else runs
     samples: list[int] = []
     rss: list[int] = []
     state: list[int] = []
@@ -52,7 +53,12 @@ def drive(duration: float, sample_every: int, log: Callable[[str], None], seed: 
     for i in range(n):
         mapper.add_pose(float(t[i]), pos[i], quat[i])
         mapper.add_magnetic_field(float(t[i]), field[i])
-        for u in mapper.process():
+        cpu0 = time.process_time()
+        done = mapper.process()
+        if done:
+            per_update = 1e3 * (time.process_time() - cpu0) / len(done)
+        for u in done:
+            upd_cpu_ms.append(per_update)
             upd_seen.append(int(u["num_seen"]))
             upd_ms.append(1e3 * float(u["update_seconds"]))
             upd_mode.append(str(u.get("mode", "")))
@@ -68,9 +74,9 @@ def drive(duration: float, sample_every: int, log: Callable[[str], None], seed: 
             "processing_s": processing, "real_time_factor": float(t[-1] - t[0]) / processing,
             "batching": {"mode": config.batching.mode, "size": config.batching.size,
                          "full_update_every": config.model.full_update_every},
-            "updates": {"num_seen": upd_seen, "ms": upd_ms, "mode": upd_mode},
+            "updates": {"num_seen": upd_seen, "ms": upd_ms, "cpu_ms": upd_cpu_ms, "mode": upd_mode},
             "memory": {"samples": samples, "rss_bytes": rss, "state_bytes": state},
-            "summary": summarise(upd_seen, upd_ms, samples, rss, state, n)}
+            "summary": summarise(upd_seen, upd_ms, samples, rss, state, n, upd_cpu_ms)}
 
 
 def _decile_ratio(x: np.ndarray, v: np.ndarray, lo: float, hi: float, stat=np.median) -> tuple[float, float, float]:
@@ -84,13 +90,15 @@ def _decile_ratio(x: np.ndarray, v: np.ndarray, lo: float, hi: float, stat=np.me
     return a, b, (b / a if a > 0 else float("nan"))
 
 
-def summarise(upd_seen, upd_ms, samples, rss, state, n) -> dict[str, Any]:
+def summarise(upd_seen, upd_ms, samples, rss, state, n, upd_cpu_ms) -> dict[str, Any]:
     seen = np.asarray(upd_seen, dtype=np.float64)
     ms = np.asarray(upd_ms, dtype=np.float64)
     lo = min(WARMUP_SECONDS * RATE_HZ, 0.5 * n)
     out: dict[str, Any] = {"warmup_samples": int(lo), "update_latency": percentiles(ms / 1e3)}
     a, b, r = _decile_ratio(seen, ms, lo, float(n))
     out["latency_first_decile_ms"], out["latency_last_decile_ms"], out["latency_ratio"] = a, b, r
+    a, b, r = _decile_ratio(seen, np.asarray(upd_cpu_ms, dtype=np.float64), lo, float(n))
+    out["cpu_first_decile_ms"], out["cpu_last_decile_ms"], out["cpu_ratio"] = a, b, r
     after = seen >= lo
     if after.sum() >= 2:
         slope = np.polyfit(seen[after], ms[after], 1)[0]

@@ -29,9 +29,11 @@ SECTIONS = ("accuracy", "speed", "growth", "cuda")
 JSON_NAME = "bench.json"
 MD_NAME = "bench.md"
 
-# Full: the protocols as specified, one-hour drive. Quick: the same code on less work (< 3 minutes).
+# Full: the protocols as specified, one-hour drive. Quick: the same code on less work (< 3 minutes): protocol 1 in
+# 10 batches, protocol 2 on the first minute of each sequence in 20-second batches, every 4th test sample.
 FULL = {
     "p1_batches": 20, "p2_batch_seconds": 1.0, "p2_eval_every": 10, "fast_full_every": 10,
+    "test_stride": 1, "p2_seconds_per_sequence": None,
     "offline_iterations": 2000, "exact_points": 2000, "exact_iterations": 100, "osgpr_iterations": 20,
     "grid_cells": 200, "grid_reps": 3,
     "engine": {"ms": (64, 128, 256), "memories": (500,), "full_reps": 10, "fast_reps": 30,
@@ -40,7 +42,8 @@ FULL = {
     "drive_seconds": 3600.0, "drive_sample_every": 500,
 }
 QUICK = {
-    "p1_batches": 20, "p2_batch_seconds": 30.0, "p2_eval_every": 4, "fast_full_every": 10,
+    "p1_batches": 10, "p2_batch_seconds": 20.0, "p2_eval_every": 3, "fast_full_every": 10,
+    "test_stride": 4, "p2_seconds_per_sequence": 60.0,
     "offline_iterations": 200, "exact_points": 600, "exact_iterations": 20, "osgpr_iterations": 3,
     "grid_cells": 100, "grid_reps": 1,
     "engine": {"ms": (64,), "memories": (500,), "full_reps": 3, "fast_reps": 5, "grid_sizes": (100,),
@@ -130,14 +133,16 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"# gp_mapping benchmarks{' (quick plan)' if quick else ''}", "",
              f"Measured {m['date']} on {m['cpu']} ({m['logical_cpus']} logical CPUs, torch {m['torch']}, "
              f"{m['torch_threads']} torch thread{'s' if m['torch_threads'] != 1 else ''}, Python {m['python']}"
-             f"{', CUDA: ' + m['cuda'] if m['cuda'] else ', no GPU'}); total {results['total_seconds']:.0f} s. "
+             f"{', CUDA: ' + m['cuda'] if m['cuda'] else ', no GPU'}"
+             f"{'' if m.get('load_average_1min') is None else ', load average %.1f at the start' % m['load_average_1min']}"
+             f"); total {results['total_seconds']:.0f} s. "
              "Regenerate with `gp-mapping bench` (bench/README.md explains every number).", ""]
     sec = results["sections"]
     acc = sec.get("accuracy")
     if acc is not None:
         lines += ["## Accuracy: |B| on the Solin et al. (2018) recording (uT)", ""]
         if "skipped" in acc or "error" in acc:
-            lines += [f"Skipped: {acc.get('skipped') or acc.get('error')}", ""]
+            lines += [f"Skipped: {acc['skipped']}" if "skipped" in acc else f"Failed: {acc['error']}", ""]
         else:
             for key in ("protocol1", "protocol2"):
                 p = acc[key]
@@ -203,8 +208,10 @@ def markdown(results: dict[str, Any]) -> str:
                       f"{gr['processing_s']:.0f} s of processing (x{gr['real_time_factor']:.1f} real time). "
                       f"First decile = the tenth of the drive after the first {s['warmup_samples']} samples.", "",
                       "| quantity | first decile | last decile | last / first |", "|:---|---:|---:|---:|",
-                      f"| update latency, median ms | {_f(s['latency_first_decile_ms'], '.1f')} | "
+                      f"| update latency (wall), median ms | {_f(s['latency_first_decile_ms'], '.1f')} | "
                       f"{_f(s['latency_last_decile_ms'], '.1f')} | {_f(s['latency_ratio'])} |",
+                      f"| update CPU time, median ms | {_f(s.get('cpu_first_decile_ms'), '.1f')} | "
+                      f"{_f(s.get('cpu_last_decile_ms'), '.1f')} | {_f(s.get('cpu_ratio'))} |",
                       f"| resident memory, MiB | {_f(s['rss_first_decile_mib'], '.0f')} | "
                       f"{_f(s['rss_last_decile_mib'], '.0f')} | {_f(s['rss_ratio'])} |",
                       f"| model state, MiB | {_f(s['state_first_decile_mib'], '.2f')} | "
@@ -215,7 +222,7 @@ def markdown(results: dict[str, Any]) -> str:
     if cu is not None:
         lines += ["## CUDA", ""]
         if "skipped" in cu or "error" in cu:
-            lines += [f"Skipped: {cu.get('skipped') or cu.get('error')}", ""]
+            lines += [f"Skipped: {cu['skipped']}" if "skipped" in cu else f"Failed: {cu['error']}", ""]
         else:
             lines += [f"Device: {cu['device_name']}.", "", "| M | mode | median ms | p95 ms |",
                       "|---:|:---|---:|---:|"]
@@ -265,7 +272,10 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
     if "updates" in gr:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         u, mem = gr["updates"], gr["memory"]
-        axes[0].plot(u["num_seen"], u["ms"], ",", alpha=0.5)
+        axes[0].plot(u["num_seen"], u["ms"], ",", alpha=0.5, label="wall")
+        if u.get("cpu_ms"):
+            axes[0].plot(u["num_seen"], u["cpu_ms"], ",", alpha=0.5, label="CPU (this process)")
+            axes[0].legend(markerscale=20)
         axes[0].set_ylabel("update latency [ms]")
         axes[1].plot(mem["samples"], np.asarray(mem["rss_bytes"]) / 2 ** 20, label="process RSS")
         axes[1].set_ylabel("resident memory [MiB]")
@@ -307,6 +317,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                         help="combine the sections of earlier runs' bench.json files (later files win) and write "
                              "the report to --out, running nothing (for sections run in parallel processes)")
+    parser.add_argument("--set", nargs="+", default=(), metavar="KEY=VALUE", dest="overrides",
+                        help="override numbers of the plan (FULL or QUICK in bench/harness.py), e.g. "
+                             "--set p2_batch_seconds=5 osgpr_iterations=10; the plan used is saved in bench.json")
     parser.add_argument("--drive-minutes", type=float, default=None,
                         help="length of the simulated drive of the growth section (default: 60, quick: 1)")
 
@@ -338,6 +351,21 @@ def main_with_args(args: argparse.Namespace) -> int:
             print("error: --drive-minutes must be between 0.1 and 1440", file=sys.stderr)
             return 2
         plan["drive_seconds"] = 60.0 * args.drive_minutes
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in plan or isinstance(plan[key], (dict, tuple, bool)) or plan[key] is None:
+            settable = ", ".join(k for k, v in plan.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+            print(f"error: --set {item!r}: expected KEY=VALUE with KEY one of {settable}", file=sys.stderr)
+            return 2
+        try:
+            number = type(plan[key])(value)
+        except ValueError:
+            print(f"error: --set {item!r}: {value!r} is not a {type(plan[key]).__name__}", file=sys.stderr)
+            return 2
+        if not (math.isfinite(number) and number > 0):
+            print(f"error: --set {item!r}: the value must be positive", file=sys.stderr)
+            return 2
+        plan[key] = number
     sections = tuple(args.only) if args.only else SECTIONS
 
     def log(message: str) -> None:

@@ -33,8 +33,8 @@ def _harness():
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     try:
         _harness().add_arguments(parser)
-    except BenchUnavailableError:
-        pass  # run() explains; --help still works
+    except BenchUnavailableError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")  # before the options are parsed: none exist here
 
 
 def run(args: argparse.Namespace) -> int:

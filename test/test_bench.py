@@ -106,7 +106,7 @@ def test_quick_bench_accuracy_protocols(quick_run):
     from gp_mapping.gp import ENGINES
 
     expected = STREAMING + OFFLINE + (("continual_mogp",) if "continual_mogp" in ENGINES else ())
-    for key, n_batches in (("protocol1", 20), ("protocol2", None)):
+    for key, n_batches in (("protocol1", quick_run["json"]["plan"]["p1_batches"]), ("protocol2", None)):
         p = acc[key]
         assert set(expected) <= set(p["methods"]), sorted(p["methods"])
         for name in STREAMING:
@@ -132,6 +132,12 @@ def test_quick_bench_accuracy_protocols(quick_run):
 def test_bench_command_outside_the_source_tree_says_so(tmp_path, monkeypatch, capsys):
     from gp_mapping import bench_cli
 
+    import argparse
+
     monkeypatch.setattr(bench_cli, "SOURCE_ROOT", Path(tmp_path))
     assert bench_cli.run(object()) == 2
+    assert "needs the gp_mapping source tree" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # the command line stops before parsing options it lacks
+        bench_cli.add_arguments(argparse.ArgumentParser(prog="gp-mapping bench"))
+    assert exit_info.value.code == 2
     assert "needs the gp_mapping source tree" in capsys.readouterr().err
