@@ -127,10 +127,13 @@ def test_online_engine_streams_every_sample_into_a_finite_map(split, online, off
     assert online["nlpd"] < floors["const_nlpd"] - 0.5, report
 
 
-# Known shortfall, kept visible: measured online RMSE 4.27 uT vs offline 2.01 uT (ratio 2.1). The gap is the
-# placement of the inducing points (offline optimises Z by gradient; online re-selection by pivoted Cholesky
-# does not reach it) - see the engine issue. strict=True: this test fails loudly the day the bound is met.
-@pytest.mark.xfail(strict=True, reason="issue 3 acceptance bound not met yet: online/offline RMSE ratio ~2.1 > 1.10")
+# Known shortfall, kept visible. Measured: online RMSE 3.18 uT / NLPD 2.58 vs offline 2.01 / 2.16 (ratio 1.58;
+# 4.27, ratio 2.1, before the inducing inputs were learned online). What is left, from runs with the offline
+# hyperparameters fixed: pivoted-Cholesky Z gives 3.32 uT, Z learned online 2.84, the offline-trained Z 2.01
+# (the streaming update itself is exact: with the offline Z and hyperparameters it gives 2.009). Online
+# hyperparameters drift to longer lengthscales (1.7-2.2 m vs 0.9-1.1) and more noise (9.2 vs 2.7 uT^2).
+# strict=True: this test fails loudly the day the bound is met.
+@pytest.mark.xfail(strict=True, reason="issue 3 acceptance bound not met yet: online/offline RMSE ratio ~1.6 > 1.10")
 def test_online_engine_within_ten_percent_of_offline_svgp(split, online, offline, floors):
     report = _report(online, offline, floors)
     print("\n" + report)
