@@ -67,8 +67,9 @@ class ModelConfig:
     hyper_steps: int = _opt(20, doc="Adam steps on the hyperparameters per full update", low=0, high=100_000)
     hyper_lr: float = _opt(0.01, doc="Adam learning rate for the hyperparameters", low=0.0, low_open=True,
                            high=10.0)
-    learn_inducing: bool = _opt(True, doc="move the inducing inputs by gradient steps on the dual-fixed objective, "
-                                "with the old data's information kept in it (full mode; not for the grid policy)")
+    learn_inducing: bool = _opt(False, doc="move the inducing inputs by gradient steps on an ELBO that keeps the old "
+                                "data's information (full mode; not for the grid policy). Opt-in: it helps on the Solin "
+                                "recording and hurts on the demo bag (see the engine docstring)")
     inducing_lr: float = _opt(0.01, doc="Adam learning rate for the inducing inputs [m per step]", low=0.0,
                               low_open=True, high=100.0)
     full_update_every: int = _opt(1, doc="every n-th update is a full update (memory, hyperparameters, "
