@@ -171,6 +171,14 @@ def test_a_file_carrying_a_pickle_payload_is_refused_and_nothing_runs(tmp_path, 
 # ------------------------------------------------------------------------------- a real node, killed
 
 
+def _accepted_in(checkpoint: Path) -> int:
+    """Accepted-sample count in a checkpoint file; 0 while there is none (files are replaced atomically)."""
+    try:
+        return int(read_state(checkpoint).info["accepted"])
+    except (MapStateError, FileNotFoundError):
+        return 0
+
+
 def test_node_killed_with_sigkill_resumes_from_its_last_checkpoint(tmp_path, ros_env):
     """The node checkpoints every second while it maps; SIGKILL mid-stream; the restarted node resumes from the
     checkpoint (logged), having lost at most the messages of one checkpoint interval, and keeps mapping."""
@@ -192,8 +200,10 @@ def test_node_killed_with_sigkill_resumes_from_its_last_checkpoint(tmp_path, ros
             start = time.monotonic()
             sent = publish_recording(harness, proc, rec, "pose_stamped", count=250)
             rate = sent / (time.monotonic() - start)  # magnetometer messages per second of wall time
-            harness.spin_until(lambda: checkpoint.exists() and int(diagnostic_values(view).get(
-                "node/checkpoints_written", "0")) >= 2, 30.0, "two checkpoints")
+            # Checkpoints are timed, so the first ones may predate the burst's processing: wait for one that
+            # holds the burst (up to one batch in flight) and for a second timer firing.
+            harness.spin_until(lambda: int(diagnostic_values(view).get("node/checkpoints_written", "0")) >= 2
+                               and _accepted_in(checkpoint) >= 250 - 25, 30.0, "a checkpoint holding the burst")
             later = SimpleNamespace(**{k: getattr(rec, k)[250:400] for k in
                                        ("t", "position", "orientation_xyzw", "field_sensor_tesla")})
             sent += publish_recording(harness, proc, later, "pose_stamped")
