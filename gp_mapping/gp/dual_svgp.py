@@ -725,7 +725,7 @@ class DualSVGP(nn.Module):
         V = self._features(L, hx)
         lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, fresh, cfg.n_steps, cfg.rho)
         steps, objective = 0, 0.0
-        if (cfg.learn_hyperparameters or (cfg.learn_inducing and not bool(self.z_fixed))) and cfg.hyper_steps > 0:
+        if cfg.hyper_steps > 0:  # _learn_hyperparameters decides what (theta, Z or nothing) is learned
             n_old = self.num_seen - n_pend  # data seen before this batch
             weights = torch.ones(hx.shape[0], dtype=torch.float64, device=self.device)
             if n_mem:
