@@ -311,9 +311,52 @@ def test_node_callbacks_refuse_empty_and_bad_messages_and_keep_publishing(node_f
     assert r["field_zero"] == 1 and r["field_nonfinite"] == 1 and r["field_out_of_range"] == 1
     assert r["field_frame_mismatch"] == 1 and r["pose_bad_quaternion"] == 1
     assert d["updates"] >= 5 and d["failed_updates"] == 0
-    node._on_publish_timer()
+    node.publish_map()
     assert node._counts["maps_published"] == 1 and node._last_grid is not None
     assert np.all(np.isfinite(node._last_grid.layers["magnitude"][0][node._last_grid.known]))
+
+
+def test_node_counts_messages_the_transport_dropped_from_gaps_in_the_publishers_sequence_numbers(node_factory):
+    """A burst larger than the subscription queue, sent while the node does not spin: DDS keeps the last
+    ``node.queue_depth`` messages and drops the rest before the node sees them. The node counts exactly those from
+    the gap in the publisher's sequence numbers (the first message it hears from a publisher counts no gap)."""
+    import time
+
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+    from sensor_msgs.msg import MagneticField
+
+    depth, burst = 5, 200
+    node = node_factory(**{"node.queue_depth": depth, "model.num_inducing": 16, "model.device": "cpu"})
+    sender = rclpy.create_node("burst_sender", context=node.context)
+    try:
+        qos = QoSProfile(depth=burst, reliability=ReliabilityPolicy.BEST_EFFORT)
+        pub = sender.create_publisher(MagneticField, node.resolve_topic_name("mag"), qos)
+        executor = SingleThreadedExecutor(context=node.context)
+        executor.add_node(node)
+
+        def spin_until(done, what):
+            deadline = time.monotonic() + 20.0
+            while not done():
+                assert time.monotonic() < deadline, what
+                executor.spin_once(timeout_sec=0.05)
+
+        spin_until(lambda: pub.get_subscription_count() > 0, "the node's subscription to match")
+        pub.publish(MagneticField())  # the first message: the node learns this publisher's sequence number
+        spin_until(lambda: node._counts["mag_messages"] == 1, "the first message")
+        for _ in range(burst):  # the node does not spin: its queue keeps the last `depth`
+            pub.publish(MagneticField())
+        time.sleep(0.5)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            executor.spin_once(timeout_sec=0.05)
+        executor.remove_node(node)
+    finally:
+        sender.destroy_node()
+    assert node._counts["mag_messages"] == 1 + depth
+    assert node._node_rejected["transport_lost_mag"] == burst - depth
+    assert node._node_rejected["transport_lost_pose"] == 0
 
 
 def test_node_refuses_bad_parameters_at_start_and_live_keeping_the_old_value(node_factory):

@@ -46,6 +46,8 @@ Services (std_srvs/Trigger)
                      (``ROS_HOME`` defaults to ``~/.ros``); the response message is the absolute path. Start from
                      it again with the parameter ``node.initial_map``.
     ``~/reset``      forgets the map and the buffered messages; publishes all-unknown grids of the last geometry.
+    Both run on the update thread between two updates; they are served by a hidden helper node
+    (``_<node name>_services``) with its own executor thread, so the node keeps taking messages meanwhile.
 
 Checkpoints and resume. With ``node.checkpoint_interval_s`` > 0 a timer (node clock) has the Mapper write its
 whole state atomically (temporary file, fsync, rename; safetensors, nothing executable) to
@@ -58,7 +60,9 @@ is left untouched, never overwritten by an empty map.
 Bad input. Every refused message is counted by reason (``rejected/<reason>`` and ``node/rejected/<reason>`` in
 the diagnostics; the table is in README "Bad input and reliability"), and a summary of new refusals is logged
 at most every LOG_THROTTLE_S seconds. The queues are bounded: the subscriptions keep ``node.queue_depth``
-messages, the inbox of the update thread 2 x ``batching.max_pending`` (oldest dropped, ``inbox_overflow``),
+messages (what the transport drops beyond them shows as ``transport_lost_mag`` / ``transport_lost_pose``, from
+gaps in each publisher's sequence numbers), the inbox of the update thread 2 x ``batching.max_pending`` (oldest
+dropped, ``inbox_overflow``),
 the Mapper ``batching.max_pending`` samples (oldest dropped, ``dropped_overflow``).
 
 Parameters: every key of ``config/mapper.yaml`` (``model.*``, ``sync.*``, ``batching.*``, ``grid.*``,
@@ -79,8 +83,10 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import rclpy
@@ -88,8 +94,7 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from nav_msgs.msg import OccupancyGrid
 from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType,
                                 SetParametersResult)
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import MagneticField, PointCloud2
@@ -110,6 +115,8 @@ VECTOR_LAYERS = ("x", "y", "z", "norm")
 LIVE_PARAMETERS = frozenset({"node.publish_period", "grid.unknown_distance", "grid.tile_size", "grid.margin"})
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_CONFIG = 0, 1, 2
 LOG_THROTTLE_S = 5.0  # seconds between two log lines about refused input, failed updates or dropped backlog
+MAX_TRACKED_PUBLISHERS = 64  # per input topic, for counting messages lost in transport
+SERVICE_TIMEOUT_S = 300.0  # a service waits this long for its job on the update thread (a save flushes the backlog)
 
 _PARAMETER_TYPES = {"bool": ParameterType.PARAMETER_BOOL, "int": ParameterType.PARAMETER_INTEGER,
                     "float": ParameterType.PARAMETER_DOUBLE, "str": ParameterType.PARAMETER_STRING,
@@ -192,15 +199,24 @@ class MapperNode(Node):
             self.destroy_node()
             raise
         self._specs = field_specs()
-        self._lock = threading.Lock()  # guards the mapper (updates, predictions, services)
-        self._inbox_cond = threading.Condition()
+        # The update thread is the only user of the mapper: the executor's callbacks never wait for an update.
+        # They queue messages (inbox) and jobs (publish, checkpoint, services, parameter changes) that the thread
+        # runs between two updates, so the subscriptions keep up with a flood while a long update runs. The lock
+        # only makes it safe for tests to look inside while the thread runs.
+        self._lock = threading.Lock()
+        self._inbox_cond = threading.Condition()  # guards _inbox, _jobs, _queued and _stopping
         # (kind, stamp, values, orientation or frame_id, receive time or None)
         self._inbox: deque[tuple[str, float, Any, Any, float | None]] = deque()
+        self._jobs: deque[tuple[str, Callable[[], Any], Future]] = deque()
+        self._queued: set[str] = set()  # names of the periodic jobs waiting in _jobs (one of each at most)
+        self._updates_waiting = False  # the last update step ran an update: more full batches may be ready
         self._stopping = False
+        self._mapper_diagnostics: dict[str, Any] = self.mapper.diagnostics()  # the update thread refreshes it
         self._dirty = True  # a map loaded from node.initial_map is published on the first tick
         self._counts: dict[str, int] = {"mag_messages": 0, "pose_messages": 0, "updates": 0, "maps_published": 0,
                                         "errors": 0, "stamps_from_clock": 0}
-        self._node_rejected: dict[str, int] = {"pose_frame_mismatch": 0, "inbox_overflow": 0}
+        self._node_rejected: dict[str, int] = {"pose_frame_mismatch": 0, "inbox_overflow": 0,
+                                               "transport_lost_mag": 0, "transport_lost_pose": 0}
         self._latency = {"last": math.nan, "max": 0.0, "sum": 0.0, "count": 0}
         self._publish_seconds = math.nan
         self._logged_counts: dict[str, int] = {}  # refusal counts at the last log line about them
@@ -211,10 +227,13 @@ class MapperNode(Node):
         depth = self.config.node.queue_depth
         sensor_qos = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=depth,
                                 reliability=ReliabilityPolicy.BEST_EFFORT, durability=DurabilityPolicy.VOLATILE)
-        inputs = MutuallyExclusiveCallbackGroup()
-        self.create_subscription(MagneticField, "mag", self.on_mag, sensor_qos, callback_group=inputs)
-        self.create_subscription(conversions.POSE_TYPES[self.config.node.pose_type], "pose", self.on_pose,
-                                 sensor_qos, callback_group=inputs)
+        # The two-argument callbacks get the message info: its sequence numbers reveal messages that the
+        # transport dropped before the node could take them (a full subscription queue under load).
+        self._last_sequence: dict[str, dict[bytes, int]] = {"mag": {}, "pose": {}}
+        self.create_subscription(MagneticField, "mag", lambda msg, info: self._receive("mag", msg, info),
+                                 sensor_qos)
+        self.create_subscription(conversions.POSE_TYPES[self.config.node.pose_type], "pose",
+                                 lambda msg, info: self._receive("pose", msg, info), sensor_qos)
 
         self._map_pubs = {layer: (self.create_publisher(OccupancyGrid, mean, MAP_QOS),
                                   self.create_publisher(OccupancyGrid, var, MAP_QOS))
@@ -223,21 +242,31 @@ class MapperNode(Node):
         self._scale_pub = self.create_publisher(Float64MultiArray, "~/scale", MAP_QOS)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
 
-        outputs = MutuallyExclusiveCallbackGroup()  # publishing and services never run at the same time
-        self._publish_timer = self.create_timer(self.config.node.publish_period, self._on_publish_timer,
-                                                callback_group=outputs)
-        self.create_timer(DIAGNOSTICS_PERIOD, self._publish_diagnostics,
-                          callback_group=MutuallyExclusiveCallbackGroup())
+        self._publish_timer = self.create_timer(self.config.node.publish_period, self._on_publish_timer)
+        self.create_timer(DIAGNOSTICS_PERIOD, self._publish_diagnostics)
         if self.config.node.checkpoint_interval_s > 0:
-            self.create_timer(self.config.node.checkpoint_interval_s, self.write_checkpoint,
-                              callback_group=MutuallyExclusiveCallbackGroup())
-        self.create_service(Trigger, "~/save_map", self.on_save_map, callback_group=outputs)
-        self.create_service(Trigger, "~/reset", self.on_reset, callback_group=outputs)
+            self.create_timer(self.config.node.checkpoint_interval_s, self._on_checkpoint_timer)
         self.add_on_set_parameters_callback(self._validate_parameter_change)
         self.add_post_set_parameters_callback(self._apply_parameter_change)
 
+        # The services wait for the update thread (a save first runs the backlog), so they live on a hidden
+        # helper node with its own executor thread: while one runs, this node keeps taking messages. Their
+        # names are this node's (~/save_map, ~/reset).
+        # Global ROS arguments stay off it: `-r __node:=name` would give it this node's name.
+        self._service_node = rclpy.create_node(f"_{self.get_name()}_services", namespace=self.get_namespace(),
+                                               context=self.context, use_global_arguments=False,
+                                               start_parameter_services=False)
+        own_name = self.get_fully_qualified_name()
+        self._service_node.create_service(Trigger, f"{own_name}/save_map", self.on_save_map)
+        self._service_node.create_service(Trigger, f"{own_name}/reset", self.on_reset)
+        self._service_executor = SingleThreadedExecutor(context=self.context)
+        self._service_executor.add_node(self._service_node)
+        self._service_thread = threading.Thread(target=self._spin_services, name="gp_mapping_services",
+                                                daemon=True)
+
         self._worker = threading.Thread(target=self._worker_loop, name="gp_mapping_updates", daemon=True)
         self._worker.start()
+        self._service_thread.start()
         self.get_logger().info(
             f"mapping {self.config.sync.target} of the field in {self.config.sync.field_unit} on frame "
             f"'{self.config.grid.frame_id}' with {self.config.model.engine} (M={self.config.model.num_inducing}); "
@@ -309,9 +338,9 @@ class MapperNode(Node):
                 continue
             section, key = param.name.split(".")
             value = validate_value(param.name, _plain(param.value), self._specs[param.name])
-            with self._lock:  # the Mapper holds this same config object and reads it when predicting
-                setattr(getattr(self.config, section), key, value)
-                self._dirty = True
+            # The Mapper holds this same config object and reads it when predicting, on the update thread.
+            self._submit(f"set {param.name}", lambda s=section, k=key, v=value: self._set_config(s, k, v),
+                         periodic=False)
             if param.name == "node.publish_period":
                 self._publish_timer.timer_period_ns = int(round(value * 1e9))
                 self._publish_timer.reset()
@@ -346,6 +375,21 @@ class MapperNode(Node):
             return stamp
         self._counts["stamps_from_clock"] += 1
         return now if now is not None else 0.0
+
+    def _receive(self, topic: str, msg: Any, info: dict[str, Any]) -> None:
+        """A subscription callback: count what the transport lost since this publisher's previous message
+        (a gap in its sequence numbers), then handle the message."""
+        sequence, gid = info.get("publication_sequence_number"), info.get("publisher_gid")
+        if sequence and gid is not None:  # None or 0 where the middleware does not number its messages
+            key = bytes(gid.get("data", b"")) if isinstance(gid, dict) else bytes(gid)
+            seen = self._last_sequence[topic]
+            last = seen.pop(key, None)
+            if last is not None and sequence > last + 1:
+                self._node_rejected[f"transport_lost_{topic}"] += sequence - last - 1
+            seen[key] = sequence if last is None else max(sequence, last)
+            if len(seen) > MAX_TRACKED_PUBLISHERS:  # publishers that come and go: forget the longest silent
+                del seen[next(iter(seen))]
+        (self.on_mag if topic == "mag" else self.on_pose)(msg)
 
     def on_mag(self, msg: MagneticField) -> None:
         """Subscription callback of ``mag`` (public so that tests can drive the node without DDS)."""
@@ -398,25 +442,49 @@ class MapperNode(Node):
             self._dirty = True
         return n
 
+    # ---------------------------------------------------------------------------------- the update thread
+
+    def _submit(self, name: str, job: Callable[[], Any], periodic: bool = True) -> Future | None:
+        """Queue ``job`` for the update thread; it runs before the next update. A periodic job (publish,
+        checkpoint) is queued once: a tick that finds it still waiting adds nothing. Returns the job's future,
+        or None where it was not queued (already waiting, or the node is stopping)."""
+        future: Future = Future()
+        with self._inbox_cond:
+            if self._stopping or (periodic and name in self._queued):
+                return None
+            if periodic:
+                self._queued.add(name)
+            self._jobs.append((name, job, future))
+            self._inbox_cond.notify()
+        return future
+
     def _worker_loop(self) -> None:
-        """Feed the mapper and run its updates, one batch per lock hold so publishing can interleave."""
+        """Run the queued jobs, feed the mapper and run one update; again while there is work."""
         while True:
             with self._inbox_cond:
-                while not self._inbox and not self._stopping:
+                while not (self._inbox or self._jobs or self._updates_waiting or self._stopping):
                     self._inbox_cond.wait()
                 if self._stopping:
                     return
-            while not self._stopping:
-                with self._lock:
-                    try:
-                        self._feed_inbox()
-                    except Exception as err:  # the thread must survive whatever one message does
-                        self._report(f"feeding the mapper failed: {type(err).__name__}: {err}")
-                    if self._run_updates(max_updates=1) == 0:
-                        break
-                # Python locks are not fair: a moment between batches lets publishing, diagnostics and the
-                # services take the lock while the updates run behind a flood.
-                time.sleep(0.002)
+                jobs, self._jobs = self._jobs, deque()
+                self._queued.clear()
+            for name, job, future in jobs:
+                try:
+                    future.set_result(job())
+                except Exception as err:  # the caller (a service) gets the error; the thread goes on
+                    future.set_exception(err)
+            with self._lock:
+                try:
+                    self._feed_inbox()
+                except Exception as err:  # the thread must survive whatever one message does
+                    self._report(f"feeding the mapper failed: {type(err).__name__}: {err}")
+                self._updates_waiting = self._run_updates(max_updates=1) > 0
+                self._mapper_diagnostics = self.mapper.diagnostics()
+
+    def _set_config(self, section: str, key: str, value: Any) -> None:
+        with self._lock:
+            setattr(getattr(self.config, section), key, value)
+            self._dirty = True
 
     def _report(self, message: str) -> None:
         """An error that the node survives: logged (throttled) and shown as ERROR in the diagnostics."""
@@ -433,8 +501,11 @@ class MapperNode(Node):
         return self.get_clock().now().to_msg()
 
     def _on_publish_timer(self) -> None:
-        if not self._dirty:
-            return
+        if self._dirty:
+            self._submit("publish", self.publish_map)
+
+    def publish_map(self) -> None:
+        """Predict the grid and publish it (on the update thread; tests call it directly)."""
         start = time.perf_counter()
         with self._lock:
             self._dirty = False
@@ -479,9 +550,13 @@ class MapperNode(Node):
                 pub.publish(msg)
         self._cloud_pub.publish(conversions.cloud_msg(grid, stamp, z=grid.height, empty=True))
 
+    def _on_checkpoint_timer(self) -> None:
+        self._submit("checkpoint", self.write_checkpoint)
+
     def write_checkpoint(self) -> bool:
-        """Timer callback (``node.checkpoint_interval_s``): the Mapper writes its state to the checkpoint file.
-        A failure (disk full, say) is reported and counted; the node goes on and tries again next time."""
+        """Every ``node.checkpoint_interval_s`` (on the update thread): the Mapper writes its state to the
+        checkpoint file. A failure (disk full, say) is reported and counted; the node goes on and tries again
+        next time."""
         path = self.checkpoint_path
         start = time.perf_counter()
         try:
@@ -514,8 +589,7 @@ class MapperNode(Node):
             self._logged_counts.update({k: int(values[k]) for k in keys if k in values})
 
     def _publish_diagnostics(self) -> None:
-        with self._lock:
-            mapper_diag = self.mapper.diagnostics()
+        mapper_diag = self._mapper_diagnostics  # as of the update thread's last step: never waits for an update
         with self._inbox_cond:
             inbox = len(self._inbox)
         values: dict[str, Any] = {}
@@ -548,39 +622,59 @@ class MapperNode(Node):
 
     # ------------------------------------------------------------------------------------------ services
 
+    def _spin_services(self) -> None:
+        try:
+            self._service_executor.spin()
+        except ExternalShutdownException:  # the context shut down (Ctrl-C): the node is closing
+            pass
+
+    def _call_on_update_thread(self, name: str, job: Callable[[], str], response: Trigger.Response
+                               ) -> Trigger.Response:
+        """Run a service's ``job`` on the update thread and answer with its message, or with why it failed."""
+        future = self._submit(name, job, periodic=False)
+        try:
+            if future is None:
+                raise RuntimeError("the node is stopping")
+            response.message = future.result(timeout=SERVICE_TIMEOUT_S)
+            response.success = True
+        except FutureTimeout:  # the job still runs; the caller learns it has not finished
+            response.success = False
+            response.message = f"{name}: not finished after {SERVICE_TIMEOUT_S:.0f} s; it goes on in the node"
+        except Exception as err:  # a failed save or reset is the caller's answer, not the node's end
+            response.success, response.message = False, f"{name} failed: {type(err).__name__}: {err}"
+        if response.success:
+            self.get_logger().info(f"{name}: {response.message}")
+        else:
+            self.get_logger().error(response.message)
+        return response
+
     def on_save_map(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         path = default_map_path(self.get_name())
-        try:
+
+        def save() -> str:
             with self._lock:
                 self._feed_inbox()
                 self._run_updates(flush=True)
                 self.mapper.save(path)
-        except Exception as err:  # a failed save is the caller's answer, not the node's end
-            response.success, response.message = False, f"cannot save the map to {path}: {err}"
-            self.get_logger().error(response.message)
-            return response
-        response.success, response.message = True, str(path.resolve())
-        self.get_logger().info(f"map saved to {response.message}")
-        return response
+                self._mapper_diagnostics = self.mapper.diagnostics()
+            return str(path.resolve())
+
+        return self._call_on_update_thread("save_map", save, response)
 
     def on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
-        try:
+        def reset() -> str:
             with self._lock:
                 with self._inbox_cond:
                     dropped = len(self._inbox)
                     self._inbox.clear()
                 self.mapper.reset()
+                self._mapper_diagnostics = self.mapper.diagnostics()
                 self._dirty = False
                 self._last_error = ""
                 self._publish_cleared()
-        except Exception as err:
-            response.success, response.message = False, f"cannot reset the map: {type(err).__name__}: {err}"
-            self.get_logger().error(response.message)
-            return response
-        response.success = True
-        response.message = f"map reset ({dropped} buffered messages dropped)"
-        self.get_logger().info(response.message)
-        return response
+            return f"map reset ({dropped} buffered messages dropped)"
+
+        return self._call_on_update_thread("reset", reset, response)
 
     # ---------------------------------------------------------------------------------------------- stop
 
@@ -590,6 +684,13 @@ class MapperNode(Node):
             self._stopping = True
             self._inbox_cond.notify_all()
         self._worker.join(timeout=30.0)
+        self._service_executor.shutdown()
+        self._service_thread.join(timeout=10.0)
+        self._service_node.destroy_node()
+        with self._inbox_cond:  # jobs that will never run: their callers get an answer now
+            for name, _, future in self._jobs:
+                future.set_exception(RuntimeError(f"{name}: the node stopped before it ran"))
+            self._jobs.clear()
         if self.config.node.checkpoint_interval_s > 0:
             with self._lock:
                 try:
@@ -648,7 +749,9 @@ def spin(argv: list[str]) -> int:
         except NodeStartError as err:
             rclpy.logging.get_logger(NODE_NAME).fatal(str(err))
             return EXIT_BAD_CONFIG
-        executor = MultiThreadedExecutor(num_threads=4)
+        # Single-threaded: every callback is short (the updates run on the node's own thread). rclpy's
+        # MultiThreadedExecutor took about 400 of 30 000 messages under a 1 kHz flood on two cores.
+        executor = SingleThreadedExecutor()
         executor.add_node(node)
         try:
             executor.spin()
