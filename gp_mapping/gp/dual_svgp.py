@@ -68,7 +68,9 @@ magnetometer script trains Z too; the paper says pivoted Cholesky suffices, whic
 (M = 100, offline hyperparameters: pivoted-Cholesky Z 3.3 uT, gradient-trained Z 2.0 uT).
 Measured with learn_inducing on (inducing_lr 0.01): Solin |B| 3.18 uT (4.27 without; 2.84 with the offline
 hyperparameters fixed), but the demo bag 3.34 uT within 0.5 m of the path (0.38 without), and inducing_lr
-0.003 or 0.03 made Solin worse than no learning. It is sensitive, so it is off by default.
+0.003 or 0.03 made Solin worse than no learning. It is sensitive, so it is off by default. On Solin the gap to
+an offline SVGP with the same M closes from M = 300 without it (2.07 against 2.02 uT, full update every 5th;
+README "Performance").
 
 Modes: 'fast' conditions on the batch with hyperparameters and Z frozen, one dual step (exact for the
 Gaussian likelihood): O(N M^2 + M^3). The batch is held as pending, so the next full update treats all data
