@@ -176,6 +176,9 @@ def test_node_over_dds_reproduces_the_replay(tmp_path):
         harness.spin_until(lambda: (proc.check_alive() or True) and all(p.get_subscription_count() for p in
                                                                          pubs.values()), 60.0,
                            "the node's subscriptions to be discovered")
+        # The publisher can see the node's readers before the readers have matched the publisher, and a best
+        # effort reader drops what comes from a writer it has not matched yet: give discovery a moment.
+        harness.spin_for(1.0)
         sent = {"/mag": 0, "/pose": 0}
         with AnyReader([bag]) as reader:  # the bag's own bytes, in bag order, as `ros2 bag play` sends them
             connections = [c for c in reader.connections if c.topic in pubs]
