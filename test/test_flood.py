@@ -3,6 +3,7 @@ responsive (maps and diagnostics keep coming), its queues stay within their boun
 counted in the diagnostics, and its resident memory levels off."""
 from __future__ import annotations
 
+import itertools
 import textwrap
 import time
 
@@ -112,13 +113,22 @@ def test_flood_keeps_the_node_responsive_with_bounded_queues_and_memory(tmp_path
                "sync_overflow": int(final["rejected/sync_overflow"]),
                "transport_lost_mag": int(final["node/rejected/transport_lost_mag"])}
     rss_mid = [r for t, r in rss if t >= DURATION / 3]
+    # The longest stretch of the flood without a new map, counted in diagnostics (one a second).
+    published = [int(d["node/maps_published"]) for d in during]
+    longest_gap = max(len(list(run)) for _, run in itertools.groupby(published)) if published else 0
     print(f"flood: {sent} per topic sent in {flood_seconds:.1f} s; node received {received} magnetometer and "
           f"{final['node/pose_messages']} pose messages; {final['updates']} updates; {maps_during} maps and "
-          f"{diags_during} diagnostics published during the flood; dropped {dropped}; RSS idle {rss_idle:.0f} MiB,"
+          f"{diags_during} diagnostics published during the flood, longest stretch without a new map "
+          f"{longest_gap} s; dropped {dropped}; RSS idle {rss_idle:.0f} MiB,"
           f" at 1/3 {rss_mid[0]:.0f} MiB, max {max(r for _, r in rss):.0f} MiB, end {rss_end:.0f} MiB")
     assert sent >= 0.5 * RATE * DURATION, "the publisher could not flood on this machine"
-    # Responsive: maps (period 0.5 s) and diagnostics (1 s) kept coming while the flood ran.
-    assert maps_during >= DURATION / 2 and diags_during >= DURATION / 2  # measured 20-25 and 31 on 2 cores
+    # Responsive: diagnostics (1 s) kept coming while the flood ran, and so did maps: each update's map went out
+    # right after it, and no stretch of the flood went long without one. On two cores shared with the Python
+    # publisher, an update (0.15 s alone) takes 1-3 s: measured 14-18 maps, longest stretch 3-4 s. Before the
+    # engines were warmed up at start, the first update stalled 10 s importing torch._dynamo.
+    assert diags_during >= DURATION / 2  # measured 31
+    assert longest_gap <= 8, published
+    assert maps_during >= DURATION / 4
     assert int(final["updates"]) >= 10
     # Bounded queues: the inbox never held more than its bound, the mapper never more than max_pending.
     assert all(int(d["node/inbox"]) <= 2 * MAX_PENDING for d in during)

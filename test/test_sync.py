@@ -7,7 +7,7 @@ from scipy.spatial.transform import Rotation
 
 from gp_mapping.config import SyncConfig
 from gp_mapping.mapping.frames import quaternion_from_rpy
-from gp_mapping.mapping.sync import REJECTION_REASONS, UNIT_PER_TESLA, MeasurementSync, SyncError
+from gp_mapping.mapping.sync import REJECTION_REASONS, UNIT_PER_TESLA, Measurements, MeasurementSync, SyncError
 
 V = np.array([0.5, -0.2, 0.05])   # m/s, straight line
 P0 = np.array([1.0, 2.0, 0.3])
@@ -219,3 +219,55 @@ def test_every_field_sample_is_accounted_for_in_a_messy_stream():
                    "pose_bad_quaternion"):
         assert sync.rejected[reason] > 0, reason
     assert c["accepted"] > 0.6 * n_fields  # most of the stream is clean
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batched_decisions_equal_deciding_each_sample_on_arrival(seed):
+    """Samples are decided in batches (module docstring, "Cost"); reading a counter after every call forces the
+    one-by-one decisions of an eager sync. On a stream with gaps, teleports, late and bad samples, stalls past
+    the pose buffer, stamp jumps with a re-anchor, and a small bound, both give the same samples, bit for bit,
+    and the same counters."""
+    rng = np.random.default_rng(seed)
+    config = SyncConfig(max_pose_gap=0.08, pose_buffer_seconds=0.5, max_speed=5.0, max_stamp_jump=2.0)
+    events = []
+    clock = 0.0
+    for step in range(6000):
+        clock += 0.01
+        if step == 3333:
+            clock += 100.0  # a real clock jump: refused until the streams re-anchor
+        stalled = 1500 <= step < 1600  # 1 s without poses: samples time out of the pose buffer
+        if rng.uniform() < 0.3 and not stalled:
+            x = clock + (20.0 if rng.uniform() < 0.01 else 0.0)  # a few teleports
+            q = [0, 0, 0, 0] if rng.uniform() < 0.02 else quaternion_from_rpy(0, 0, clock)
+            events.append(("pose", clock, [x, 0.5 * x, 0], q))
+        if rng.uniform() < 0.6:
+            delay = rng.choice([0.0, 0.0, 0.0, 0.03])
+            b = [np.nan, 0, 0] if rng.uniform() < 0.02 else [1e-6 * (1 + np.sin(clock)), 2e-6, 3e-7]
+            events.append(("field", clock - delay, b))
+        if step % 1000 == 0:  # ~600 samples between pops: the bound of 400 drops some
+            events.append(("pop",))
+
+    def run(eager: bool):
+        sync = MeasurementSync(config, max_pending=400)
+        out = []
+        for event in events:
+            if event[0] == "pose":
+                sync.add_pose(*event[1:])
+            elif event[0] == "field":
+                sync.add_field(*event[1:])
+            else:
+                out.append(sync.pop_ready())
+            if eager:
+                assert sync.num_waiting >= 0  # decides what is decidable now, as an eager sync would have
+        out.append(sync.pop_ready())
+        sync.finish()
+        return Measurements.concatenate(out), sync.counters()
+
+    (lazy, lazy_counts), (eager, eager_counts) = run(False), run(True)
+    assert lazy_counts == eager_counts
+    for name in ("x", "y", "t", "position"):
+        np.testing.assert_array_equal(getattr(lazy, name), getattr(eager, name))
+    rejected = lazy_counts["rejected"]
+    for reason in ("pose_gap", "pose_jump", "pose_timeout", "sync_overflow", "field_nonfinite"):
+        assert rejected[reason] > 0, (reason, rejected)
+    assert lazy_counts["reanchors"] >= 1 and len(lazy) > 1000

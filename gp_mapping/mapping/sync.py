@@ -12,6 +12,12 @@ map frame. The model input ``x`` is the sensor position's first ``sync.input_dim
 
 Every sample or pose that is not used is counted under a named reason (:data:`REJECTION_REASONS`).
 
+Cost. A sample's bracket is fixed once a pose at or after it has arrived (poses only move forward), so samples
+are decided in batches, not one by one: when :data:`DECIDE_CHUNK` have queued, and before anything reads the
+result (``pop_ready``, the counters, a checkpoint) or could change it (a trim of the pose buffer past a queued
+sample, a re-anchor, a timeout, the bound, the end of the stream). The outcome is the one of deciding each
+sample on arrival; the cost per sample falls from a vectorised call each (~0.3 ms) to a share of one.
+
 Bad input (README, "Bad input and reliability"). Non-finite values and stamps, a zero reading, a reading above
 ``sync.max_field``, a reading from a second magnetometer frame, a pose beyond ``sync.max_position`` or with an
 orientation whose norm is not 1 within ``sync.quaternion_tolerance``, stamps that go backwards or repeat, stamps
@@ -32,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from gp_mapping.config import SyncConfig
-from gp_mapping.mapping.frames import (normalize_quaternion, quaternion_multiply, quaternion_norm_ok, rotate_vectors,
+from gp_mapping.mapping.frames import (MIN_QUATERNION_NORM, normalize_quaternion, quaternion_multiply, rotate_vectors,
                                        slerp)
 
 # Multiply a value in tesla by this to get the named unit (the one table of field units).
@@ -85,6 +91,8 @@ SAMPLE_REJECTION_REASONS = tuple(r for r in REJECTION_REASONS if r not in POSE_R
 REANCHOR_AFTER = 20
 # A teleport must exceed sync.max_speed * dt by this much [m]: localisation noise between close poses is no jump.
 TELEPORT_SLACK_M = 0.05
+# Samples queued before they are decided in one vectorised batch (see "Cost" above).
+DECIDE_CHUNK = 256
 
 
 class SyncError(ValueError):
@@ -232,8 +240,8 @@ class MeasurementSync:
             self._q_sensor = normalize_quaternion(self.config.sensor_rotation)
         except ValueError as err:
             raise SyncError(f"sync.sensor_rotation: {err}") from err
-        self.rejected: dict[str, int] = {reason: 0 for reason in REJECTION_REASONS}
-        self.accepted = 0
+        self._rejected: dict[str, int] = {reason: 0 for reason in REJECTION_REASONS}
+        self._accepted = 0
         self.poses_accepted = 0
         self.teleports = 0   # accepted poses that jumped (events, not rejections)
         self.reanchors = 0   # times a stream's stamps were taken as a new time base
@@ -241,6 +249,8 @@ class MeasurementSync:
 
     def reset(self) -> None:
         """Forget poses and samples (the counters are kept; see ``reset_counters``)."""
+        if hasattr(self, "_waiting"):
+            self._decide_waiting()  # the counters include what was decidable before the reset
         self._poses = _PoseBuffer()
         self._waiting: deque[tuple[float, np.ndarray]] = deque()  # (stamp, field in tesla), stamp order
         self._ready: list[Measurements] = []
@@ -252,20 +262,43 @@ class MeasurementSync:
         self._stale: dict[str, tuple[int, float]] = {"field": (0, -math.inf), "pose": (0, -math.inf)}
 
     def reset_counters(self) -> None:
-        self.rejected = {reason: 0 for reason in REJECTION_REASONS}
-        self.accepted = 0
+        self._decide_waiting()
+        self._rejected = {reason: 0 for reason in REJECTION_REASONS}
+        self._accepted = 0
         self.poses_accepted = 0
         self.teleports = 0
         self.reanchors = 0
 
     @property
+    def rejected(self) -> dict[str, int]:
+        """Unused inputs by reason (:data:`REJECTION_REASONS`)."""
+        self._decide_waiting()
+        return self._rejected
+
+    @rejected.setter
+    def rejected(self, counts: dict[str, int]) -> None:
+        self._rejected = counts
+
+    @property
+    def accepted(self) -> int:
+        """Field samples matched with a pose (returned by ``pop_ready`` or still ready)."""
+        self._decide_waiting()
+        return self._accepted
+
+    @accepted.setter
+    def accepted(self, count: int) -> None:
+        self._accepted = count
+
+    @property
     def num_waiting(self) -> int:
         """Samples waiting for a pose that follows them."""
+        self._decide_waiting()
         return len(self._waiting)
 
     @property
     def num_ready(self) -> int:
         """Accepted samples not yet returned by ``pop_ready``."""
+        self._decide_waiting()
         return self._ready_count
 
     @property
@@ -274,7 +307,7 @@ class MeasurementSync:
         return max(self._last_field_stamp, self._last_pose_stamp)
 
     def _reject(self, reason: str, count: int = 1) -> None:
-        self.rejected[reason] += count
+        self._rejected[reason] += count
 
     def _stamp_refusal(self, stream: str, stamp: float, receive_time: float | None) -> str | None:
         """Why ``stamp`` of ``stream`` ('field' or 'pose') is refused, or None. Re-anchors a stream whose
@@ -308,6 +341,7 @@ class MeasurementSync:
 
     def _reanchor(self) -> None:
         """Take a new time base: forget poses, waiting samples (counted) and the stamp references."""
+        self._decide_waiting()  # samples the old poses bracket are decided under them
         self._reject("stamp_reanchor", len(self._waiting))
         self._waiting.clear()
         self._poses = _PoseBuffer()
@@ -327,11 +361,14 @@ class MeasurementSync:
                             f"{q.shape}")
         stamp = float(stamp)
         reason = None
-        if not (np.all(np.isfinite(p)) and np.all(np.isfinite(q))):
+        # Scalar checks in plain floats: numpy's per-call overhead on 3- and 4-vectors dominates at sensor rates.
+        values = p.tolist() + q.tolist()
+        if not all(map(math.isfinite, values)):
             reason = "pose_nonfinite" if math.isfinite(stamp) else "pose_stamp_nonfinite"
-        elif not quaternion_norm_ok(q) or abs(float(np.linalg.norm(q)) - 1.0) > self.config.quaternion_tolerance:
+        elif not (math.hypot(*values[3:]) > MIN_QUATERNION_NORM
+                  and abs(math.hypot(*values[3:]) - 1.0) <= self.config.quaternion_tolerance):
             reason = "pose_bad_quaternion" if math.isfinite(stamp) else "pose_stamp_nonfinite"
-        elif float(np.linalg.norm(p)) > self.config.max_position:
+        elif math.hypot(*values[:3]) > self.config.max_position:
             reason = "pose_out_of_range" if math.isfinite(stamp) else "pose_stamp_nonfinite"
         else:
             # Only a pose with usable values may take part in re-anchoring the stream's time base.
@@ -342,15 +379,16 @@ class MeasurementSync:
         jump = False
         if self.config.max_speed > 0 and len(self._poses):
             dt = stamp - self._poses.newest
-            distance = float(np.linalg.norm(p - self._poses.newest_position))
+            distance = math.dist(values[:3], self._poses.newest_position.tolist())
             jump = distance > self.config.max_speed * dt + TELEPORT_SLACK_M
             self.teleports += int(jump)
         self._last_pose_stamp = stamp
         self._poses.append(stamp, p, normalize_quaternion(q), jump)
         self.poses_accepted += 1
-        # Samples now bracketed are decided before the buffer trim can drop their left neighbour.
-        self._decide_waiting()
-        self._poses.trim_before(stamp - self.config.pose_buffer_seconds)
+        cutoff = stamp - self.config.pose_buffer_seconds
+        if self._waiting and self._waiting[0][0] < cutoff:
+            self._decide_waiting()  # before the trim drops a queued sample's left neighbour
+        self._poses.trim_before(cutoff)
         return True
 
     def add_field(self, stamp: float, field_tesla, frame_id: str = "", receive_time: float | None = None) -> None:
@@ -363,7 +401,8 @@ class MeasurementSync:
         if b.shape != (3,):
             raise SyncError(f"a magnetic field sample must have shape (3,), got {b.shape}")
         stamp = float(stamp)
-        magnitude = float(np.linalg.norm(b)) if np.all(np.isfinite(b)) else math.nan
+        components = b.tolist()
+        magnitude = math.hypot(*components) if all(map(math.isfinite, components)) else math.nan
         reason = None
         if not math.isfinite(stamp):
             reason = "field_stamp_nonfinite"
@@ -386,11 +425,14 @@ class MeasurementSync:
         self._waiting.append((stamp, b))
         # A pose stream that stopped long ago (in field time) will not bracket the oldest samples any more.
         limit = stamp - self.config.pose_buffer_seconds
-        while self._waiting and self._waiting[0][0] < limit and (
-                len(self._poses) == 0 or self._waiting[0][0] > self._poses.newest):
-            self._waiting.popleft()
-            self._reject("pose_timeout")
-        self._decide_waiting()
+        if self._waiting[0][0] < limit:
+            self._decide_waiting()  # what is left at the front has no pose after it
+            while self._waiting and self._waiting[0][0] < limit and (
+                    len(self._poses) == 0 or self._waiting[0][0] > self._poses.newest):
+                self._waiting.popleft()
+                self._reject("pose_timeout")
+        if len(self._waiting) >= DECIDE_CHUNK:
+            self._decide_waiting()
         self._enforce_bound()
 
     def _decide_waiting(self) -> None:
@@ -423,9 +465,12 @@ class MeasurementSync:
             y = rotate_vectors(quaternion_multiply(quat, self._q_sensor), b) * self._scale
         self._ready.append(Measurements(sensor_pos[:, :self.input_dims].copy(), y, t, sensor_pos))
         self._ready_count += t.shape[0]
-        self.accepted += t.shape[0]
+        self._accepted += t.shape[0]
 
     def _enforce_bound(self) -> None:
+        if len(self._waiting) + self._ready_count <= self.max_pending:
+            return
+        self._decide_waiting()  # refused samples do not count against the bound
         excess = len(self._waiting) + self._ready_count - self.max_pending
         if excess <= 0:
             return
@@ -437,7 +482,7 @@ class MeasurementSync:
             if len(self._ready[0]) == 0:
                 self._ready.pop(0)
             self._ready_count -= k
-            self.accepted -= k
+            self._accepted -= k
             self._reject("sync_overflow", k)
             excess -= k
         while excess > 0 and self._waiting:
@@ -448,6 +493,7 @@ class MeasurementSync:
     def export_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The buffers (poses, samples waiting for a pose) as arrays, and the stamp references as plain values,
         for a checkpoint. Samples accepted and not yet popped are the caller's to save (pop them first)."""
+        self._decide_waiting()
         st = self._poses
         waiting_t = np.array([t for t, _ in self._waiting], dtype=np.float64)
         waiting_b = np.array([b for _, b in self._waiting], dtype=np.float64).reshape(-1, 3)
@@ -479,6 +525,7 @@ class MeasurementSync:
 
     def pop_ready(self) -> Measurements:
         """Every accepted sample not returned before, oldest first (possibly empty)."""
+        self._decide_waiting()
         if not self._ready:
             return Measurements.empty(self.input_dims, self.output_dims)
         out = Measurements.concatenate(self._ready)
@@ -487,19 +534,21 @@ class MeasurementSync:
 
     def finish(self) -> None:
         """End of stream: samples still waiting for a following pose can never be matched; count them."""
+        self._decide_waiting()
         self._reject("no_pose_after", len(self._waiting))
         self._waiting.clear()
 
     def counters(self) -> dict[str, int | dict[str, int]]:
         """Plain numbers: accepted samples, poses, samples waiting/ready, rejections by reason and totals."""
+        self._decide_waiting()
         return {
-            "accepted": self.accepted,
-            "samples_rejected": sum(self.rejected[r] for r in SAMPLE_REJECTION_REASONS),
+            "accepted": self._accepted,
+            "samples_rejected": sum(self._rejected[r] for r in SAMPLE_REJECTION_REASONS),
             "poses_accepted": self.poses_accepted,
-            "poses_rejected": sum(self.rejected[r] for r in POSE_REJECTION_REASONS),
+            "poses_rejected": sum(self._rejected[r] for r in POSE_REJECTION_REASONS),
             "waiting": self.num_waiting,
             "ready": self.num_ready,
             "teleports": self.teleports,
             "reanchors": self.reanchors,
-            "rejected": dict(self.rejected),
+            "rejected": dict(self._rejected),
         }

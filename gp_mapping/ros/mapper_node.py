@@ -103,6 +103,7 @@ from std_srvs.srv import Trigger
 
 from gp_mapping.config import (ROS_RESERVED_KEYS, ConfigError, MapperConfig, describe_allowed, config_from_dict,
                                field_specs, to_flat_parameters, validate_value)
+from gp_mapping.gp import warm_up as warm_up_engines
 from gp_mapping.mapping.mapper import Mapper
 from gp_mapping.ros import conversions
 
@@ -219,6 +220,8 @@ class MapperNode(Node):
                                                "transport_lost_mag": 0, "transport_lost_pose": 0}
         self._latency = {"last": math.nan, "max": 0.0, "sum": 0.0, "count": 0}
         self._publish_seconds = math.nan
+        self._publish_due = False  # the publish timer ticked since the last map
+        self._updating = False  # the update thread is feeding the mapper or updating the model
         self._logged_counts: dict[str, int] = {}  # refusal counts at the last log line about them
         self._checkpoint = {"written": 0, "failed": 0, "seconds": math.nan, "error": ""}
         self._last_error = ""
@@ -474,12 +477,19 @@ class MapperNode(Node):
                 except Exception as err:  # the caller (a service) gets the error; the thread goes on
                     future.set_exception(err)
             with self._lock:
+                self._updating = True
                 try:
-                    self._feed_inbox()
-                except Exception as err:  # the thread must survive whatever one message does
-                    self._report(f"feeding the mapper failed: {type(err).__name__}: {err}")
-                self._updates_waiting = self._run_updates(max_updates=1) > 0
-                self._mapper_diagnostics = self.mapper.diagnostics()
+                    try:
+                        self._feed_inbox()
+                    except Exception as err:  # the thread must survive whatever one message does
+                        self._report(f"feeding the mapper failed: {type(err).__name__}: {err}")
+                    self._updates_waiting = self._run_updates(max_updates=1) > 0
+                    self._mapper_diagnostics = self.mapper.diagnostics()
+                finally:
+                    self._updating = False
+            # A timer tick that came during the update is served right after it: a job queued by the tick
+            # would wait for the next update, seconds when updates are slow (a flood, a small CPU).
+            self._publish_if_due()
 
     def _set_config(self, section: str, key: str, value: Any) -> None:
         with self._lock:
@@ -501,12 +511,21 @@ class MapperNode(Node):
         return self.get_clock().now().to_msg()
 
     def _on_publish_timer(self) -> None:
+        # At most one map per tick (node clock, so sim time too). A tick during an update is served right after
+        # it (the map is dirty by then); otherwise a dirty map goes out through a job at once.
+        if self._dirty or self._updating:
+            self._publish_due = True
         if self._dirty:
-            self._submit("publish", self.publish_map)
+            self._submit("publish", self._publish_if_due)
+
+    def _publish_if_due(self) -> None:
+        if self._publish_due and self._dirty:
+            self.publish_map()
 
     def publish_map(self) -> None:
         """Predict the grid and publish it (on the update thread; tests call it directly)."""
         start = time.perf_counter()
+        self._publish_due = False
         with self._lock:
             self._dirty = False
             try:
@@ -693,6 +712,7 @@ class MapperNode(Node):
             self._jobs.clear()
         if self.config.node.checkpoint_interval_s > 0:
             with self._lock:
+                self._updating = True
                 try:
                     self._feed_inbox()  # what was received is kept (no update runs: batches stay as cut)
                 except Exception as err:
@@ -743,6 +763,9 @@ def spin(argv: list[str]) -> int:
     except Exception as err:  # rcl refuses malformed --ros-args or an unparsable params file
         print(f"gp_mapping mapper: cannot start ROS: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    # Before the node exists (so before any message or /clock arrives): the first update must not stall on
+    # the imports torch makes on first use.
+    warm_up_engines()
     try:
         try:
             node = MapperNode()
