@@ -712,7 +712,6 @@ class MapperNode(Node):
             self._jobs.clear()
         if self.config.node.checkpoint_interval_s > 0:
             with self._lock:
-                self._updating = True
                 try:
                     self._feed_inbox()  # what was received is kept (no update runs: batches stay as cut)
                 except Exception as err:
