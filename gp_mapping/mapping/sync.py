@@ -365,8 +365,8 @@ class MeasurementSync:
         values = p.tolist() + q.tolist()
         if not all(map(math.isfinite, values)):
             reason = "pose_nonfinite" if math.isfinite(stamp) else "pose_stamp_nonfinite"
-        elif not (math.hypot(*values[3:]) > MIN_QUATERNION_NORM
-                  and abs(math.hypot(*values[3:]) - 1.0) <= self.config.quaternion_tolerance):
+        elif not (MIN_QUATERNION_NORM < (q_norm := math.hypot(*values[3:]))
+                  and abs(q_norm - 1.0) <= self.config.quaternion_tolerance):
             reason = "pose_bad_quaternion" if math.isfinite(stamp) else "pose_stamp_nonfinite"
         elif math.hypot(*values[:3]) > self.config.max_position:
             reason = "pose_out_of_range" if math.isfinite(stamp) else "pose_stamp_nonfinite"
@@ -546,8 +546,8 @@ class MeasurementSync:
             "samples_rejected": sum(self._rejected[r] for r in SAMPLE_REJECTION_REASONS),
             "poses_accepted": self.poses_accepted,
             "poses_rejected": sum(self._rejected[r] for r in POSE_REJECTION_REASONS),
-            "waiting": self.num_waiting,
-            "ready": self.num_ready,
+            "waiting": len(self._waiting),
+            "ready": self._ready_count,
             "teleports": self.teleports,
             "reanchors": self.reanchors,
             "rejected": dict(self._rejected),
