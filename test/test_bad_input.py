@@ -265,6 +265,60 @@ def _wait_idle(node, timeout: float = 60.0) -> None:
     raise AssertionError("the node's update thread did not catch up")
 
 
+def test_publish_ticks_give_at_most_one_map_each_and_a_tick_during_an_update_is_served_after_it(node_factory):
+    """Maps follow the publish timer (node clock, so sim time too): updates alone publish nothing, a tick on an idle
+    node with nothing new publishes nothing later, and a tick that comes while the update thread is busy is
+    served as soon as that update has made the map dirty, not one update later."""
+    from geometry_msgs.msg import PoseStamped
+    from sensor_msgs.msg import MagneticField
+
+    from gp_mapping.ros.conversions import seconds_to_stamp
+
+    node = node_factory(**{"batching.size": 20, "model.num_inducing": 16, "model.hyper_steps": 2,
+                           "model.device": "cpu", "grid.resolution": 0.5})
+    sent = 0
+
+    def feed(n: int) -> None:  # n clean samples along a line, then wait for their update
+        nonlocal sent
+        for _ in range(n):
+            t = 100.0 + 0.1 * sent
+            pose = PoseStamped()
+            pose.header.stamp, pose.header.frame_id = seconds_to_stamp(t), "map"
+            pose.pose.position.x, pose.pose.orientation.w = 0.1 * sent, 1.0
+            mag = MagneticField()
+            mag.header.stamp, mag.header.frame_id = seconds_to_stamp(t), "magnetometer"
+            mag.magnetic_field.x = 50e-6 + 1e-7 * sent
+            node.on_pose(pose)
+            node.on_mag(mag)
+            sent += 1
+        _wait_idle(node)
+
+    def maps_reach(count: int) -> bool:
+        deadline = time.monotonic() + 10.0
+        while node._counts["maps_published"] < count and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return node._counts["maps_published"] == count
+
+    feed(41)  # two updates, the last sample waits for the next pose; the timers never run (no executor)
+    time.sleep(0.3)
+    assert node._counts["updates"] == 2 and node._counts["maps_published"] == 0
+    node._on_publish_timer()  # a tick with a dirty map: published at once
+    assert maps_reach(1)
+    node._on_publish_timer()  # a tick on an idle node with nothing new: no map, now or after the next update
+    feed(20)
+    time.sleep(0.3)
+    assert node._counts["updates"] == 3 and node._counts["maps_published"] == 1
+    node._on_publish_timer()  # the third update's map
+    assert maps_reach(2)
+    node._updating = True  # as the update thread sets it while it feeds and updates
+    node._on_publish_timer()  # the map is clean at this tick: it arms the publish for the update's end
+    node._updating = False
+    time.sleep(0.3)
+    assert node._counts["maps_published"] == 2
+    feed(20)
+    assert maps_reach(3) and node._counts["updates"] == 4
+
+
 def test_node_callbacks_refuse_empty_and_bad_messages_and_keep_publishing(node_factory):
     from geometry_msgs.msg import PoseStamped
     from sensor_msgs.msg import MagneticField
