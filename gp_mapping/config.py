@@ -18,15 +18,18 @@ import yaml
 
 #: model.mixing_learning choices (the continual_mogp engine reads them from here).
 MIXING_LEARNING_CHOICES = ("first", "always", "never")
+#: Longest frame_id accepted (in sync.field_frame and in a reading's header).
+FRAME_ID_MAX_LENGTH = 256
 
 
 class ConfigError(ValueError):
     """A configuration key is unknown or its value is outside what is allowed."""
 
 
-def _opt(default, *, doc: str, low=None, high=None, low_open=False, choices=None, length=None):
-    """A dataclass field with its validation rule and its one-line documentation."""
-    meta = {"doc": doc, "low": low, "high": high, "low_open": low_open, "choices": choices, "length": length}
+def _opt(default, *, doc: str, low=None, high=None, low_open=False, choices=None, length=None, max_length=None):
+    """A dataclass field with its validation rule and its one-line documentation (``max_length``: of a string)."""
+    meta = {"doc": doc, "low": low, "high": high, "low_open": low_open, "choices": choices, "length": length,
+            "max_length": max_length}
     if isinstance(default, list):
         return field(default_factory=lambda d=tuple(default): list(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -107,6 +110,9 @@ class SyncConfig:
     target: str = _opt("magnitude", doc="what is mapped: |B| or the map-frame vector",
                        choices=("magnitude", "vector"))
     input_dims: int = _opt(2, doc="map inputs: 2 (x, y) or 3 (x, y, z)", low=2, high=3)
+    field_frame: str = _opt("", doc="the magnetometer's frame_id: readings in another frame are refused. Empty: "
+                            "learn it (the first frame seen is held; another frame that sends 20 readings in a "
+                            "row while the held one is silent takes over)", max_length=FRAME_ID_MAX_LENGTH)
     field_unit: str = _opt("microtesla", doc="unit of the field inside the mapper and in its outputs",
                            choices=("tesla", "millitesla", "microtesla", "nanotesla", "gauss"))
     # Bad-input guards (README "Bad input and reliability"): each refusal is counted under a named reason.
@@ -192,6 +198,8 @@ def describe_allowed(meta: Mapping[str, Any], ftype: str) -> str:
         return "one of " + ", ".join(repr(c) for c in meta["choices"])
     if meta.get("length"):
         return f"a list of {meta['length']} finite numbers"
+    if meta.get("max_length"):
+        return f"a string of at most {meta['max_length']} characters"
     low, high = meta.get("low"), meta.get("high")
     if low is not None or high is not None:
         left = "(" if meta.get("low_open") else "["
@@ -216,6 +224,8 @@ def validate_value(key: str, value: Any, f: dataclasses.Field) -> Any:
             raise refuse(f"{value!r} is not a string")
         if meta.get("choices") and value not in meta["choices"]:
             raise refuse(f"{value!r} is not allowed")
+        if meta.get("max_length") and len(value) > meta["max_length"]:
+            raise refuse(f"a string of {len(value)} characters is too long")
         return value
     if ftype == "list":
         if not isinstance(value, (list, tuple)) or len(value) != meta["length"]:

@@ -88,3 +88,100 @@ def test_a_good_state_file_still_loads(tmp_path):
     mapper.save(path)
     loaded = Mapper.load(path)
     assert loaded.diagnostics()["num_seen"] == mapper.diagnostics()["num_seen"] == 60
+
+
+# ------------------------------------------------------------------------------------ magnetometer frame
+
+
+def feed_line(mapper, t0, n, frame="mag", dt=0.1, receive_offset=None, x0=None):
+    """``n`` poses and readings (same stamps) along x at 1 m/s from ``t0``; ``receive_offset``: receive time =
+    stamp + offset (None: no receive time)."""
+    for k in range(n):
+        t = round(t0 + dt * k, 6)
+        recv = None if receive_offset is None else t + receive_offset
+        x = (t if x0 is None else x0 + dt * k)
+        mapper.add_pose(t, [x, 0.0, 0.0], Q, receive_time=recv)
+        mapper.add_magnetic_field(t, [(50 + math.sin(x)) * 1e-6, 0.0, 0.0], frame, receive_time=recv)
+    mapper.process()
+
+
+def test_a_stray_frame_then_the_real_sensor_maps():
+    from gp_mapping.mapping.sync import FRAME_RELATCH_AFTER
+
+    mapper = Mapper(small_config())
+    mapper.add_magnetic_field(0.0, B, "x" * 1_000_000)  # a 1 MB frame_id: refused, never latched
+    mapper.add_magnetic_field(0.05, B, "bogus")         # one stray reading before the real sensor
+    assert mapper.diagnostics()["field_frame"] == "bogus"
+    feed_line(mapper, 0.1, 200)
+    d = mapper.diagnostics()
+    assert d["rejected"]["field_frame_invalid"] == 1
+    assert d["rejected"]["field_frame_mismatch"] == FRAME_RELATCH_AFTER - 1
+    assert d["field_frame"] == "mag" and d["field_frame_relatches"] == 1
+    assert d["updates"] >= 8 and mapper.grid() is not None
+
+
+def test_two_frames_taking_turns_never_relatch_and_a_configured_frame_is_never_learned():
+    mapper = Mapper(small_config())
+    for k in range(100):  # the held frame keeps talking: the other one is refused every time
+        t = 0.1 * k
+        mapper.add_pose(t, [t, 0.0, 0.0], Q)
+        mapper.add_magnetic_field(t, B, "mag")
+        mapper.add_magnetic_field(t + 0.01, B, "imu")
+    d = mapper.diagnostics()
+    assert d["field_frame"] == "mag" and d["field_frame_relatches"] == 0
+    assert d["rejected"]["field_frame_mismatch"] == 100
+    fixed = Mapper(small_config(sync={"field_frame": "mag"}))
+    assert fixed.diagnostics()["field_frame"] == "mag"
+    for k in range(100):
+        fixed.add_magnetic_field(0.1 * k, B, "bogus")
+    feed_line(fixed, 10.0, 50)
+    d = fixed.diagnostics()
+    assert d["rejected"]["field_frame_mismatch"] == 100 and d["field_frame"] == "mag" and d["accepted"] == 50
+
+
+def test_frame_id_length_is_bounded_in_the_config():
+    with pytest.raises(ConfigError, match="sync.field_frame"):
+        small_config(sync={"field_frame": "f" * 1000})
+
+
+def test_a_restart_keeps_the_held_frame_and_still_relatches(tmp_path):
+    from gp_mapping.mapping.sync import FRAME_RELATCH_AFTER
+
+    mapper = Mapper(small_config())
+    mapper.add_magnetic_field(0.0, B, "bogus")
+    path = tmp_path / "cp.safetensors"
+    mapper.checkpoint(path)
+    resumed = Mapper.load(path)
+    assert resumed.diagnostics()["field_frame"] == "bogus"
+    feed_line(resumed, 1.0, 100)
+    d = resumed.diagnostics()
+    assert d["field_frame"] == "mag" and d["rejected"]["field_frame_mismatch"] == FRAME_RELATCH_AFTER - 1
+    # A configured frame wins over the one saved in the file.
+    configured = Mapper.load(path, config=small_config(sync={"field_frame": "mag"}))
+    assert configured.diagnostics()["field_frame"] == "mag"
+
+
+# ----------------------------------------------------------------------------------------------- pauses
+
+
+def test_a_61_s_pause_loses_no_data_and_is_counted():
+    mapper = Mapper(small_config())
+    feed_line(mapper, 100.0, 100, receive_offset=0.02, x0=0.0)
+    feed_line(mapper, 100.0 + 9.9 + 61.0, 100, receive_offset=0.02, x0=10.0)  # stamps and receive times jump
+    mapper.flush()
+    d = mapper.diagnostics()
+    assert d["pauses"] == 1 and d["reanchors"] == 0
+    assert d["rejected_total"] == 0 and d["accepted"] == 200 and d["num_seen"] == 200
+
+
+def test_a_stamp_that_jumps_alone_is_still_refused():
+    mapper = Mapper(small_config())
+    feed_line(mapper, 100.0, 50, receive_offset=0.02, x0=0.0)
+    mapper.add_magnetic_field(100.0 + 4.9 + 61.0, B, "mag", receive_time=100.0 + 5.0)  # the receive time did not
+    mapper.add_pose(100.0 + 4.95 + 61.0, [5.0, 0.0, 0.0], Q, receive_time=100.0 + 5.0)
+    feed_line(mapper, 105.0, 50, receive_offset=0.02, x0=5.0)
+    mapper.flush()
+    d = mapper.diagnostics()
+    assert d["pauses"] == 0
+    assert d["rejected"]["field_stamp_jump"] == 1 and d["rejected"]["pose_stamp_jump"] == 1
+    assert d["num_seen"] == 100

@@ -223,6 +223,7 @@ class MapperNode(Node):
         self._publish_due = False  # the publish timer ticked since the last map
         self._updating = False  # the update thread is feeding the mapper or updating the model
         self._logged_counts: dict[str, int] = {}  # refusal counts at the last log line about them
+        self._logged_field_frame = ""
         self._checkpoint = {"written": 0, "failed": 0, "seconds": math.nan, "error": ""}
         self._last_error = ""
         self._last_grid = None  # the last published MapGrid (geometry for the cleared map after a reset)
@@ -594,7 +595,7 @@ class MapperNode(Node):
     def _log_refusals(self, values: dict[str, Any]) -> None:
         """One throttled warning naming every refusal / drop / failure counter that grew since the last one."""
         keys = [k for k in values if k.startswith(("rejected/", "node/rejected/"))]
-        keys += ["dropped_overflow", "failed_updates", "reanchors", "teleports"]
+        keys += ["dropped_overflow", "failed_updates", "reanchors", "teleports", "pauses", "field_frame_relatches"]
         grown = {k: int(values[k]) - self._logged_counts.get(k, 0) for k in keys if k in values}
         grown = {k: v for k, v in grown.items() if v > 0}
         if not grown:
@@ -606,6 +607,16 @@ class MapperNode(Node):
                                            throttle_duration_sec=LOG_THROTTLE_S)
         if logged:  # rclpy returns whether the line was emitted; counts stay until one is
             self._logged_counts.update({k: int(values[k]) for k in keys if k in values})
+
+    def _log_field_frame(self, frame: str) -> None:
+        """Log the magnetometer frame the mapper holds whenever it changes (learned, re-latched, reset)."""
+        if frame == self._logged_field_frame:
+            return
+        self._logged_field_frame = frame
+        if frame:
+            how = "configured" if self.config.sync.field_frame else "learned; sync.field_frame fixes it"
+            self.get_logger().info(f"magnetometer frame '{frame}' held ({how}): readings in another frame are "
+                                   "refused as field_frame_mismatch")
 
     def _publish_diagnostics(self) -> None:
         mapper_diag = self._mapper_diagnostics  # as of the update thread's last step: never waits for an update
@@ -627,6 +638,7 @@ class MapperNode(Node):
             values["node/checkpoints_failed"] = self._checkpoint["failed"]
             values["node/checkpoint_seconds_last"] = self._checkpoint["seconds"]
         self._log_refusals(values)
+        self._log_field_frame(str(mapper_diag.get("field_frame", "")))
         status = DiagnosticStatus(name=f"{self.get_name()}: gp_mapping", hardware_id="gp_mapping")
         if self._last_error:
             status.level, status.message = DiagnosticStatus.ERROR, self._last_error
