@@ -185,3 +185,105 @@ def test_a_stamp_that_jumps_alone_is_still_refused():
     assert d["pauses"] == 0
     assert d["rejected"]["field_stamp_jump"] == 1 and d["rejected"]["pose_stamp_jump"] == 1
     assert d["num_seen"] == 100
+
+
+# ------------------------------------------------------------------------------------- node, small items
+
+from test_bad_input import _wait_idle, node_factory  # noqa: E402,F401  (the in-process node fixture)
+
+
+def _feed_node(node, n, t0=100.0):
+    from geometry_msgs.msg import PoseStamped
+    from sensor_msgs.msg import MagneticField
+
+    from gp_mapping.ros.conversions import seconds_to_stamp
+
+    for k in range(n):
+        t = t0 + 0.1 * k
+        pose = PoseStamped()
+        pose.header.stamp, pose.header.frame_id = seconds_to_stamp(t), "map"
+        pose.pose.position.x, pose.pose.orientation.w = 0.1 * k, 1.0
+        mag = MagneticField()
+        mag.header.stamp, mag.header.frame_id = seconds_to_stamp(t), "magnetometer"
+        mag.magnetic_field.x = 50e-6 + 1e-7 * k
+        node.on_pose(pose)
+        node.on_mag(mag)
+
+
+NODE_PARAMS = {"batching.size": 20, "model.num_inducing": 16, "model.hyper_steps": 2, "model.device": "cpu",
+               "grid.resolution": 0.5}
+
+
+def test_publish_period_has_a_lower_bound_at_start_and_live(node_factory):
+    from rclpy.parameter import Parameter
+
+    from gp_mapping.ros.mapper_node import NodeStartError
+
+    with pytest.raises(ConfigError, match="node.publish_period"):
+        config_from_dict({"node": {"publish_period": 1e-9}})
+    with pytest.raises(NodeStartError, match="node.publish_period"):
+        node_factory(**{"node.publish_period": 1e-9})
+    node = node_factory(**NODE_PARAMS)
+    result = node.set_parameters([Parameter("node.publish_period", value=1e-9)])[0]
+    assert not result.successful and "publish_period" in result.reason
+    assert node.get_parameter("node.publish_period").value == 1.0
+
+
+def test_an_integer_for_a_float_parameter_is_accepted_on_a_live_change(node_factory):
+    from rclpy.parameter import Parameter
+
+    node = node_factory(**NODE_PARAMS)
+    result = node.set_parameters([Parameter("grid.unknown_distance", value=3)])[0]
+    assert result.successful, result.reason
+    value = node.get_parameter("grid.unknown_distance").value
+    assert value == 3.0 and isinstance(value, float)
+    deadline = time.monotonic() + 10.0
+    while node.config.grid.unknown_distance != 3.0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert node.config.grid.unknown_distance == 3.0
+    result = node.set_parameters([Parameter("grid.tile_size", value=2.0)])[0]  # a whole float for an integer
+    assert result.successful and node.get_parameter("grid.tile_size").value == 2
+    result = node.set_parameters([Parameter("grid.tile_size", value=2.5)])[0]
+    assert not result.successful
+
+
+def test_a_shutdown_during_a_publication_stops_the_update_thread_cleanly(monkeypatch):
+    """SIGTERM shuts the context down while the update thread predicts a map: the publication that follows
+    must not raise out of the thread (it printed an RCLError traceback)."""
+    import threading
+
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.parameter import Parameter
+
+    from gp_mapping.ros.mapper_node import MapperNode
+
+    uncaught = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: uncaught.append(args.exc_value))
+    context = Context()
+    rclpy.init(context=context)
+    node = MapperNode(context=context, parameter_overrides=[Parameter(k, value=v) for k, v in NODE_PARAMS.items()])
+    try:
+        _feed_node(node, 41)
+        _wait_idle(node)
+        real_grid = node.mapper.grid
+
+        def slow_grid():
+            grid = real_grid()
+            context.shutdown()  # what rclpy's SIGTERM handler does while the prediction runs
+            return grid
+
+        monkeypatch.setattr(node.mapper, "grid", slow_grid)
+        node._publish_due = node._dirty = True
+        _feed_node(node, 1, t0=200.0)  # wakes the update thread, which publishes after its step
+        deadline = time.monotonic() + 20.0
+        while context.ok() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        assert not context.ok()
+        assert node._worker.is_alive() and not uncaught, uncaught
+    finally:
+        node.close()
+        context.try_shutdown()
+    assert not uncaught, uncaught
+    assert not node._worker.is_alive()

@@ -250,6 +250,7 @@ class MapperNode(Node):
         self.create_timer(DIAGNOSTICS_PERIOD, self._publish_diagnostics)
         if self.config.node.checkpoint_interval_s > 0:
             self.create_timer(self.config.node.checkpoint_interval_s, self._on_checkpoint_timer)
+        self.add_pre_set_parameters_callback(self._coerce_parameter_types)
         self.add_on_set_parameters_callback(self._validate_parameter_change)
         self.add_post_set_parameters_callback(self._apply_parameter_change)
 
@@ -324,6 +325,27 @@ class MapperNode(Node):
             return Mapper(self.config)
         except Exception as err:
             raise NodeStartError(f"cannot build the mapper from the parameters: {err}") from err
+
+    def _coerce_parameter_types(self, params: list) -> list:
+        """Before ROS checks the types of a live change: an integer for a float parameter (``3`` for 3.0) becomes
+        that float, and a whole float for an integer parameter that integer, as at start (the config
+        validation converts them there); anything else is left for the validation to refuse by name."""
+        from rclpy.parameter import Parameter
+
+        out = []
+        for param in params:
+            spec = self._specs.get(param.name) if hasattr(self, "_specs") else None
+            ftype = None if spec is None else (spec.type if isinstance(spec.type, str) else spec.type.__name__)
+            value = param.value
+            if ftype == "float" and param.type_ == Parameter.Type.INTEGER:
+                param = Parameter(param.name, Parameter.Type.DOUBLE, float(value))
+            elif ftype == "int" and param.type_ == Parameter.Type.DOUBLE and math.isfinite(value) \
+                    and float(value).is_integer():
+                param = Parameter(param.name, Parameter.Type.INTEGER, int(value))
+            elif ftype == "list" and param.type_ == Parameter.Type.INTEGER_ARRAY:
+                param = Parameter(param.name, Parameter.Type.DOUBLE_ARRAY, [float(v) for v in value])
+            out.append(param)
+        return out
 
     def _validate_parameter_change(self, params: list) -> SetParametersResult:
         for param in params:
@@ -536,7 +558,13 @@ class MapperNode(Node):
                 return
         if grid is None:
             return
-        self._publish_grid(grid)
+        try:
+            self._publish_grid(grid)
+        except Exception as err:
+            if not self.context.ok() or self._stopping:  # shut down (SIGTERM, Ctrl-C) during the prediction
+                return
+            self._report(f"map publication failed: {type(err).__name__}: {err}")
+            return
         self._publish_seconds = time.perf_counter() - start
 
     def _publish_grid(self, grid: Any) -> None:
