@@ -24,9 +24,12 @@ class ConfigError(ValueError):
     """A configuration key is unknown or its value is outside what is allowed."""
 
 
-def _opt(default, *, doc: str, low=None, high=None, low_open=False, choices=None, length=None):
-    """A dataclass field with its validation rule and its one-line documentation."""
-    meta = {"doc": doc, "low": low, "high": high, "low_open": low_open, "choices": choices, "length": length}
+def _opt(default, *, doc: str, low=None, high=None, low_open=False, choices=None, length=None, increasing=False):
+    """A dataclass field with its validation rule and its one-line documentation. ``length``: a list's length,
+    or a tuple of allowed lengths (0 in it: an empty list is allowed, as "automatic"); ``increasing``: a list's
+    entries must strictly increase."""
+    meta = {"doc": doc, "low": low, "high": high, "low_open": low_open, "choices": choices, "length": length,
+            "increasing": increasing}
     if isinstance(default, list):
         return field(default_factory=lambda d=tuple(default): list(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -151,6 +154,11 @@ class GridConfig:
                                    low=0.0, low_open=True, high=1e4)
     tile_size: int = _opt(16384, doc="cells predicted per tile on the device", low=1, high=10_000_000)
     height: float = _opt(0.0, doc="z of the grid cells when input_dims is 3 [m]", low=-1e4, high=1e4)
+    mean_range: list = _opt([], doc="field values [unit] published as 0 and 100 in every mean grid, so a colour "
+                            "means the same value all run (values outside are clipped); empty: each map's own "
+                            "min..max", length=(0, 2), increasing=True)
+    variance_range: list = _opt([], doc="as mean_range for the variance grids [unit squared]", length=(0, 2),
+                                increasing=True)
 
 
 @dataclass
@@ -191,7 +199,10 @@ def describe_allowed(meta: Mapping[str, Any], ftype: str) -> str:
     if meta.get("choices"):
         return "one of " + ", ".join(repr(c) for c in meta["choices"])
     if meta.get("length"):
-        return f"a list of {meta['length']} finite numbers"
+        lengths = meta["length"] if isinstance(meta["length"], tuple) else (meta["length"],)
+        text = " or ".join(f"{n} finite numbers" for n in lengths if n)
+        text = f"a list of {text}" + (", strictly increasing" if meta.get("increasing") else "")
+        return ("an empty list (automatic) or " + text) if 0 in lengths else text
     low, high = meta.get("low"), meta.get("high")
     if low is not None or high is not None:
         left = "(" if meta.get("low_open") else "["
@@ -218,13 +229,18 @@ def validate_value(key: str, value: Any, f: dataclasses.Field) -> Any:
             raise refuse(f"{value!r} is not allowed")
         return value
     if ftype == "list":
-        if not isinstance(value, (list, tuple)) or len(value) != meta["length"]:
-            raise refuse(f"{value!r} is not a list of length {meta['length']}")
+        lengths = meta["length"] if isinstance(meta["length"], tuple) else (meta["length"],)
+        if value is None and 0 in lengths:  # ROS hands an empty array in a parameter file as "not set"
+            value = []
+        if not isinstance(value, (list, tuple)) or len(value) not in lengths:
+            raise refuse(f"{value!r} is not a list of length {' or '.join(map(str, lengths))}")
         out = []
         for v in value:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise refuse(f"{value!r} holds a non-finite or non-numeric entry")
             out.append(float(v))
+        if meta.get("increasing") and any(b <= a for a, b in zip(out, out[1:])):
+            raise refuse(f"{value!r} does not strictly increase")
         return out
     if ftype == "int":
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
