@@ -100,7 +100,10 @@ class NodeConfig:
                           choices=("pose_stamped", "odometry", "pose_with_covariance"))
     publish_period: float = _opt(1.0, doc="seconds between map publications (at most 20 a second: each one "
                                   "predicts the whole window)", low=0.05, high=3600.0)
-    initial_map: str = _opt("", doc="map state file to start from (empty: start empty)")
+    initial_map: str = _opt("", doc="map state file to start from (empty: start empty); ~/load_map loads it "
+                            "while running")
+    map_directory: str = _opt("", doc="where ~/save_map writes <node name>_<UTC time>.safetensors (empty: "
+                              "$ROS_HOME/gp_mapping)")
     queue_depth: int = _opt(50, doc="subscription queue depth (sensor-data QoS)", low=1, high=100_000)
     checkpoint_interval_s: float = _opt(0.0, doc="seconds (node clock) between atomic checkpoints of the whole "
                                         "mapper state; 0: no checkpoints", low=0.0, high=1e6)

@@ -7,6 +7,7 @@ against the simulator's true field. Every process uses this run's ROS_DOMAIN_ID 
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -451,7 +452,9 @@ def test_saved_map_restarts_to_the_same_map(run):
     response = future.result()
     assert response.success, response.message
     saved = Path(response.message)
-    assert saved == (run.home / "gp_mapping" / f"{run.proc.name}_map.safetensors").resolve() and saved.is_file()
+    # <ROS_HOME>/gp_mapping/<node>_<UTC time>.safetensors (node.map_directory empty)
+    assert saved.parent == (run.home / "gp_mapping").resolve() and saved.is_file()
+    assert re.fullmatch(rf"{run.proc.name}_\d{{8}}T\d{{6}}\.\d{{3}}Z\.safetensors", saved.name), saved.name
     # Saving runs the last partial batch (if any samples were pending): wait for that map before comparing.
     run.harness.spin_until(lambda: diagnostic_values(run.view)["pending"] == "0", 15.0, "the flushed batch")
     run.harness.spin_until(lambda: stamp_seconds(run.view.mean[-1]) == float(diagnostic_values(run.view)["last_stamp"])

@@ -39,14 +39,18 @@ A published cell value ``c`` in 0..100 decodes to ``mean = mean_offset + mean_sc
 ``variance = variance_offset + variance_scale * c`` (unit squared), exact within half a step; -1 is unknown.
 ``gp_mapping.ros.conversions.scale_from_msg`` parses it.
 
-Services (std_srvs/Trigger)
+Services (std_srvs/Trigger; a service type taking a file path, as nav2's and slam_toolbox's, needs a generated
+interface package, which cannot be built from this package's wheels: the paths are parameters instead)
     ``~/save_map``   feeds every message received so far, runs the pending updates and the last partial batch
-                     (samples still waiting for a following pose keep waiting), then writes the map state to
-                     ``$ROS_HOME/gp_mapping/<node name>_map.safetensors``
-                     (``ROS_HOME`` defaults to ``~/.ros``); the response message is the absolute path. Start from
-                     it again with the parameter ``node.initial_map``.
+                     (samples still waiting for a following pose keep waiting), then writes the map state to a new
+                     file ``<node.map_directory>/<node name>_<UTC time>.safetensors`` (``node.map_directory``
+                     empty: ``$ROS_HOME/gp_mapping``, ``ROS_HOME`` defaulting to ``~/.ros``); never overwrites. The
+                     response message is the absolute path. Start from it with the parameter ``node.initial_map``.
+    ``~/load_map``   replaces the map by the state file named by ``node.initial_map`` (settable while running),
+                     with the start-up checks: an unreadable or incompatible file is refused with the reason and
+                     the current map stays. Buffered messages are dropped; the loaded map is published at once.
     ``~/reset``      forgets the map and the buffered messages; publishes all-unknown grids of the last geometry.
-    Both run on the update thread between two updates; they are served by a hidden helper node
+    They run on the update thread between two updates; they are served by a hidden helper node
     (``_<node name>_services``) with its own executor thread, so the node keeps taking messages meanwhile.
 
 Checkpoints and resume. With ``node.checkpoint_interval_s`` > 0 a timer (node clock) has the Mapper write its
@@ -114,7 +118,7 @@ VECTOR_LAYERS = ("x", "y", "z", "norm")
 # other one is declared read-only because the model, the sync, the grid lattice or the subscriptions are built
 # from it at start.
 LIVE_PARAMETERS = frozenset({"node.publish_period", "grid.unknown_distance", "grid.tile_size", "grid.margin",
-                             "grid.mean_range", "grid.variance_range"})
+                             "grid.mean_range", "grid.variance_range", "node.initial_map", "node.map_directory"})
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_CONFIG = 0, 1, 2
 LOG_THROTTLE_S = 5.0  # seconds between two log lines about refused input, failed updates or dropped backlog
 MAX_TRACKED_PUBLISHERS = 64  # per input topic, for counting messages lost in transport
@@ -177,10 +181,25 @@ def parameter_descriptor(name: str, spec: dataclasses.Field) -> ParameterDescrip
 
 
 def default_map_path(node_name: str = NODE_NAME, kind: str = "map") -> Path:
-    """Where ``~/save_map`` writes: ``$ROS_HOME/gp_mapping/<node name>_map.safetensors`` (ROS_HOME: ~/.ros);
-    ``kind="checkpoint"``: the default checkpoint file ``<node name>_checkpoint.safetensors`` beside it."""
+    """``$ROS_HOME/gp_mapping/<node name>_<kind>.safetensors`` (ROS_HOME: ~/.ros); ``kind="checkpoint"``: the
+    default checkpoint file."""
     ros_home = os.environ.get("ROS_HOME") or os.path.join(os.path.expanduser("~"), ".ros")
     return Path(ros_home) / "gp_mapping" / f"{node_name}_{kind}.safetensors"
+
+
+def saved_map_path(directory: str, node_name: str, now: float | None = None) -> Path:
+    """Where ``~/save_map`` writes: ``<directory>/<node name>_<UTC time>.safetensors`` (``directory`` empty:
+    ``$ROS_HOME/gp_mapping``); the time has milliseconds, and a name already taken gets a counter, so a save
+    never overwrites an earlier one."""
+    folder = Path(directory).expanduser() if directory else default_map_path(node_name).parent
+    now = time.time() if now is None else now
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
+    path = folder / f"{node_name}_{stamp}.safetensors"
+    counter = 1
+    while path.exists():
+        path = folder / f"{node_name}_{stamp}_{counter}.safetensors"
+        counter += 1
+    return path
 
 
 def _plain(value: Any) -> Any:
@@ -269,6 +288,7 @@ class MapperNode(Node):
         own_name = self.get_fully_qualified_name()
         self._service_node.create_service(Trigger, f"{own_name}/save_map", self.on_save_map)
         self._service_node.create_service(Trigger, f"{own_name}/reset", self.on_reset)
+        self._service_node.create_service(Trigger, f"{own_name}/load_map", self.on_load_map)
         self._service_executor = SingleThreadedExecutor(context=self.context)
         self._service_executor.add_node(self._service_node)
         self._service_thread = threading.Thread(target=self._spin_services, name="gp_mapping_services",
@@ -713,17 +733,40 @@ class MapperNode(Node):
         return response
 
     def on_save_map(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
-        path = default_map_path(self.get_name())
-
         def save() -> str:
             with self._lock:
                 self._feed_inbox()
                 self._run_updates(flush=True)
+                path = saved_map_path(self.config.node.map_directory, self.get_name())
+                path.parent.mkdir(parents=True, exist_ok=True)
                 self.mapper.save(path)
                 self._mapper_diagnostics = self.mapper.diagnostics()
             return str(path.resolve())
 
         return self._call_on_update_thread("save_map", save, response)
+
+    def on_load_map(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        """Replace the map by the state file ``node.initial_map`` (set it first, e.g. with ``ros2 param set``),
+        with the start-up checks: a file that cannot be read, or that was made with an incompatible config,
+        is refused with the reason and the current map stays."""
+        def load() -> str:
+            path = self.config.node.initial_map
+            if not path:
+                raise ValueError("node.initial_map is empty; set it to the state file to load")
+            mapper = Mapper.load(path, config=self.config)  # raises before anything changes
+            with self._lock:
+                with self._inbox_cond:
+                    dropped = len(self._inbox)
+                    self._inbox.clear()
+                self.mapper = mapper
+                self._mapper_diagnostics = self.mapper.diagnostics()
+                self._dirty = True
+                self._publish_due = True  # the loaded map goes out at once
+                self._last_error = ""
+            return (f"loaded {Path(path).resolve()} ({self._mapper_diagnostics.get('num_seen', 0)} samples in the "
+                    f"model; {dropped} buffered messages dropped)")
+
+        return self._call_on_update_thread("load_map", load, response)
 
     def on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         def reset() -> str:
