@@ -591,7 +591,10 @@ class MapBagWriter:
     maps.mcap`` and rosbags' readers take the bare file.
     """
 
-    def __init__(self, path: str | Path, field_unit: str, overwrite: bool = False) -> None:
+    def __init__(self, path: str | Path, field_unit: str, overwrite: bool = False, mean_range=None,
+                 variance_range=None) -> None:
+        """``mean_range`` / ``variance_range``: the config's ``grid.mean_range`` / ``grid.variance_range``
+        (empty or None: each snapshot's own min..max), as the node encodes them."""
         from rosbags.rosbag2 import CompressionFormat, CompressionMode, StoragePlugin, Writer
         from rosbags.typesys import Stores, get_typestore
 
@@ -599,6 +602,7 @@ class MapBagWriter:
         if self.path.exists() and not overwrite:
             raise MapBagError(f"{self.path} exists already; remove it or choose another output directory")
         self.field_unit = field_unit
+        self.mean_range, self.variance_range = mean_range, variance_range
         self.count = 0
         self._tmp = Path(tempfile.mkdtemp(prefix=".maps-", dir=self.path.parent))
         self._ts = get_typestore(getattr(Stores, DEFAULT_ROS2_DISTRO))
@@ -671,7 +675,7 @@ class MapBagWriter:
                 raise MapBagError(f"a snapshot's {name} must be finite and non-negative, got {value!r}")
         log_ns, stamp_ns = int(round(bag_time * 1e9)), int(round(grid.stamp * 1e9))
         try:
-            layout = publication(grid, self.field_unit)
+            layout = publication(grid, self.field_unit, self.mean_range, self.variance_range)
         except PublicationError as err:
             raise MapBagError(f"the map cannot be written: {err}") from err
         topics = map_topics(list(grid.layers), MAP_NAMESPACE)

@@ -17,9 +17,12 @@ from typing import Any, Mapping
 
 import yaml
 
-from gp_mapping.gp.config import (MIXING_LEARNING_CHOICES, ConfigError, ModelConfig, describe_allowed,
+from gp_mapping.gp.config import (MIXING_LEARNING_CHOICES, ConfigError, ModelConfig, describe_allowed,  # noqa: F401
                                   section_from_dict, validate_value)
 from gp_mapping.gp.config import option as _opt
+
+#: Longest frame_id accepted (in sync.field_frame and in a reading's header).
+FRAME_ID_MAX_LENGTH = 256
 
 @dataclass
 class SyncConfig:
@@ -35,6 +38,9 @@ class SyncConfig:
     target: str = _opt("magnitude", doc="what is mapped: |B| or the map-frame vector",
                        choices=("magnitude", "vector"))
     input_dims: int = _opt(2, doc="map inputs: 2 (x, y) or 3 (x, y, z)", low=2, high=3)
+    field_frame: str = _opt("", doc="the magnetometer's frame_id: readings in another frame are refused. Empty: "
+                            "learn it (the first frame seen is held; another frame that sends 20 readings in a "
+                            "row while the held one is silent takes over)", max_length=FRAME_ID_MAX_LENGTH)
     field_unit: str = _opt("microtesla", doc="unit of the field inside the mapper and in its outputs",
                            choices=("tesla", "millitesla", "microtesla", "nanotesla", "gauss"))
     # Bad-input guards (README "Bad input and reliability"): each refusal is counted under a named reason.
@@ -79,6 +85,11 @@ class GridConfig:
                                    low=0.0, low_open=True, high=1e4)
     tile_size: int = _opt(16384, doc="cells predicted per tile on the device", low=1, high=10_000_000)
     height: float = _opt(0.0, doc="z of the grid cells when input_dims is 3 [m]", low=-1e4, high=1e4)
+    mean_range: list = _opt([], doc="field values [unit] published as 0 and 100 in every mean grid, so a colour "
+                            "means the same value all run (values outside are clipped); empty: each map's own "
+                            "min..max", length=(0, 2), increasing=True)
+    variance_range: list = _opt([], doc="as mean_range for the variance grids [unit squared]", length=(0, 2),
+                                increasing=True)
 
 
 @dataclass
@@ -87,8 +98,12 @@ class NodeConfig:
 
     pose_type: str = _opt("pose_stamped", doc="message type on the pose topic",
                           choices=("pose_stamped", "odometry", "pose_with_covariance"))
-    publish_period: float = _opt(1.0, doc="seconds between map publications", low=0.0, low_open=True, high=3600.0)
-    initial_map: str = _opt("", doc="map state file to start from (empty: start empty)")
+    publish_period: float = _opt(1.0, doc="seconds between map publications (at most 20 a second: each one "
+                                  "predicts the whole window)", low=0.05, high=3600.0)
+    initial_map: str = _opt("", doc="map state file to start from (empty: start empty); ~/load_map loads it "
+                            "while running")
+    map_directory: str = _opt("", doc="where ~/save_map writes <node name>_<UTC time>.safetensors (empty: "
+                              "$ROS_HOME/gp_mapping)")
     queue_depth: int = _opt(50, doc="subscription queue depth (sensor-data QoS)", low=1, high=100_000)
     checkpoint_interval_s: float = _opt(0.0, doc="seconds (node clock) between atomic checkpoints of the whole "
                                         "mapper state; 0: no checkpoints", low=0.0, high=1e6)

@@ -140,7 +140,9 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
         writer = None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            writer = bag_io.MapBagWriter(out / MCAP_NAME, config.sync.field_unit, overwrite=True)
+            writer = bag_io.MapBagWriter(out / MCAP_NAME, config.sync.field_unit, overwrite=True,
+                                         mean_range=config.grid.mean_range,
+                                         variance_range=config.grid.variance_range)
         started = time.perf_counter()
         broken: list[bag_io.CorruptBagError] = []
         try:
@@ -254,15 +256,22 @@ def _rejections(diagnostics: dict[str, Any], counts: dict[str, Any]) -> str:
 
 
 def save_map_npz(path: str | Path, result: ReplayResult) -> Path:
-    """Write the final map as plain arrays (loadable with ``allow_pickle=False``).
+    """Write the replay's final map with :func:`write_map_npz`, naming the bag, topic and pose source."""
+    return write_map_npz(path, result.grid, result.mapper.trajectory,
+                         {"bag": str(result.bag_path), "mag_topic": result.mag_topic,
+                          "pose_source": result.pose_source.describe()})
+
+
+def write_map_npz(path: str | Path, grid, trajectory, provenance: dict[str, str] | None = None) -> Path:
+    """Write a map as plain arrays (loadable with ``allow_pickle=False``).
 
     Keys: ``x`` (W,) and ``y`` (H,) cell-centre coordinates [m]; ``origin`` (2,) corner of cell (0, 0);
     ``resolution``; ``known`` (H, W) bool; ``layers`` (names); per layer ``<layer>_mean`` and
     ``<layer>_variance`` (H, W) in ``field_unit`` (variance in unit squared; rows are y, columns x, as the
     OccupancyGrid); ``field_unit``, ``frame_id``, ``stamp`` (newest sample [s]), ``height`` (z of the cells);
-    ``trajectory`` (K, 2) accepted sensor positions; ``bag``, ``mag_topic``, ``pose_source``.
+    ``trajectory`` (K, 2) accepted sensor positions; ``provenance`` strings (the replay: ``bag``,
+    ``mag_topic``, ``pose_source``). :func:`gp_mapping.export.read_map_npz` reads it back.
     """
-    grid = result.grid
     spec = grid.spec
     arrays: dict[str, np.ndarray] = {
         "x": spec.column_centres(), "y": spec.row_centres(),
@@ -270,10 +279,9 @@ def save_map_npz(path: str | Path, result: ReplayResult) -> Path:
         "resolution": np.float64(spec.resolution), "known": np.asarray(grid.known, dtype=bool),
         "layers": np.array(list(grid.layers), dtype=str), "field_unit": np.array(grid.field_unit),
         "frame_id": np.array(grid.frame_id), "stamp": np.float64(grid.stamp), "height": np.float64(grid.height),
-        "trajectory": np.asarray(result.mapper.trajectory, dtype=np.float64).reshape(-1, 2),
-        "bag": np.array(str(result.bag_path)), "mag_topic": np.array(result.mag_topic),
-        "pose_source": np.array(result.pose_source.describe()),
+        "trajectory": np.asarray(trajectory, dtype=np.float64).reshape(-1, 2),
     }
+    arrays.update({key: np.array(str(value)) for key, value in (provenance or {}).items()})
     for name, (mean, var) in grid.layers.items():
         arrays[f"{name}_mean"] = np.asarray(mean, dtype=np.float64)
         arrays[f"{name}_variance"] = np.asarray(var, dtype=np.float64)
@@ -296,6 +304,11 @@ def opacity_from_variance(var: np.ndarray, known: np.ndarray, floor: float = 0.2
 
 
 def plot_map(path: str | Path, result: ReplayResult) -> Path:
+    """Draw the replay's final map with :func:`draw_map`, titled with the bag's name."""
+    return draw_map(path, result.grid, result.mapper.trajectory, result.bag_path.name)
+
+
+def draw_map(path: str | Path, grid, trajectory, title: str) -> Path:
     """Draw every layer's mean, its opacity from the variance, and the trajectory (matplotlib Agg)."""
     import matplotlib
     matplotlib.use("Agg")
@@ -305,7 +318,6 @@ def plot_map(path: str | Path, result: ReplayResult) -> Path:
 
     from gp_mapping.mapping.sync import UNIT_SYMBOL
 
-    grid = result.grid
     spec = grid.spec
     known = np.asarray(grid.known, dtype=bool)
     unit = UNIT_SYMBOL.get(grid.field_unit, grid.field_unit)
@@ -313,7 +325,7 @@ def plot_map(path: str | Path, result: ReplayResult) -> Path:
               spec.origin_y, spec.origin_y + spec.height * spec.resolution)
     names = list(grid.layers)
     fig, axes = plt.subplots(1, len(names), figsize=(6.4 * len(names), 5.6), squeeze=False)
-    trajectory = np.asarray(result.mapper.trajectory).reshape(-1, 2)
+    trajectory = np.asarray(trajectory, dtype=np.float64).reshape(-1, 2)
     cmap = plt.get_cmap("viridis")
     for ax, name in zip(axes[0], names):
         mean, var = (np.asarray(a, dtype=np.float64) for a in grid.layers[name])
@@ -336,7 +348,7 @@ def plot_map(path: str | Path, result: ReplayResult) -> Path:
         ax.set_aspect("equal")
         ax.set_xlim(extent[0], extent[1])
         ax.set_ylim(extent[2], extent[3])
-        ax.set_title(f"{result.bag_path.name}: {label} mean\nopacity 1 - normalised std; grey unknown", fontsize=10)
+        ax.set_title(f"{title}: {label} mean\nopacity 1 - normalised std; grey unknown", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
@@ -361,6 +373,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--tf", nargs=2, metavar=("PARENT", "CHILD"), default=None,
                         help="take the pose from the bag's /tf and /tf_static, PARENT (map frame) to CHILD (the "
                              "magnetometer frame, or the body frame to apply the config's sensor extrinsic)")
+    parser.add_argument("--save-state", type=Path, default=None, metavar="FILE",
+                        help="also write the mapper's whole state (safetensors) to FILE; the node starts from it "
+                             "with node.initial_map, `gp-mapping export FILE` turns it into nav2 map files")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -374,7 +389,8 @@ def run(args: argparse.Namespace) -> int:
                             progress=not args.no_progress)
     except IncompleteReplayError as err:
         print(f"gp-mapping replay: error: {err}", file=sys.stderr)
-        for kind in ("npz", "png", "mcap"):
+        _save_state(err.result, args.save_state)
+        for kind in ("npz", "png", "mcap", "state"):
             if kind in err.result.files:
                 print(f"wrote {err.result.files[kind].resolve()} (partial)")
         return 1
@@ -389,6 +405,21 @@ def run(args: argparse.Namespace) -> int:
           f"({_rejections(diag, result.counts)})")
     print(f"{result.bag_duration:.1f} s of bag in {result.processing_seconds:.1f} s "
           f"({result.real_time_factor:.1f}x real time); {result.counts['snapshots']} map snapshots")
-    for kind in ("npz", "png", "mcap"):
-        print(f"wrote {result.files[kind].resolve()}")
+    try:
+        _save_state(result, args.save_state)
+    except OSError as err:
+        print(f"gp-mapping replay: error: cannot write the state file {args.save_state}: {err}", file=sys.stderr)
+        return 1
+    for kind in ("npz", "png", "mcap", "state"):
+        if kind in result.files:
+            print(f"wrote {result.files[kind].resolve()}")
     return 0
+
+
+def _save_state(result: ReplayResult, path: Path | None) -> None:
+    """``--save-state``: the mapper's whole state, as the node's ~/save_map writes it."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result.mapper.save(path)
+    result.files["state"] = path

@@ -21,13 +21,15 @@ MIXING_LEARNING_CHOICES = ("first", "always", "never")
 
 
 def option(default, *, doc: str, low=None, high=None, low_open=False, choices=None, length=None, pattern=None,
-           pattern_doc=None):
+           pattern_doc=None, increasing=False, max_length=None):
     """A dataclass field with its validation rule and its one-line documentation.
 
     ``choices`` lists the allowed strings; ``pattern`` (a regular expression, described by ``pattern_doc``)
-    allows more strings beside them."""
+    allows more strings beside them. ``length``: a list's length, or a tuple of allowed lengths (0 in it: an
+    empty list is allowed, meaning "automatic"); ``increasing``: a list's entries must strictly increase;
+    ``max_length``: a string's longest length."""
     meta = {"doc": doc, "low": low, "high": high, "low_open": low_open, "choices": choices, "length": length,
-            "pattern": pattern, "pattern_doc": pattern_doc}
+            "pattern": pattern, "pattern_doc": pattern_doc, "increasing": increasing, "max_length": max_length}
     if isinstance(default, list):
         return field(default_factory=lambda d=tuple(default): list(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -102,7 +104,12 @@ def describe_allowed(meta: Mapping[str, Any], ftype: str) -> str:
         names = [repr(c) for c in meta["choices"]] + ([meta["pattern_doc"]] if meta.get("pattern_doc") else [])
         return "one of " + ", ".join(names)
     if meta.get("length"):
-        return f"a list of {meta['length']} finite numbers"
+        lengths = meta["length"] if isinstance(meta["length"], tuple) else (meta["length"],)
+        text = " or ".join(f"{n} finite numbers" for n in lengths if n)
+        text = f"a list of {text}" + (", strictly increasing" if meta.get("increasing") else "")
+        return ("an empty list (automatic) or " + text) if 0 in lengths else text
+    if meta.get("max_length"):
+        return f"a string of at most {meta['max_length']} characters"
     low, high = meta.get("low"), meta.get("high")
     if low is not None or high is not None:
         left = "(" if meta.get("low_open") else "["
@@ -128,15 +135,22 @@ def validate_value(key: str, value: Any, f: dataclasses.Field) -> Any:
         if meta.get("choices") and value not in meta["choices"] \
                 and not (meta.get("pattern") and re.fullmatch(meta["pattern"], value)):
             raise refuse(f"{value!r} is not allowed")
+        if meta.get("max_length") and len(value) > meta["max_length"]:
+            raise refuse(f"a string of {len(value)} characters is too long")
         return value
     if ftype == "list":
-        if not isinstance(value, (list, tuple)) or len(value) != meta["length"]:
-            raise refuse(f"{value!r} is not a list of length {meta['length']}")
+        lengths = meta["length"] if isinstance(meta["length"], tuple) else (meta["length"],)
+        if value is None and 0 in lengths:  # ROS hands an empty array in a parameter file as "not set"
+            value = []
+        if not isinstance(value, (list, tuple)) or len(value) not in lengths:
+            raise refuse(f"{value!r} is not a list of length {' or '.join(map(str, lengths))}")
         out = []
         for v in value:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise refuse(f"{value!r} holds a non-finite or non-numeric entry")
             out.append(float(v))
+        if meta.get("increasing") and any(b <= a for a, b in zip(out, out[1:])):
+            raise refuse(f"{value!r} does not strictly increase")
         return out
     if ftype == "int":
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):

@@ -399,6 +399,9 @@ class Mapper:
             "pending": self.num_pending,
             "teleports": sync["teleports"],
             "reanchors": sync["reanchors"],
+            "pauses": sync["pauses"],
+            "field_frame": self._sync.field_frame,
+            "field_frame_relatches": sync["frame_relatches"],
             "updates": self.updates,
             "failed_updates": self.failed_updates,
             "jitter_escalations": self.jitter_escalations,
@@ -463,6 +466,8 @@ class Mapper:
             "dropped_failed_update": self.dropped_failed_update,
             "teleports": self._sync.teleports,
             "reanchors": self._sync.reanchors,
+            "pauses": self._sync.pauses,
+            "frame_relatches": self._sync.frame_relatches,
             "updates": self.updates,
             "failed_updates": self.failed_updates,
             "jitter_escalations": self.jitter_escalations,
@@ -539,6 +544,8 @@ class Mapper:
         self.dropped_failed_update = int(info.get("dropped_failed_update", 0))
         self._sync.teleports = int(info.get("teleports", 0))
         self._sync.reanchors = int(info.get("reanchors", 0))
+        self._sync.pauses = int(info.get("pauses", 0))
+        self._sync.frame_relatches = int(info.get("frame_relatches", 0))
         self.updates = int(info["updates"])
         self.failed_updates = int(info.get("failed_updates", 0))
         self.jitter_escalations = int(info.get("jitter_escalations", 0))

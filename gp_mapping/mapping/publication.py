@@ -126,13 +126,16 @@ def publishable_known(grid: Any) -> np.ndarray:
     return known
 
 
-def encode_layers(grid: Any, known: np.ndarray | None = None) -> list[EncodedLayer]:
-    """Every layer of ``grid`` encoded to 0..100 / -1 with its offsets and scales (all finite)."""
+def encode_layers(grid: Any, mean_range=None, variance_range=None, known: np.ndarray | None = None
+                  ) -> list[EncodedLayer]:
+    """Every layer of ``grid`` encoded to 0..100 / -1 with its offsets and scales (all finite); ``mean_range``,
+    ``variance_range``: fixed ``[lo, hi]`` published as 0 and 100 (``grid.mean_range``; empty or None: each
+    map's own min..max)."""
     known = publishable_known(grid) if known is None else known
     out = []
     for name, (mean, var) in grid.layers.items():
-        m_data, m_off, m_scale = encode_occupancy(np.asarray(mean, dtype=np.float64), known)
-        v_data, v_off, v_scale = encode_occupancy(np.asarray(var, dtype=np.float64), known)
+        m_data, m_off, m_scale = encode_occupancy(np.asarray(mean, dtype=np.float64), known, mean_range)
+        v_data, v_off, v_scale = encode_occupancy(np.asarray(var, dtype=np.float64), known, variance_range)
         for what, value in (("mean offset", m_off), ("mean scale", m_scale), ("variance offset", v_off),
                             ("variance scale", v_scale)):
             if not math.isfinite(value):
@@ -180,10 +183,12 @@ class Publication:
         return [v for layer in self.layers for v in layer.scale_row]
 
 
-def publication(grid: Any, field_unit: str | None = None) -> Publication:
-    """The publication of ``grid`` (a MapGrid); ``field_unit`` defaults to the grid's."""
+def publication(grid: Any, field_unit: str | None = None, mean_range=None, variance_range=None) -> Publication:
+    """The publication of ``grid`` (a MapGrid); ``field_unit`` defaults to the grid's; the ranges as in
+    :func:`encode_layers`."""
     known = publishable_known(grid)
     names = list(grid.layers)
-    return Publication(grid=grid, layers=encode_layers(grid, known), cloud=cloud_points(grid, known),
+    return Publication(grid=grid, layers=encode_layers(grid, mean_range, variance_range, known),
+                       cloud=cloud_points(grid, known),
                        cloud_fields=cloud_field_names(names),
                        scale_labels=scale_labels(names, field_unit if field_unit is not None else grid.field_unit))

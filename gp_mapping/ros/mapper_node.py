@@ -39,14 +39,18 @@ A published cell value ``c`` in 0..100 decodes to ``mean = mean_offset + mean_sc
 ``variance = variance_offset + variance_scale * c`` (unit squared), exact within half a step; -1 is unknown.
 ``gp_mapping.ros.conversions.scale_from_msg`` parses it.
 
-Services (std_srvs/Trigger)
+Services (std_srvs/Trigger; a service type taking a file path, as nav2's and slam_toolbox's, needs a generated
+interface package, which cannot be built from this package's wheels: the paths are parameters instead)
     ``~/save_map``   feeds every message received so far, runs the pending updates and the last partial batch
-                     (samples still waiting for a following pose keep waiting), then writes the map state to
-                     ``$ROS_HOME/gp_mapping/<node name>_map.safetensors``
-                     (``ROS_HOME`` defaults to ``~/.ros``); the response message is the absolute path. Start from
-                     it again with the parameter ``node.initial_map``.
+                     (samples still waiting for a following pose keep waiting), then writes the map state to a new
+                     file ``<node.map_directory>/<node name>_<UTC time>.safetensors`` (``node.map_directory``
+                     empty: ``$ROS_HOME/gp_mapping``, ``ROS_HOME`` defaulting to ``~/.ros``); never overwrites. The
+                     response message is the absolute path. Start from it with the parameter ``node.initial_map``.
+    ``~/load_map``   replaces the map by the state file named by ``node.initial_map`` (settable while running),
+                     with the start-up checks: an unreadable or incompatible file is refused with the reason and
+                     the current map stays. Buffered messages are dropped; the loaded map is published at once.
     ``~/reset``      forgets the map and the buffered messages; publishes all-unknown grids of the last geometry.
-    Both run on the update thread between two updates; they are served by a hidden helper node
+    They run on the update thread between two updates; they are served by a hidden helper node
     (``_<node name>_services``) with its own executor thread, so the node keeps taking messages meanwhile.
 
 Checkpoints and resume. With ``node.checkpoint_interval_s`` > 0 a timer (node clock) has the Mapper write its
@@ -112,7 +116,8 @@ DIAGNOSTICS_PERIOD = 1.0  # seconds (node clock), the usual rate of /diagnostics
 # Parameters the running node applies when they change (the Mapper reads them at every prediction); every
 # other one is declared read-only because the model, the sync, the grid lattice or the subscriptions are built
 # from it at start.
-LIVE_PARAMETERS = frozenset({"node.publish_period", "grid.unknown_distance", "grid.tile_size", "grid.margin"})
+LIVE_PARAMETERS = frozenset({"node.publish_period", "grid.unknown_distance", "grid.tile_size", "grid.margin",
+                             "grid.mean_range", "grid.variance_range", "node.initial_map", "node.map_directory"})
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_CONFIG = 0, 1, 2
 LOG_THROTTLE_S = 5.0  # seconds between two log lines about refused input, failed updates or dropped backlog
 MAX_TRACKED_PUBLISHERS = 64  # per input topic, for counting messages lost in transport
@@ -157,6 +162,10 @@ def parameter_descriptor(name: str, spec: dataclasses.Field) -> ParameterDescrip
     allowed = describe_allowed(meta, ftype)
     descriptor = ParameterDescriptor(name=name, type=_PARAMETER_TYPES[ftype], description=meta["doc"],
                                      additional_constraints=allowed, read_only=name not in LIVE_PARAMETERS)
+    if ftype == "list" and isinstance(meta.get("length"), tuple) and 0 in meta["length"]:
+        # rclpy types an empty list as a byte array and would then refuse numbers; the config validation
+        # checks the values instead.
+        descriptor.dynamic_typing = True
     low, high = meta.get("low"), meta.get("high")
     if ftype == "float" and low is not None and high is not None:
         # ROS ranges are closed; an open lower bound (low_open) is enforced by the config validation.
@@ -167,10 +176,25 @@ def parameter_descriptor(name: str, spec: dataclasses.Field) -> ParameterDescrip
 
 
 def default_map_path(node_name: str = NODE_NAME, kind: str = "map") -> Path:
-    """Where ``~/save_map`` writes: ``$ROS_HOME/gp_mapping/<node name>_map.safetensors`` (ROS_HOME: ~/.ros);
-    ``kind="checkpoint"``: the default checkpoint file ``<node name>_checkpoint.safetensors`` beside it."""
+    """``$ROS_HOME/gp_mapping/<node name>_<kind>.safetensors`` (ROS_HOME: ~/.ros); ``kind="checkpoint"``: the
+    default checkpoint file."""
     ros_home = os.environ.get("ROS_HOME") or os.path.join(os.path.expanduser("~"), ".ros")
     return Path(ros_home) / "gp_mapping" / f"{node_name}_{kind}.safetensors"
+
+
+def saved_map_path(directory: str, node_name: str, now: float | None = None) -> Path:
+    """Where ``~/save_map`` writes: ``<directory>/<node name>_<UTC time>.safetensors`` (``directory`` empty:
+    ``$ROS_HOME/gp_mapping``); the time has milliseconds, and a name already taken gets a counter, so a save
+    never overwrites an earlier one."""
+    folder = Path(directory).expanduser() if directory else default_map_path(node_name).parent
+    now = time.time() if now is None else now
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
+    path = folder / f"{node_name}_{stamp}.safetensors"
+    counter = 1
+    while path.exists():
+        path = folder / f"{node_name}_{stamp}_{counter}.safetensors"
+        counter += 1
+    return path
 
 
 def _plain(value: Any) -> Any:
@@ -217,6 +241,7 @@ class MapperNode(Node):
         self._publish_due = False  # the publish timer ticked since the last map
         self._updating = False  # the update thread is feeding the mapper or updating the model
         self._logged_counts: dict[str, int] = {}  # refusal counts at the last log line about them
+        self._logged_field_frame = ""
         self._checkpoint = {"written": 0, "failed": 0, "seconds": math.nan, "error": ""}
         self._last_error = ""
         self._last_grid = None  # the last published MapGrid (geometry for the cleared map after a reset)
@@ -243,6 +268,7 @@ class MapperNode(Node):
         self.create_timer(DIAGNOSTICS_PERIOD, self._publish_diagnostics)
         if self.config.node.checkpoint_interval_s > 0:
             self.create_timer(self.config.node.checkpoint_interval_s, self._on_checkpoint_timer)
+        self.add_pre_set_parameters_callback(self._coerce_parameter_types)
         self.add_on_set_parameters_callback(self._validate_parameter_change)
         self.add_post_set_parameters_callback(self._apply_parameter_change)
 
@@ -256,6 +282,7 @@ class MapperNode(Node):
         own_name = self.get_fully_qualified_name()
         self._service_node.create_service(Trigger, f"{own_name}/save_map", self.on_save_map)
         self._service_node.create_service(Trigger, f"{own_name}/reset", self.on_reset)
+        self._service_node.create_service(Trigger, f"{own_name}/load_map", self.on_load_map)
         self._service_executor = SingleThreadedExecutor(context=self.context)
         self._service_executor.add_node(self._service_node)
         self._service_thread = threading.Thread(target=self._spin_services, name="gp_mapping_services",
@@ -317,6 +344,27 @@ class MapperNode(Node):
             return Mapper(self.config)
         except Exception as err:
             raise NodeStartError(f"cannot build the mapper from the parameters: {err}") from err
+
+    def _coerce_parameter_types(self, params: list) -> list:
+        """Before ROS checks the types of a live change: an integer for a float parameter (``3`` for 3.0) becomes
+        that float, and a whole float for an integer parameter that integer, as at start (the config
+        validation converts them there); anything else is left for the validation to refuse by name."""
+        from rclpy.parameter import Parameter
+
+        out = []
+        for param in params:
+            spec = self._specs.get(param.name) if hasattr(self, "_specs") else None
+            ftype = None if spec is None else (spec.type if isinstance(spec.type, str) else spec.type.__name__)
+            value = param.value
+            if ftype == "float" and param.type_ == Parameter.Type.INTEGER:
+                param = Parameter(param.name, Parameter.Type.DOUBLE, float(value))
+            elif ftype == "int" and param.type_ == Parameter.Type.DOUBLE and math.isfinite(value) \
+                    and float(value).is_integer():
+                param = Parameter(param.name, Parameter.Type.INTEGER, int(value))
+            elif ftype == "list" and param.type_ == Parameter.Type.INTEGER_ARRAY:
+                param = Parameter(param.name, Parameter.Type.DOUBLE_ARRAY, [float(v) for v in value])
+            out.append(param)
+        return out
 
     def _validate_parameter_change(self, params: list) -> SetParametersResult:
         for param in params:
@@ -533,13 +581,20 @@ class MapperNode(Node):
                 return
         if grid is None:
             return
-        self._publish_grid(grid)
+        try:
+            self._publish_grid(grid)
+        except Exception as err:
+            if not self.context.ok() or self._stopping:  # shut down (SIGTERM, Ctrl-C) during the prediction
+                return
+            self._report(f"map publication failed: {type(err).__name__}: {err}")
+            return
         self._publish_seconds = time.perf_counter() - start
 
     def _publish_grid(self, grid: Any) -> None:
         stamp = self._stamp_of(grid)
         try:
-            layout = publication.publication(grid, self.config.sync.field_unit)
+            layout = publication.publication(grid, self.config.sync.field_unit, self.config.grid.mean_range,
+                                             self.config.grid.variance_range)
         except Exception as err:
             self._report(f"map encoding failed: {type(err).__name__}: {err}")
             return
@@ -592,7 +647,7 @@ class MapperNode(Node):
     def _log_refusals(self, values: dict[str, Any]) -> None:
         """One throttled warning naming every refusal / drop / failure counter that grew since the last one."""
         keys = [k for k in values if k.startswith(("rejected/", "node/rejected/"))]
-        keys += ["dropped_overflow", "failed_updates", "reanchors", "teleports"]
+        keys += ["dropped_overflow", "failed_updates", "reanchors", "teleports", "pauses", "field_frame_relatches"]
         grown = {k: int(values[k]) - self._logged_counts.get(k, 0) for k in keys if k in values}
         grown = {k: v for k, v in grown.items() if v > 0}
         if not grown:
@@ -604,6 +659,16 @@ class MapperNode(Node):
                                            throttle_duration_sec=LOG_THROTTLE_S)
         if logged:  # rclpy returns whether the line was emitted; counts stay until one is
             self._logged_counts.update({k: int(values[k]) for k in keys if k in values})
+
+    def _log_field_frame(self, frame: str) -> None:
+        """Log the magnetometer frame the mapper holds whenever it changes (learned, re-latched, reset)."""
+        if frame == self._logged_field_frame:
+            return
+        self._logged_field_frame = frame
+        if frame:
+            how = "configured" if self.config.sync.field_frame else "learned; sync.field_frame fixes it"
+            self.get_logger().info(f"magnetometer frame '{frame}' held ({how}): readings in another frame are "
+                                   "refused as field_frame_mismatch")
 
     def _publish_diagnostics(self) -> None:
         mapper_diag = self._mapper_diagnostics  # as of the update thread's last step: never waits for an update
@@ -625,6 +690,7 @@ class MapperNode(Node):
             values["node/checkpoints_failed"] = self._checkpoint["failed"]
             values["node/checkpoint_seconds_last"] = self._checkpoint["seconds"]
         self._log_refusals(values)
+        self._log_field_frame(str(mapper_diag.get("field_frame", "")))
         status = DiagnosticStatus(name=f"{self.get_name()}: gp_mapping", hardware_id="gp_mapping")
         if self._last_error:
             status.level, status.message = DiagnosticStatus.ERROR, self._last_error
@@ -666,17 +732,40 @@ class MapperNode(Node):
         return response
 
     def on_save_map(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
-        path = default_map_path(self.get_name())
-
         def save() -> str:
             with self._lock:
                 self._feed_inbox()
                 self._run_updates(flush=True)
+                path = saved_map_path(self.config.node.map_directory, self.get_name())
+                path.parent.mkdir(parents=True, exist_ok=True)
                 self.mapper.save(path)
                 self._mapper_diagnostics = self.mapper.diagnostics()
             return str(path.resolve())
 
         return self._call_on_update_thread("save_map", save, response)
+
+    def on_load_map(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        """Replace the map by the state file ``node.initial_map`` (set it first, e.g. with ``ros2 param set``),
+        with the start-up checks: a file that cannot be read, or that was made with an incompatible config,
+        is refused with the reason and the current map stays."""
+        def load() -> str:
+            path = self.config.node.initial_map
+            if not path:
+                raise ValueError("node.initial_map is empty; set it to the state file to load")
+            mapper = Mapper.load(path, config=self.config)  # raises before anything changes
+            with self._lock:
+                with self._inbox_cond:
+                    dropped = len(self._inbox)
+                    self._inbox.clear()
+                self.mapper = mapper
+                self._mapper_diagnostics = self.mapper.diagnostics()
+                self._dirty = True
+                self._publish_due = True  # the loaded map goes out at once
+                self._last_error = ""
+            return (f"loaded {Path(path).resolve()} ({self._mapper_diagnostics.get('num_seen', 0)} samples in the "
+                    f"model; {dropped} buffered messages dropped)")
+
+        return self._call_on_update_thread("load_map", load, response)
 
     def on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         def reset() -> str:
