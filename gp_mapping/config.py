@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from gp_mapping.gp.config import (MIXING_LEARNING_CHOICES, ConfigError, ModelConfig, describe_allowed,
+from gp_mapping.gp.config import (MIXING_LEARNING_CHOICES, ConfigError, ModelConfig, describe_allowed,  # noqa: F401
                                   section_from_dict, validate_value)
 from gp_mapping.gp.config import option as _opt
 

@@ -117,7 +117,7 @@ def export_map(grid, out_dir: str | Path, trajectory=None, mean_range=None, vari
                title: str = "map") -> dict[str, Path]:
     """Write the nav2 map pairs of every layer, map.npz and map.png into ``out_dir``; returns name -> path."""
     from gp_mapping.replay import NPZ_NAME, PNG_NAME, draw_map, write_map_npz
-    from gp_mapping.bag_io import _publishable_known as publishable_known  # the ROS-free one (the node's rule)
+    from gp_mapping.mapping.publication import publishable_known  # the published map's rule
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -274,7 +274,8 @@ def test_a_shutdown_during_a_publication_stops_the_update_thread_cleanly(monkeyp
             return grid
 
         monkeypatch.setattr(node.mapper, "grid", slow_grid)
-        node._publish_due = node._dirty = True
+        node._publish_due = True
+        node.mapper.mark_changed()
         _feed_node(node, 1, t0=200.0)  # wakes the update thread, which publishes after its step
         deadline = time.monotonic() + 20.0
         while context.ok() and time.monotonic() < deadline:

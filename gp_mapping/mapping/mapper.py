@@ -13,6 +13,10 @@ returns to its state before the batch, the batch is dropped and counted (``faile
 exception from the model (a programming error) is rolled back and counted the same way, then propagates.
 Jitter escalations reported by the model are counted and logged. :meth:`checkpoint` writes the whole state
 atomically (see :mod:`gp_mapping.mapping.state`); :meth:`load` restores it.
+
+Rules every driver (the node, the replay) shares live here too: a pose in another frame than ``grid.frame_id``
+is refused and counted (:meth:`add_pose` with ``frame_id``; the Mapper does no tf lookup), and a map is
+published only when it changed since the last publication (:attr:`map_changed`, :meth:`mark_published`).
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ TRAJECTORY_MAX_POINTS = 20_000
 PREDICTION_CHECK_POINTS = 64  # batch points predicted after each update to catch a non-finite model
 LOG = logging.getLogger("gp_mapping.mapper")
 UPDATE_TIMES_KEPT = 100
+MAX_REFUSED_FRAMES_KEPT = 16
 
 
 @dataclass
@@ -137,6 +142,7 @@ class Mapper:
         self._trajectory = _Trajectory(spacing=cfg.grid.resolution / 2)
         self._last_xy: np.ndarray | None = None  # newest accepted sensor position: the window's centre
         self._clear()
+        self._clear_pose_frames()
 
     # ------------------------------------------------------------------------------------------------ input
 
@@ -154,10 +160,26 @@ class Mapper:
         self._jitter = None  # the model's jitter after the last update (escalations are logged)
         self._update_seconds: deque[float] = deque(maxlen=UPDATE_TIMES_KEPT)
         self.last_stamp = -math.inf  # newest sample stamp used in an update
+        # The map changed since the last publication while these differ (see map_changed).
+        self._map_version = 0
+        self._published_version = 0
 
-    def add_pose(self, stamp: float, position, orientation_xyzw, receive_time: float | None = None) -> bool:
+    def _clear_pose_frames(self) -> None:
+        self.pose_frame_mismatch = 0  # poses refused for their frame (add_pose with frame_id)
+        self.refused_pose_frames: set[str] = set()  # their frames (the first MAX_REFUSED_FRAMES_KEPT names)
+
+    def add_pose(self, stamp: float, position, orientation_xyzw, receive_time: float | None = None,
+                 frame_id: str | None = None) -> bool:
         """Body pose in the map frame (metres, quaternion [x, y, z, w]); False when rejected (counted).
-        ``receive_time``: when it arrived, on the stamps' clock (enables ``sync.max_stamp_skew``)."""
+        ``receive_time``: when it arrived, on the stamps' clock (enables ``sync.max_stamp_skew``). ``frame_id``:
+        the pose's frame (a message header's); a pose in another frame than ``grid.frame_id`` is refused and
+        counted in :attr:`pose_frame_mismatch` (no tf lookup here: a driver that looks up tf passes poses
+        already in the map frame, without ``frame_id``)."""
+        if frame_id is not None and frame_id != self.config.grid.frame_id:
+            self.pose_frame_mismatch += 1
+            if len(self.refused_pose_frames) < MAX_REFUSED_FRAMES_KEPT:
+                self.refused_pose_frames.add(frame_id)
+            return False
         return self._sync.add_pose(stamp, position, orientation_xyzw, receive_time=receive_time)
 
     def add_magnetic_field(self, stamp: float, field_tesla, frame_id: str = "",
@@ -269,6 +291,7 @@ class Mapper:
             self._jitter = jitter
         self._coverage.add(batch.position)
         self.updates += 1
+        self._map_version += 1
         self._update_seconds.append(seconds)
         self.last_stamp = max(self.last_stamp, float(batch.t[-1]))
         out = dict(stats or {})
@@ -334,6 +357,20 @@ class Mapper:
         if np.any(c_hi <= c_lo):  # the robot is away from everything mapped (nothing accepted there yet)
             c_lo, c_hi = w_lo, w_hi
         return spec_from_bounds(c_lo, c_hi, g, "the window")
+
+    @property
+    def map_changed(self) -> bool:
+        """Whether the map changed (an update ran, a state was loaded, :meth:`mark_changed`) since the last
+        :meth:`mark_published`: the node and the replay publish a map only then."""
+        return self._map_version != self._published_version
+
+    def mark_changed(self) -> None:
+        """A setting the prediction reads changed (``grid.unknown_distance`` ...): the next map is due."""
+        self._map_version += 1
+
+    def mark_published(self) -> None:
+        """The current map was published (or its publication attempted): no map is due until it changes."""
+        self._published_version = self._map_version
 
     def grid(self, full: bool = False) -> MapGrid | None:
         """Predict the map (tiled, on the model's device); None before the first update.
@@ -426,6 +463,7 @@ class Mapper:
         self._trajectory.clear()
         self._last_xy = None
         self._clear()
+        self._clear_pose_frames()
 
     def save(self, path: str | Path) -> None:
         """Write the model, coverage, trajectory, pending samples, the sync's pose buffer and samples waiting
@@ -519,6 +557,7 @@ class Mapper:
 
     def _restore(self, state: MapState) -> None:
         a, info = state.arrays, state.info
+        self.mark_changed()  # a loaded map is published at the first opportunity
         if float(info["coverage_resolution"]) == self._coverage.resolution:
             self._coverage.set_cells(a["coverage_cells"])
         else:

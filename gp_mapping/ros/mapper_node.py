@@ -92,7 +92,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from nav_msgs.msg import OccupancyGrid
@@ -108,13 +107,13 @@ from std_srvs.srv import Trigger
 from gp_mapping.config import (ROS_RESERVED_KEYS, ConfigError, MapperConfig, describe_allowed, config_from_dict,
                                field_specs, to_flat_parameters, validate_value)
 from gp_mapping.gp import warm_up as warm_up_engines
+from gp_mapping.mapping import publication
 from gp_mapping.mapping.grid import check_grid_config
 from gp_mapping.mapping.mapper import Mapper
+from gp_mapping.mapping.publication import NODE_NAME
 from gp_mapping.ros import conversions
 
-NODE_NAME = "mapper"
 DIAGNOSTICS_PERIOD = 1.0  # seconds (node clock), the usual rate of /diagnostics
-VECTOR_LAYERS = ("x", "y", "z", "norm")
 # Parameters the running node applies when they change (the Mapper reads them at every prediction); every
 # other one is declared read-only because the model, the sync, the grid lattice or the subscriptions are built
 # from it at start.
@@ -143,21 +142,17 @@ class NodeStartError(RuntimeError):
 
 def layer_names(config: MapperConfig) -> tuple[str, ...]:
     """Layers of the published map for the configured ``sync.target``."""
-    return ("magnitude",) if config.sync.target == "magnitude" else VECTOR_LAYERS
+    return publication.layer_names(config.sync.target)
 
 
 def map_topics(config: MapperConfig) -> dict[str, tuple[str, str]]:
     """Layer -> (mean topic, variance topic), relative to the node (``~/...``)."""
-    if config.sync.target == "magnitude":
-        return {"magnitude": ("~/mean", "~/variance")}
-    return {name: (f"~/mean/{name}", f"~/variance/{name}") for name in VECTOR_LAYERS}
+    return publication.map_topics(layer_names(config))
 
 
 def published_topics(config: MapperConfig) -> dict[str, str]:
     """Every topic the node publishes (node-relative or absolute) -> its message type."""
-    topics = {t: "nav_msgs/msg/OccupancyGrid" for pair in map_topics(config).values() for t in pair}
-    topics["~/cloud"] = "sensor_msgs/msg/PointCloud2"
-    topics["~/scale"] = "std_msgs/msg/Float64MultiArray"
+    topics = publication.map_topic_types(layer_names(config))
     topics["/diagnostics"] = "diagnostic_msgs/msg/DiagnosticArray"
     return topics
 
@@ -232,14 +227,13 @@ class MapperNode(Node):
         # only makes it safe for tests to look inside while the thread runs.
         self._lock = threading.Lock()
         self._inbox_cond = threading.Condition()  # guards _inbox, _jobs, _queued and _stopping
-        # (kind, stamp, values, orientation or frame_id, receive time or None)
+        # (kind, stamp, values, (orientation, frame_id) or frame_id, receive time or None)
         self._inbox: deque[tuple[str, float, Any, Any, float | None]] = deque()
         self._jobs: deque[tuple[str, Callable[[], Any], Future]] = deque()
         self._queued: set[str] = set()  # names of the periodic jobs waiting in _jobs (one of each at most)
         self._updates_waiting = False  # the last update step ran an update: more full batches may be ready
         self._stopping = False
         self._mapper_diagnostics: dict[str, Any] = self.mapper.diagnostics()  # the update thread refreshes it
-        self._dirty = True  # a map loaded from node.initial_map is published on the first tick
         self._counts: dict[str, int] = {"mag_messages": 0, "pose_messages": 0, "updates": 0, "maps_published": 0,
                                         "errors": 0, "stamps_from_clock": 0}
         self._node_rejected: dict[str, int] = {"pose_frame_mismatch": 0, "inbox_overflow": 0,
@@ -268,8 +262,8 @@ class MapperNode(Node):
         self._map_pubs = {layer: (self.create_publisher(OccupancyGrid, mean, MAP_QOS),
                                   self.create_publisher(OccupancyGrid, var, MAP_QOS))
                           for layer, (mean, var) in map_topics(self.config).items()}
-        self._cloud_pub = self.create_publisher(PointCloud2, "~/cloud", MAP_QOS)
-        self._scale_pub = self.create_publisher(Float64MultiArray, "~/scale", MAP_QOS)
+        self._cloud_pub = self.create_publisher(PointCloud2, publication.cloud_topic(), MAP_QOS)
+        self._scale_pub = self.create_publisher(Float64MultiArray, publication.scale_topic(), MAP_QOS)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
 
         self._publish_timer = self.create_timer(self.config.node.publish_period, self._on_publish_timer)
@@ -470,12 +464,7 @@ class MapperNode(Node):
         now = self._now()
         stamp = self._receive_stamp(stamp, now)
         self._counts["pose_messages"] += 1
-        if frame != self.config.grid.frame_id:
-            self._node_rejected["pose_frame_mismatch"] += 1
-            self.get_logger().warning(f"pose in frame '{frame}', expected grid.frame_id '{self.config.grid.frame_id}'"
-                                      f"; rejected (no tf lookup in this node)", throttle_duration_sec=5.0)
-            return
-        self._push(("pose", stamp, position, orientation, now))
+        self._push(("pose", stamp, position, (orientation, frame), now))
 
     def _feed_inbox(self) -> None:
         """Hand every buffered message to the mapper in arrival order (caller holds ``_lock``)."""
@@ -483,9 +472,17 @@ class MapperNode(Node):
             items, self._inbox = self._inbox, deque()
         for kind, stamp, a, b, now in items:
             if kind == "pose":
-                self.mapper.add_pose(stamp, a, b, receive_time=now)
+                self.mapper.add_pose(stamp, a, b[0], receive_time=now, frame_id=b[1])
             else:
                 self.mapper.add_magnetic_field(stamp, a, frame_id=b, receive_time=now)
+        refused = self.mapper.pose_frame_mismatch  # the Mapper's rule: a pose must be in grid.frame_id
+        if refused != self._node_rejected["pose_frame_mismatch"]:
+            if refused > self._node_rejected["pose_frame_mismatch"]:
+                frames = ", ".join(repr(f) for f in sorted(self.mapper.refused_pose_frames))
+                self.get_logger().warning(f"poses in frame(s) {frames}, expected grid.frame_id "
+                                          f"'{self.config.grid.frame_id}'; rejected (no tf lookup in this node)",
+                                          throttle_duration_sec=5.0)
+            self._node_rejected["pose_frame_mismatch"] = refused
 
     def _run_updates(self, flush: bool = False, max_updates: int | None = None) -> int:
         """Run the model updates the mapper has full batches for (``flush``: and the partial one, keeping samples
@@ -505,7 +502,6 @@ class MapperNode(Node):
             self._latency["max"] = max(self._latency["max"], seconds)
             self._latency["sum"] += seconds
             self._latency["count"] += 1
-            self._dirty = True
         return n
 
     # ---------------------------------------------------------------------------------- the update thread
@@ -557,7 +553,7 @@ class MapperNode(Node):
     def _set_config(self, section: str, key: str, value: Any) -> None:
         with self._lock:
             setattr(getattr(self.config, section), key, value)
-            self._dirty = True
+            self.mapper.mark_changed()
 
     def _report(self, message: str) -> None:
         """An error that the node survives: logged (throttled) and shown as ERROR in the diagnostics."""
@@ -574,15 +570,17 @@ class MapperNode(Node):
         return self.get_clock().now().to_msg()
 
     def _on_publish_timer(self) -> None:
-        # At most one map per tick (node clock, so sim time too). A tick during an update is served right after
-        # it (the map is dirty by then); otherwise a dirty map goes out through a job at once.
-        if self._dirty or self._updating:
+        # At most one map per tick (node clock, so sim time too), and only a map that changed since the last one
+        # (the Mapper's rule). A tick during an update is served right after it (the map has changed by then);
+        # otherwise a changed map goes out through a job at once.
+        changed = self.mapper.map_changed
+        if changed or self._updating:
             self._publish_due = True
-        if self._dirty:
+        if changed:
             self._submit("publish", self._publish_if_due)
 
     def _publish_if_due(self) -> None:
-        if self._publish_due and self._dirty:
+        if self._publish_due and self.mapper.map_changed:
             self.publish_map()
 
     def publish_map(self) -> None:
@@ -590,7 +588,7 @@ class MapperNode(Node):
         start = time.perf_counter()
         self._publish_due = False
         with self._lock:
-            self._dirty = False
+            self.mapper.mark_published()
             try:
                 grid = self.mapper.grid()
             except Exception as err:
@@ -610,17 +608,18 @@ class MapperNode(Node):
     def _publish_grid(self, grid: Any) -> None:
         stamp = self._stamp_of(grid)
         try:
-            layers = conversions.encode_layers(grid, self.config.grid.mean_range, self.config.grid.variance_range)
+            layout = publication.publication(grid, self.config.sync.field_unit, self.config.grid.mean_range,
+                                             self.config.grid.variance_range)
         except Exception as err:
             self._report(f"map encoding failed: {type(err).__name__}: {err}")
             return
         # The scale first, so a subscriber that decodes a grid already has the scale that matches it.
-        self._scale_pub.publish(conversions.scale_to_msg(layers, self.config.sync.field_unit))
-        for layer in layers:
+        self._scale_pub.publish(conversions.scale_to_msg(layout.layers, self.config.sync.field_unit))
+        for layer in layout.layers:
             mean_pub, var_pub = self._map_pubs[layer.name]
             mean_pub.publish(conversions.occupancy_msg(grid, layer.mean_data, stamp))
             var_pub.publish(conversions.occupancy_msg(grid, layer.variance_data, stamp))
-        self._cloud_pub.publish(conversions.cloud_msg(grid, stamp, z=grid.height))
+        self._cloud_pub.publish(conversions.cloud_msg(grid, stamp, points=layout.cloud))
         self._last_grid = grid
         self._counts["maps_published"] += 1
         self._last_error = ""  # the diagnostics show ERROR until the next good map
@@ -631,12 +630,12 @@ class MapperNode(Node):
         if grid is None:
             return
         stamp = self.get_clock().now().to_msg()
-        unknown = np.full(grid.spec.width * grid.spec.height, -1, dtype=np.int8)
+        unknown = publication.unknown_data(grid)
         for mean_pub, var_pub in self._map_pubs.values():
             for pub in (mean_pub, var_pub):
                 msg = conversions.occupancy_msg(grid, unknown, stamp)
                 pub.publish(msg)
-        self._cloud_pub.publish(conversions.cloud_msg(grid, stamp, z=grid.height, empty=True))
+        self._cloud_pub.publish(conversions.cloud_msg(grid, stamp, empty=True))
 
     def _on_checkpoint_timer(self) -> None:
         self._submit("checkpoint", self.write_checkpoint)
@@ -791,7 +790,7 @@ class MapperNode(Node):
                     self._inbox.clear()
                 self.mapper.reset()
                 self._mapper_diagnostics = self.mapper.diagnostics()
-                self._dirty = False
+                self.mapper.mark_published()  # the cleared map below
                 self._last_error = ""
                 self._publish_cleared()
             return f"map reset ({dropped} buffered messages dropped)"
