@@ -56,7 +56,8 @@ class MapGrid:
     'vector' gives ``'x'``, ``'y'``, ``'z'`` (map-frame components) and ``'norm'``, whose variance is the delta
     method's ``sum_i (m_i / |m|)^2 var_i`` (first order in the per-component uncertainty, components taken
     as independent; where ``|m|`` is 0 it falls back to ``sum_i var_i``). ``known`` (H, W) is False for cells
-    farther than ``grid.unknown_distance`` from every sample. ``stamp`` is the newest sample stamp in the
+    farther than ``grid.unknown_distance`` from every sample (layers hold NaN there when the grid was predicted
+    on known cells only). ``stamp`` is the newest sample stamp in the
     model; ``height`` the z of the cells when the inputs are 3-D (else 0). ``extent`` says what the grid covers:
     ``"window"`` (what the node publishes: grow mode's ``grid.window`` around the robot, cut to the visited area
     plus margin, or the fixed grid) or ``"full"`` (the whole visited area plus margin, for files).
@@ -372,12 +373,15 @@ class Mapper:
         """The current map was published (or its publication attempted): no map is due until it changes."""
         self._published_version = self._map_version
 
-    def grid(self, full: bool = False) -> MapGrid | None:
+    def grid(self, full: bool = False, predict_unknown: bool = True) -> MapGrid | None:
         """Predict the map (tiled, on the model's device); None before the first update.
 
         The grid is :meth:`grid_spec` (``full``: the whole visited area, which raises GridTooLargeError beyond
         ``grid.max_cells``). ``model.predict`` is called on that grid's cells only, ``grid.tile_size`` at a time,
-        so the cost of a map follows the window, not the explored area.
+        so the cost of a map follows the window, not the explored area. ``predict_unknown`` False: only the
+        known cells (within ``grid.unknown_distance`` of a sample) are predicted and the others hold NaN, which
+        is all a publication shows (the node and the replay's maps.mcap use it: same messages, a fraction of the
+        cost).
         """
         if int(self.model.num_seen) == 0:
             return None
@@ -385,13 +389,15 @@ class Mapper:
         if spec is None:
             return None
         g = self.config.grid
-        mean, var = predict_grid(self.model, spec, g.tile_size, height=g.height, input_dims=self.input_dims)
+        known = self._coverage.known_mask(spec, g.unknown_distance)
+        mean, var = predict_grid(self.model, spec, g.tile_size, height=g.height, input_dims=self.input_dims,
+                                 only=None if predict_unknown else known)
         if self.output_dims == 1:
             layers = {"magnitude": (mean[..., 0], var[..., 0])}
         else:
             layers = vector_layers(mean, var)
         return MapGrid(spec=spec, frame_id=g.frame_id, field_unit=self.config.sync.field_unit, layers=layers,
-                       known=self._coverage.known_mask(spec, g.unknown_distance),
+                       known=known,
                        stamp=float(self.last_stamp) if math.isfinite(self.last_stamp) else 0.0,
                        height=float(g.height) if self.input_dims == 3 else 0.0,
                        extent="full" if full or self._fixed_spec is not None else "window")
