@@ -80,9 +80,15 @@ class GridConfig:
     origin: list = _opt([-5.0, -5.0], doc="fixed mode: map coordinates of the corner of cell (0, 0) [m]", length=2)
     size: list = _opt([10.0, 10.0], doc="fixed mode: width and height [m]", length=2)
     margin: float = _opt(1.0, doc="grow mode: margin around the visited area [m]", low=0.0, high=1e4)
+    window: list = _opt([40.0, 40.0], doc="grow mode: width and height of the published window [m], centred on the "
+                        "newest accepted position (a rolling window, as costmaps and elevation maps have): each map is "
+                        "the visited area plus margin cut to it, so publishing costs the same however far the robot "
+                        "goes; the whole map stays in the model (save, export). At most grid.max_cells cells",
+                        length=2, low=0.0, low_open=True, high=1e6)
     max_cells: int = _opt(1_000_000, doc="refuse grids with more cells than this", low=1, high=100_000_000)
-    unknown_distance: float = _opt(1.0, doc="cells farther than this from every sample are unknown (-1) [m]",
-                                   low=0.0, low_open=True, high=1e4)
+    unknown_distance: float = _opt(1.0, doc="cells farther than this from every sample are unknown (-1) [m]; at most "
+                                   "the smaller side of grid.window (grow) or grid.size (fixed), so the known-cell "
+                                   "mask stays bounded by the published grid", low=0.0, low_open=True, high=1e4)
     tile_size: int = _opt(16384, doc="cells predicted per tile on the device", low=1, high=10_000_000)
     height: float = _opt(0.0, doc="z of the grid cells when input_dims is 3 [m]", low=-1e4, high=1e4)
     mean_range: list = _opt([], doc="field values [unit] published as 0 and 100 in every mean grid, so a colour "

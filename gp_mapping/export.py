@@ -78,7 +78,7 @@ def read_input(path: str | Path):
         mapper = Mapper.load(path)
     except Exception as err:  # MapStateError and whatever an unreadable file raises
         raise ExportError(f"{path} is neither a map.npz nor a readable map state file: {err}") from err
-    grid = mapper.grid()
+    grid = mapper.export_grid()  # the whole map, or the window when the whole one exceeds grid.max_cells
     if grid is None:
         raise ExportError(f"the map state {path} holds no data yet (no update ran), so there is no map to export")
     return grid, mapper.trajectory, mapper.config.grid.mean_range, mapper.config.grid.variance_range

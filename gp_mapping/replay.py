@@ -179,9 +179,15 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
                             counts["snapshots"] += _snapshot(writer, mapper.grid(), bag_time)
             counts["updates"] += len(mapper.flush())
             counts["pose_frame_mismatch"] = mapper.pose_frame_mismatch
-            grid = mapper.grid()
+            # map.npz holds the whole map (the visited area plus margin) when it fits grid.max_cells, else the
+            # window around the newest position (grid.extent says which); maps.mcap gets what the node publishes.
+            grid = mapper.export_grid()
+            if grid is not None and grid.extent == "window" and mapper.config.grid.mode == "grow":
+                notes.append(f"the whole map is larger than grid.max_cells = {mapper.config.grid.max_cells}: map.npz "
+                             f"and map.png hold the {mapper.config.grid.window} m window around the last position")
             if writer is not None and grid is not None:
-                counts["snapshots"] += _snapshot(writer, grid, bag_time)
+                window = grid if grid.spec == mapper.grid_spec() else mapper.grid()
+                counts["snapshots"] += _snapshot(writer, window, bag_time)
             processing = time.perf_counter() - started
             if broken and grid is None:
                 raise broken[0]  # nothing was mapped before the bag broke: the bag error is the whole story
@@ -270,7 +276,9 @@ def write_map_npz(path: str | Path, grid, trajectory, provenance: dict[str, str]
     ``resolution``; ``known`` (H, W) bool; ``layers`` (names); per layer ``<layer>_mean`` and
     ``<layer>_variance`` (H, W) in ``field_unit`` (variance in unit squared; rows are y, columns x, as the
     OccupancyGrid); ``field_unit``, ``frame_id``, ``stamp`` (newest sample [s]), ``height`` (z of the cells);
-    ``trajectory`` (K, 2) accepted sensor positions; ``provenance`` strings (the replay: ``bag``,
+    ``extent`` ("full": the whole visited area plus margin; "window": grow mode's window around the newest
+    position, when the whole map exceeds ``grid.max_cells``); ``trajectory`` (K, 2) accepted sensor positions;
+    ``provenance`` strings (the replay: ``bag``,
     ``mag_topic``, ``pose_source``). :func:`gp_mapping.export.read_map_npz` reads it back.
     """
     spec = grid.spec
@@ -280,6 +288,7 @@ def write_map_npz(path: str | Path, grid, trajectory, provenance: dict[str, str]
         "resolution": np.float64(spec.resolution), "known": np.asarray(grid.known, dtype=bool),
         "layers": np.array(list(grid.layers), dtype=str), "field_unit": np.array(grid.field_unit),
         "frame_id": np.array(grid.frame_id), "stamp": np.float64(grid.stamp), "height": np.float64(grid.height),
+        "extent": np.array(getattr(grid, "extent", "full")),
         "trajectory": np.asarray(trajectory, dtype=np.float64).reshape(-1, 2),
     }
     arrays.update({key: np.array(str(value)) for key, value in (provenance or {}).items()})

@@ -93,14 +93,14 @@ def test_a_good_state_file_still_loads(tmp_path):
 # ------------------------------------------------------------------------------------ magnetometer frame
 
 
-def feed_line(mapper, t0, n, frame="mag", dt=0.1, receive_offset=None, x0=None):
-    """``n`` poses and readings (same stamps) along x at 1 m/s from ``t0``; ``receive_offset``: receive time =
-    stamp + offset (None: no receive time)."""
+def feed_line(mapper, t0, n, frame="mag", dt=0.1, receive_offset=None, x0=None, y=0.0):
+    """``n`` poses and readings (same stamps) along x at 1 m/s from ``t0`` (x = t, or from ``x0``), at ``y``;
+    ``receive_offset``: receive time = stamp + offset (None: no receive time)."""
     for k in range(n):
         t = round(t0 + dt * k, 6)
         recv = None if receive_offset is None else t + receive_offset
         x = (t if x0 is None else x0 + dt * k)
-        mapper.add_pose(t, [x, 0.0, 0.0], Q, receive_time=recv)
+        mapper.add_pose(t, [x, y, 0.0], Q, receive_time=recv)
         mapper.add_magnetic_field(t, [(50 + math.sin(x)) * 1e-6, 0.0, 0.0], frame, receive_time=recv)
     mapper.process()
 
@@ -274,7 +274,8 @@ def test_a_shutdown_during_a_publication_stops_the_update_thread_cleanly(monkeyp
             return grid
 
         monkeypatch.setattr(node.mapper, "grid", slow_grid)
-        node._publish_due = node._dirty = True
+        node._publish_due = True
+        node.mapper.mark_changed()
         _feed_node(node, 1, t0=200.0)  # wakes the update thread, which publishes after its step
         deadline = time.monotonic() + 20.0
         while context.ok() and time.monotonic() < deadline:
@@ -287,3 +288,130 @@ def test_a_shutdown_during_a_publication_stops_the_update_thread_cleanly(monkeyp
         context.try_shutdown()
     assert not uncaught, uncaught
     assert not node._worker.is_alive()
+
+
+# -------------------------------------------------------------------------- the published window, coverage
+
+
+def test_coverage_in_tiles_holds_exactly_the_visited_cells_with_negative_indices():
+    from gp_mapping.mapping.grid import Coverage
+
+    rng = np.random.default_rng(0)
+    pts = np.concatenate([rng.uniform(-30, 30, size=(5000, 2)), rng.normal(0, 0.3, size=(2000, 2)),
+                          [[-1e6, 3.0], [2e6, -5e5]]])
+    cov = Coverage(0.25)
+    for chunk in np.array_split(pts, 7):
+        cov.add(chunk)
+    expected = np.unique(np.floor(pts / 0.25).astype(np.int64), axis=0)  # sorted by ix, then iy
+    np.testing.assert_array_equal(cov.cells, expected)
+    assert len(cov) == expected.shape[0]
+    copy = Coverage(0.25)
+    copy.set_cells(cov.cells)
+    np.testing.assert_array_equal(copy.cells, expected)
+    copy.clear()
+    assert len(copy) == 0 and copy.cells.shape == (0, 2)
+
+
+def _window_config(**grid):
+    return small_config(grid={"resolution": 0.5, "window": [20.0, 20.0], "unknown_distance": 1.0, **grid})
+
+
+class CountingModel:
+    """Wraps a model and records how many inputs each predict call got."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def predict(self, x):
+        self.calls.append(int(x.shape[0]))
+        return self.model.predict(x)
+
+
+def test_a_50_km_teleport_keeps_publishing_a_window_around_the_robot():
+    from gp_mapping.mapping.grid import GridTooLargeError
+
+    mapper = Mapper(_window_config())
+    feed_line(mapper, 0.0, 100, x0=0.0)                  # 10 m along x near the origin
+    far = 50_000.0 / math.sqrt(2.0)
+    feed_line(mapper, 20.0, 100, x0=far, y=far)          # a teleport of 50 km, well inside sync.max_position
+    mapper.flush()
+    assert mapper.diagnostics()["teleports"] == 1
+    grid = mapper.grid()                                 # was GridTooLargeError for every publish
+    spec = grid.spec
+    assert spec.width <= 40 and spec.height <= 40 and grid.extent == "window"
+    assert spec.origin_x <= far + 9.9 <= spec.origin_x + spec.width * spec.resolution  # around the robot
+    assert spec.origin_y <= far <= spec.origin_y + spec.height * spec.resolution
+    assert grid.known.sum() > 0 and np.all(np.isfinite(grid.layers["magnitude"][0][grid.known]))
+    with pytest.raises(GridTooLargeError):
+        mapper.grid(full=True)                           # the whole 50 km is more than grid.max_cells
+    exported = mapper.export_grid()                      # the file export falls back to the window, saying so
+    assert exported.extent == "window" and exported.spec == spec
+
+
+def test_publication_cost_is_bounded_by_the_window_not_the_explored_area():
+    mapper = Mapper(_window_config())
+    for leg in range(8):                                 # 1.6 km of lawnmower legs over 200 m x 200 m
+        feed_line(mapper, 200.0 * leg, 400, dt=0.5, x0=-100.0, y=-100.0 + 200.0 / 7 * leg)
+    mapper.flush()
+    counting = CountingModel(mapper.model)
+    mapper.model = counting
+    grid = mapper.grid()
+    assert sum(counting.calls) == grid.spec.num_cells <= 40 * 40
+    # The full map is still there for saving and export: the visited extent, predicted in bounded tiles.
+    full = mapper.grid(full=True)
+    assert full.extent == "full" and full.spec.num_cells > grid.spec.num_cells
+    assert max(counting.calls) <= mapper.config.grid.tile_size
+
+
+def test_small_maps_are_unchanged_by_the_window():
+    mapper = Mapper(_window_config(window=[1000.0, 1000.0], max_cells=4_000_000))
+    feed_line(mapper, 0.0, 60, x0=0.0)
+    mapper.flush()
+    assert mapper.grid().spec == mapper.coverage.grow_spec(mapper.config.grid) == mapper.grid(full=True).spec
+
+
+def test_unknown_distance_and_window_are_validated_against_each_other_and_max_cells():
+    with pytest.raises(ConfigError, match="grid.unknown_distance"):
+        Mapper(_window_config(unknown_distance=300.0))
+    with pytest.raises(ConfigError, match="grid.window"):
+        Mapper(_window_config(window=[1000.0, 1000.0], max_cells=1_000_000))
+    with pytest.raises(ConfigError, match="grid.window"):
+        config_from_dict({"grid": {"window": [0.0, 10.0]}})
+
+
+def _median_grid_seconds(mapper, runs=3):
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        mapper.grid()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def test_the_largest_unknown_distance_allowed_keeps_publication_time_within_2x():
+    mapper = Mapper(_window_config(resolution=0.25))
+    feed_line(mapper, 0.0, 400, x0=-20.0)
+    mapper.flush()
+    default = _median_grid_seconds(mapper)
+    mapper.config.grid.unknown_distance = 20.0           # the window's side: the most it allows
+    largest = _median_grid_seconds(mapper)
+    assert mapper.grid().known.all()
+    assert largest < 2.0 * default + 0.05, (largest, default)
+
+
+def test_node_refuses_an_unknown_distance_beyond_the_window_live_and_keeps_publishing(node_factory):
+    from rclpy.parameter import Parameter
+
+    node = node_factory(**NODE_PARAMS, **{"grid.window": [20.0, 20.0]})
+    result = node.set_parameters([Parameter("grid.unknown_distance", value=300.0)])[0]
+    assert not result.successful and "grid.unknown_distance" in result.reason and "grid.window" in result.reason
+    assert node.set_parameters([Parameter("grid.unknown_distance", value=20.0)])[0].successful
+    result = node.set_parameters([Parameter("grid.window", value=[5.0, 5.0])])[0]
+    assert not result.successful and "grid.unknown_distance" in result.reason
+    _feed_node(node, 41)
+    _wait_idle(node)
+    node.publish_map()
+    assert node._counts["maps_published"] == 1 and node._last_error == ""

@@ -107,6 +107,8 @@ def describe_allowed(meta: Mapping[str, Any], ftype: str) -> str:
         lengths = meta["length"] if isinstance(meta["length"], tuple) else (meta["length"],)
         text = " or ".join(f"{n} finite numbers" for n in lengths if n)
         text = f"a list of {text}" + (", strictly increasing" if meta.get("increasing") else "")
+        if meta.get("low") is not None or meta.get("high") is not None:
+            text += f", each in {'(' if meta.get('low_open') else '['}{meta.get('low')}, {meta.get('high')}]"
         return ("an empty list (automatic) or " + text) if 0 in lengths else text
     if meta.get("max_length"):
         return f"a string of at most {meta['max_length']} characters"
@@ -151,6 +153,10 @@ def validate_value(key: str, value: Any, f: dataclasses.Field) -> Any:
             out.append(float(v))
         if meta.get("increasing") and any(b <= a for a, b in zip(out, out[1:])):
             raise refuse(f"{value!r} does not strictly increase")
+        low, high = meta.get("low"), meta.get("high")
+        if any((low is not None and (v < low or (meta.get("low_open") and v == low))) or (high is not None and v > high)
+               for v in out):
+            raise refuse(f"{value!r} holds an entry out of range")
         return out
     if ftype == "int":
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):

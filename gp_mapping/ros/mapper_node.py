@@ -108,6 +108,7 @@ from gp_mapping.config import (ROS_RESERVED_KEYS, ConfigError, MapperConfig, des
                                field_specs, to_flat_parameters, validate_value)
 from gp_mapping.gp import warm_up as warm_up_engines
 from gp_mapping.mapping import publication
+from gp_mapping.mapping.grid import check_grid_config
 from gp_mapping.mapping.mapper import Mapper
 from gp_mapping.mapping.publication import NODE_NAME
 from gp_mapping.ros import conversions
@@ -117,6 +118,7 @@ DIAGNOSTICS_PERIOD = 1.0  # seconds (node clock), the usual rate of /diagnostics
 # other one is declared read-only because the model, the sync, the grid lattice or the subscriptions are built
 # from it at start.
 LIVE_PARAMETERS = frozenset({"node.publish_period", "grid.unknown_distance", "grid.tile_size", "grid.margin",
+                             "grid.window",
                              "grid.mean_range", "grid.variance_range", "node.initial_map", "node.map_directory"})
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_CONFIG = 0, 1, 2
 LOG_THROTTLE_S = 5.0  # seconds between two log lines about refused input, failed updates or dropped backlog
@@ -367,12 +369,25 @@ class MapperNode(Node):
         return out
 
     def _validate_parameter_change(self, params: list) -> SetParametersResult:
+        grid_changes = {}
         for param in params:
             spec = self._specs.get(param.name)
             if spec is None:
                 continue
             try:
-                validate_value(param.name, _plain(param.value), spec)
+                value = validate_value(param.name, _plain(param.value), spec)
+            except ConfigError as err:
+                return SetParametersResult(successful=False, reason=str(err))
+            section, _, key = param.name.partition(".")
+            if section == "grid":
+                grid_changes[key] = value
+        if grid_changes:  # the rules between grid keys (window cells, unknown_distance within the window)
+            # The parameters hold the values accepted so far (the shared config follows on the update thread).
+            current = {name.split(".", 1)[1]: validate_value(name, _plain(self.get_parameter(name).value),
+                                                             self._specs[name])
+                       for name in LIVE_PARAMETERS if name.startswith("grid.")}
+            try:
+                check_grid_config(dataclasses.replace(self.config.grid, **{**current, **grid_changes}))
             except ConfigError as err:
                 return SetParametersResult(successful=False, reason=str(err))
         return SetParametersResult(successful=True)
