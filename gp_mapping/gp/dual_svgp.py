@@ -674,6 +674,8 @@ class DualSVGP(Engine):
         chol(prior_cov)^{-1} (f(Z) - target_mean); ``noise`` (P,): noise variance in original units (NaN for a
         likelihood without one); ``kernel``: a copy of the kernel (standardised units); ``num_seen``.
         """
+        import copy
+
         with torch.no_grad():
             noise = getattr(self.likelihood, "noise_variance", getattr(self.likelihood, "scale_variance", None))
             noise = (torch.full((self.output_dims,), float("nan"), dtype=torch.float64) if noise is None
