@@ -396,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
             if kind in err.result.files:
                 print(f"wrote {err.result.files[kind].resolve()} (partial)")
         return 1
-    except (bag_io.BagError, ConfigError, ReplayError, GridError) as err:
+    except (bag_io.BagError, bag_io.TransformError, ConfigError, ReplayError, GridError) as err:
         print(f"gp-mapping replay: error: {err}", file=sys.stderr)
         return 1
     for note in result.notes:
