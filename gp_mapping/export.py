@@ -78,7 +78,7 @@ def read_input(path: str | Path):
         mapper = Mapper.load(path)
     except Exception as err:  # MapStateError and whatever an unreadable file raises
         raise ExportError(f"{path} is neither a map.npz nor a readable map state file: {err}") from err
-    grid = mapper.grid()
+    grid = mapper.export_grid()  # the whole map, or the window when the whole one exceeds grid.max_cells
     if grid is None:
         raise ExportError(f"the map state {path} holds no data yet (no update ran), so there is no map to export")
     return grid, mapper.trajectory, mapper.config.grid.mean_range, mapper.config.grid.variance_range
@@ -117,7 +117,7 @@ def export_map(grid, out_dir: str | Path, trajectory=None, mean_range=None, vari
                title: str = "map") -> dict[str, Path]:
     """Write the nav2 map pairs of every layer, map.npz and map.png into ``out_dir``; returns name -> path."""
     from gp_mapping.replay import NPZ_NAME, PNG_NAME, draw_map, write_map_npz
-    from gp_mapping.bag_io import _publishable_known as publishable_known  # the ROS-free one (the node's rule)
+    from gp_mapping.mapping.publication import publishable_known  # the published map's rule
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

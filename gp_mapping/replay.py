@@ -136,7 +136,6 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
         topics = [mag_topic] + ([source.topic] if source.kind == "topic" else [])
         counts: dict[str, Any] = {"mag_messages": 0, "pose_messages": 0, "pose_frame_mismatch": 0,
                                   "tf_lookups_failed": 0, "updates": 0, "snapshots": 0}
-        other_frames: set[str] = set()
         period, max_gap = float(config.node.publish_period), float(config.sync.max_pose_gap)
         writer = None
         if out is not None:
@@ -147,7 +146,7 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
         started = time.perf_counter()
         broken: list[bag_io.CorruptBagError] = []
         try:
-            next_snapshot, snapshot_updates, bag_time = None, 0, bag.start_time
+            next_snapshot, bag_time = None, bag.start_time
             with tqdm(total=sum(bag.counts.get(t, 0) for t in topics), unit="msg", desc=bag_path.name,
                       disable=not progress, file=sys.stderr, mininterval=0.5) as bar:
                 for topic, bag_time_ns, msgtype, msg in _until_broken(bag.messages(topics), broken):
@@ -164,11 +163,9 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
                     else:
                         counts["pose_messages"] += 1
                         pose = bag_io.decode_pose(msg, msgtype, bag_time_ns)
-                        if pose.frame_id == config.grid.frame_id:
-                            mapper.add_pose(pose.stamp, pose.position, pose.orientation, receive_time=bag_time)
-                        else:  # the node's rule: a pose in another frame is refused (no tf lookup)
-                            counts["pose_frame_mismatch"] += 1
-                            other_frames.add(pose.frame_id)
+                        # The Mapper's rule, as in the node: a pose in another frame is refused (no tf lookup).
+                        mapper.add_pose(pose.stamp, pose.position, pose.orientation, receive_time=bag_time,
+                                        frame_id=pose.frame_id)
                     counts["updates"] += len(mapper.process())
                     if writer is None:
                         continue
@@ -176,13 +173,20 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
                         next_snapshot = bag_time + period
                     elif bag_time >= next_snapshot:
                         next_snapshot += period * (math.floor((bag_time - next_snapshot) / period) + 1)
-                        if mapper.updates != snapshot_updates:  # the node publishes only a changed map
-                            snapshot_updates = mapper.updates
+                        if mapper.map_changed:  # the Mapper's rule, as in the node: only a changed map
+                            mapper.mark_published()
                             counts["snapshots"] += _snapshot(writer, mapper.grid(), bag_time)
             counts["updates"] += len(mapper.flush())
-            grid = mapper.grid()
+            counts["pose_frame_mismatch"] = mapper.pose_frame_mismatch
+            # map.npz holds the whole map (the visited area plus margin) when it fits grid.max_cells, else the
+            # window around the newest position (grid.extent says which); maps.mcap gets what the node publishes.
+            grid = mapper.export_grid()
+            if grid is not None and grid.extent == "window" and mapper.config.grid.mode == "grow":
+                notes.append(f"the whole map is larger than grid.max_cells = {mapper.config.grid.max_cells}: map.npz "
+                             f"and map.png hold the {mapper.config.grid.window} m window around the last position")
             if writer is not None and grid is not None:
-                counts["snapshots"] += _snapshot(writer, grid, bag_time)
+                window = grid if grid.spec == mapper.grid_spec() else mapper.grid()
+                counts["snapshots"] += _snapshot(writer, window, bag_time)
             processing = time.perf_counter() - started
             if broken and grid is None:
                 raise broken[0]  # nothing was mapped before the bag broke: the bag error is the whole story
@@ -198,9 +202,9 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
     if tf_buffer is not None and tf_buffer.rejected:
         notes.append(f"{tf_buffer.rejected} tf transforms were unusable (non-finite, non-unit quaternion, or a "
                      "second parent for a frame) and were left out")
-    if other_frames:
+    if mapper.pose_frame_mismatch:
         notes.append(f"{counts['pose_frame_mismatch']} poses on {source.topic} are in frame(s) "
-                     f"{', '.join(repr(f) for f in sorted(other_frames))}, not grid.frame_id "
+                     f"{', '.join(repr(f) for f in sorted(mapper.refused_pose_frames))}, not grid.frame_id "
                      f"'{config.grid.frame_id}', and were refused as the node refuses them; set grid.frame_id in "
                      "the config to map in their frame")
     counts["mapper"] = mapper.diagnostics()
@@ -271,7 +275,9 @@ def write_map_npz(path: str | Path, grid, trajectory, provenance: dict[str, str]
     ``resolution``; ``known`` (H, W) bool; ``layers`` (names); per layer ``<layer>_mean`` and
     ``<layer>_variance`` (H, W) in ``field_unit`` (variance in unit squared; rows are y, columns x, as the
     OccupancyGrid); ``field_unit``, ``frame_id``, ``stamp`` (newest sample [s]), ``height`` (z of the cells);
-    ``trajectory`` (K, 2) accepted sensor positions; ``provenance`` strings (the replay: ``bag``,
+    ``extent`` ("full": the whole visited area plus margin; "window": grow mode's window around the newest
+    position, when the whole map exceeds ``grid.max_cells``); ``trajectory`` (K, 2) accepted sensor positions;
+    ``provenance`` strings (the replay: ``bag``,
     ``mag_topic``, ``pose_source``). :func:`gp_mapping.export.read_map_npz` reads it back.
     """
     spec = grid.spec
@@ -281,6 +287,7 @@ def write_map_npz(path: str | Path, grid, trajectory, provenance: dict[str, str]
         "resolution": np.float64(spec.resolution), "known": np.asarray(grid.known, dtype=bool),
         "layers": np.array(list(grid.layers), dtype=str), "field_unit": np.array(grid.field_unit),
         "frame_id": np.array(grid.frame_id), "stamp": np.float64(grid.stamp), "height": np.float64(grid.height),
+        "extent": np.array(getattr(grid, "extent", "full")),
         "trajectory": np.asarray(trajectory, dtype=np.float64).reshape(-1, 2),
     }
     arrays.update({key: np.array(str(value)) for key, value in (provenance or {}).items()})
