@@ -20,8 +20,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from gp_mapping.mapping.frames import normalize_quaternion, quaternion_inverse, quaternion_multiply, \
-    rotate_vectors, slerp
+from gp_mapping.mapping.frames import normalize_quaternion, quaternion_inverse, quaternion_multiply, rotate_vectors
+from gp_mapping.mapping.sync import interpolate_poses
 
 
 class TransformError(ValueError):
@@ -135,17 +135,15 @@ class _Edge:
         if stamp < stamps[0]:
             raise TransformGapError(f"tf {self.parent} -> {self.child} has no transform at {stamp:.3f} s "
                                     f"(recorded span [{stamps[0]:.3f}, {stamps[-1]:.3f}]; no extrapolation)")
-        i = int(np.searchsorted(stamps, stamp, side="left"))  # stamps[i-1] < stamp <= stamps[i]
-        if stamps[i] == stamp:
-            return self.translations[i], self.rotations[i]
-        t0, t1 = stamps[i - 1], stamps[i]
-        if stamp - t0 > max_gap or t1 - stamp > max_gap:  # the rule of mapping.sync for pose topics
+        # The rule of mapping.sync for pose topics, on this edge's transforms.
+        pos, quat, _, within, i0, i1 = interpolate_poses(stamps, self.translations, self.rotations,
+                                                         np.array([float(stamp)]), max_gap)
+        if not within[0]:
+            t0, t1 = stamps[i0[0]], stamps[i1[0]]
             raise TransformGapError(f"tf {self.parent} -> {self.child}: the transforms around {stamp:.3f} s are "
                                     f"{stamp - t0:.3f} s before and {t1 - stamp:.3f} s after it "
                                     f"(sync.max_pose_gap {max_gap} s)")
-        w = (stamp - t0) / (t1 - t0)
-        translation = (1.0 - w) * self.translations[i - 1] + w * self.translations[i]
-        return translation, slerp(self.rotations[i - 1], self.rotations[i], w)
+        return pos[0], quat[0]
 
 
 class TransformBuffer:
