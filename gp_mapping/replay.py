@@ -404,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
             if kind in err.result.files:
                 print(f"wrote {err.result.files[kind].resolve()} (partial)")
         return 1
-    except (BagError, ConfigError, ReplayError, GridError) as err:
+    except (BagError, TransformError, ConfigError, ReplayError, GridError) as err:
         print(f"gp-mapping replay: error: {err}", file=sys.stderr)
         return 1
     for note in result.notes:

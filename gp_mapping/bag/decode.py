@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gp_mapping.mapping.transforms import TransformSample, frame_name  # noqa: F401 (re-exported)
+
 from gp_mapping.bag.errors import TopicError
 
 MAGNETIC_FIELD = "sensor_msgs/msg/MagneticField"
@@ -19,9 +21,7 @@ TF_TYPES = ("tf2_msgs/msg/TFMessage", "tf/msg/tfMessage")
 TF_STATIC_TOPIC = "/tf_static"
 
 
-def _frame(name: str) -> str:
-    """tf2 frame ids carry no leading slash (ROS 1 bags often have '/base_link')."""
-    return name.lstrip("/")
+_frame = frame_name  # tf2 frame ids carry no leading slash (ROS 1 bags often have '/base_link')
 
 
 def _stamp(header, bag_time_ns: int) -> float:
@@ -54,17 +54,6 @@ class PoseSample:
     orientation: np.ndarray  # (4,) [x, y, z, w]
     frame_id: str
     child_frame_id: str
-
-
-@dataclass(frozen=True)
-class TransformSample:
-    """One tf edge: ``rotation`` maps ``child`` vectors into ``parent``; ``translation`` is the child origin."""
-
-    stamp: float
-    parent: str
-    child: str
-    translation: np.ndarray  # (3,) [m]
-    rotation: np.ndarray     # (4,) [x, y, z, w]
 
 
 def decode_magnetic_field(msg, bag_time_ns: int) -> MagSample:

@@ -38,9 +38,9 @@ class NoPoseSourceError(TopicError):
     """The bag has neither a pose topic nor a /tf chain from the map frame to the magnetometer frame."""
 
 
-class TransformError(BagError):
-    """A transform between two frames cannot be looked up (frames not connected, or no transform at a time)."""
-
+# The tf tree is shared with the live node (mapping/transforms.py, ROS-free): its lookup error is that module's,
+# not a BagError (the replay's command catches it beside them).
+from gp_mapping.mapping.transforms import TransformError  # noqa: E402,F401
 
 
 class MapBagError(BagError):

@@ -15,7 +15,7 @@ from gp_mapping.bag.decode import MAGNETIC_FIELD, POSE_TYPES, TF_TYPES, _frame, 
 from gp_mapping.bag.errors import (BagNotFoundError, CorruptBagError, NoMagneticFieldError, NoPoseSourceError,
                                    NotABagError, TopicError)
 from gp_mapping.bag.ros2 import ros2_typestore
-from gp_mapping.bag.tf import TransformBuffer
+from gp_mapping.bag.tf import TransformBuffer, transform_buffer_from_bag  # noqa: F401
 
 # --------------------------------------------------------------------------------------------- reading
 
@@ -223,7 +223,7 @@ def choose_pose_source(bag: Bag, *, pose_topic: str | None = None, tf_frames: Se
         if not tf_topics:
             raise NoPoseSourceError(f"--tf {parent} {child} was given but {bag.path} has no tf topic "
                                     f"({' or '.join(TF_TYPES)}); {bag.describe_topics()}")
-        buffer = TransformBuffer.from_bag(bag, tf_topics)
+        buffer = transform_buffer_from_bag(bag, tf_topics)
         buffer.check_connected(parent, child)
         return PoseSource("tf", parent=parent, child=child), buffer
     for msgtype in POSE_TYPES:
@@ -237,7 +237,7 @@ def choose_pose_source(bag: Bag, *, pose_topic: str | None = None, tf_frames: Se
         raise NoPoseSourceError(f"no pose topic in {bag.path}, and its magnetometer messages carry no frame_id to "
                                 "look up in /tf; pass --pose-topic TOPIC or --tf PARENT CHILD")
     if tf_topics:
-        buffer = TransformBuffer.from_bag(bag, tf_topics)
+        buffer = transform_buffer_from_bag(bag, tf_topics)
         parent, child = _frame(map_frame), _frame(mag_frame)
         if buffer.connected(parent, child):
             return PoseSource("tf", parent=parent, child=child), buffer
