@@ -14,6 +14,7 @@ from .continual_mogp import ContinualMOGP
 from .dual_svgp import DualSVGP, ModelInputError
 from .kernels import GPNumericalError
 from .likelihoods import BernoulliLikelihood, GaussianLikelihood, StudentTLikelihood
+from .tiled import TiledModel
 
 EngineFactory = Callable[[ModelConfig, int, int], Any]
 
@@ -47,6 +48,8 @@ def build_model(model_config: ModelConfig | Mapping[str, Any], input_dims: int, 
     except KeyError:
         raise ConfigError(f"config key 'model.engine': unknown engine {model_config.engine!r}; "
                           f"registered: {', '.join(sorted(ENGINES))}") from None
+    if model_config.tile_size > 0:  # local submaps: tiles of this engine (gp/tiled.py)
+        return TiledModel(model_config, int(input_dims), int(output_dims), factory)
     return factory(model_config, int(input_dims), int(output_dims))
 
 
@@ -60,4 +63,4 @@ def warm_up() -> None:
 
 
 __all__ = ["BernoulliLikelihood", "ContinualMOGP", "DualSVGP", "ENGINES", "GPNumericalError", "GaussianLikelihood",
-           "ModelInputError", "StudentTLikelihood", "build_model", "register_engine", "warm_up"]
+           "ModelInputError", "StudentTLikelihood", "TiledModel", "build_model", "register_engine", "warm_up"]
