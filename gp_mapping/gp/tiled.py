@@ -71,8 +71,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from ..config import ConfigError, ModelConfig
-from .dual_svgp import ModelInputError, check_inputs, resolve_device, to_float64_tensor
+from .base import check_inputs, resolve_device, to_float64_tensor
+from .config import ModelConfig
+from .errors import ConfigError, ModelInputError
 
 #: the hyperparameter attributes tiles share, by engine class name (an engine may declare its own with a
 #: class attribute ``SHARED_HYPERPARAMETERS``)
@@ -96,11 +97,10 @@ class TileLayout:
 
     def __post_init__(self) -> None:
         if not self.sizes or not all(math.isfinite(s) and s > 0 for s in self.sizes):
-            raise ConfigError(f"config key 'model.tile_size': tile sizes must be positive, got {self.sizes}")
+            raise ConfigError(f"tile sizes must be positive, got {self.sizes}", "tile_size")
         if not (math.isfinite(self.overlap) and 0.0 < self.overlap <= min(self.sizes)):
-            raise ConfigError(f"config key 'model.tile_overlap': {self.overlap!r} must be > 0 and at most the "
-                              f"smallest tile side {min(self.sizes)} (so a point lies in at most two tiles per "
-                              f"axis)")
+            raise ConfigError(f"{self.overlap!r} must be > 0 and at most the smallest tile side {min(self.sizes)} "
+                              "(so a point lies in at most two tiles per axis)", "tile_overlap")
 
     @property
     def dims(self) -> int:
@@ -193,10 +193,10 @@ class TiledModel(nn.Module):
         if d == 3 and float(config.tile_height) > 0:
             sizes.append(float(config.tile_height))
         if d < 2:
-            raise ConfigError(f"config key 'model.tile_size': tiles need 2-D or 3-D inputs, got input_dims {d}")
+            raise ConfigError(f"tiles need 2-D or 3-D inputs, got input_dims {d}", "tile_size")
         self.layout = TileLayout(tuple(sizes), float(config.tile_overlap))
         if config.inducing == "grid" and d != 2:
-            raise ConfigError("config key 'model.inducing': 'grid' needs 2-D inputs; use 'pivoted_cholesky'")
+            raise ConfigError("'grid' needs 2-D inputs; use 'pivoted_cholesky'", "inducing")
         self._device = resolve_device(config.device)
         # An engine that never sees data: the owner of the shared hyperparameters, and the prior where no tile
         # exists. Its scaling follows the running target statistics.
@@ -204,8 +204,8 @@ class TiledModel(nn.Module):
         cls = type(self.prior)
         self._shared_names = tuple(getattr(cls, "SHARED_HYPERPARAMETERS", _SHARED_BY_ENGINE.get(cls.__name__, ())))
         if not self._shared_names:
-            raise ConfigError(f"config key 'model.tile_size': engine {config.engine!r} does not say which of its "
-                              "parts are hyperparameters (SHARED_HYPERPARAMETERS); it cannot be tiled")
+            raise ConfigError(f"engine {config.engine!r} does not say which of its parts are hyperparameters "
+                              "(SHARED_HYPERPARAMETERS); it cannot be tiled", "tile_size")
         self.tiles = nn.ModuleDict()
         f64 = dict(dtype=torch.float64)
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
@@ -226,6 +226,10 @@ class TiledModel(nn.Module):
     def num_seen(self) -> int:
         """Samples seen (each counted once, however many tiles it went to)."""
         return int(self.num_seen_t)
+
+    @property
+    def num_updates(self) -> int:
+        return int(self.num_updates_t)
 
     @property
     def num_tiles(self) -> int:
