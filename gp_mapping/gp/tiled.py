@@ -12,7 +12,9 @@ Updates. A sample is given to every tile whose span holds it (1 tile in a core, 
 2-D corner, 8 at a 3-D one); an update touches only those tiles, so its cost depends on M, the engine's memory
 and the batch, never on how many tiles exist. The map's memory is the tiles that exist: proportional to the
 area driven over, not to the samples. Each touched tile runs its engine's own update (its ``mode``, or its
-own ``full_update_every`` counter when ``mode`` is None).
+own ``full_update_every`` counter when ``mode`` is None; a tile that gets fewer than FAST_FRACTION = 1/4 of
+the samples of the batch's busiest tile -- a corner clipped -- conditions fast, and those samples wait as the engine's pending data for its next
+full update, so a batch costs at most a few full tile updates, never one per tile it grazes).
 
 Shared hyperparameters. All tiles share one kernel and one likelihood module (continual_mogp: its latent
 kernels, likelihood and mixing matrix): the tile being updated learns them on its own batch and memory, as a
@@ -80,6 +82,8 @@ from .errors import ConfigError, ModelInputError
 _SHARED_BY_ENGINE = {"DualSVGP": ("kernel", "likelihood"),
                      "ContinualMOGP": ("kernels", "likelihood", "mixing_raw")}
 _TILE_PREFIX = "tiles."
+#: with mode None, a tile given fewer than this fraction of the busiest tile's samples conditions fast
+FAST_FRACTION = 0.25
 
 
 def smootherstep(u: torch.Tensor) -> torch.Tensor:
@@ -451,6 +455,7 @@ class TiledModel(nn.Module):
             self._observe_targets(yt)
         pts, tiles = self.layout.memberships(xt)
         keys_t, inverse = torch.unique(tiles, dim=0, return_inverse=True)
+        most = int(torch.bincount(inverse).max())
         modes = []
         for u, index in enumerate(keys_t.tolist()):  # torch.unique sorts: a fixed order
             index = tuple(index)
@@ -462,7 +467,12 @@ class TiledModel(nn.Module):
                 stats["tiles_created"] += 1
             slot = self.tiles[key]
             self._bring_up_to_date(slot)
-            out = slot.engine.update(xt[rows], yt[rows], mode=mode)
+            # A tile that only clips a corner of the batch conditions fast; its samples wait (the engine's
+            # pending data) for its next full update, when the robot is in it.
+            tile_mode = mode
+            if mode is None and rows.numel() < FAST_FRACTION * most:
+                tile_mode = "fast"
+            out = slot.engine.update(xt[rows], yt[rows], mode=tile_mode)
             slot.theta.copy_(self._theta())
             modes.append(out.get("mode"))
             stats["z_moved"] += int(out.get("z_moved", 0))

@@ -34,7 +34,8 @@ from gp_mapping.mapping.sync import REJECTION_REASONS, UNIT_SYMBOL, Measurements
 # Config keys that decide what the saved model means; a state file refuses a config that changes them.
 STATE_DEFINING_KEYS = (("model", "engine"), ("model", "kernel"), ("model", "likelihood"), ("model", "ard"),
                        ("model", "constant_kernel"), ("sync", "target"), ("sync", "input_dims"),
-                       ("sync", "field_unit"))
+                       ("sync", "field_unit"), ("model", "tile_size"), ("model", "tile_overlap"),
+                       ("model", "tile_height"))
 TRAJECTORY_MAX_POINTS = 20_000
 PREDICTION_CHECK_POINTS = 64  # batch points predicted after each update to catch a non-finite model
 LOG = logging.getLogger("gp_mapping.mapper")
