@@ -43,7 +43,7 @@ FULL = {
     "drive_seconds": 3600.0, "drive_sample_every": 500,
     **{"large_area": (100.0, 60.0), "large_dipoles": 600, "large_seconds": 1800.0, "large_rate": 10.0,
        "large_speed": 1.2, "large_line_spacing": 4.0, "large_height_amplitude": 0.3, "large_batch": 50,
-       "large_tile": 10.0, "large_overlap": 2.0, "large_m": 64, "large_memory": 300, "large_untiled_m": 128,
+       "large_tile": 10.0, "large_overlap": 2.0, "large_m": 64, "large_memory": 100, "large_untiled_m": 128,
        "large_exact_points": 6000, "large_exact_hyper_points": 1500, "large_exact_iterations": 50,
        "large_test_every": 6, "large_sample_every": 500, "large_warmup_seconds": 60.0, "large_seed": 0,
        "large_dims": (2, 3)},

@@ -17,9 +17,15 @@ the samples of the batch's busiest tile -- a corner clipped -- conditions fast, 
 full update, so a batch costs at most a few full tile updates, never one per tile it grazes).
 
 Shared hyperparameters. All tiles share one kernel and one likelihood module (continual_mogp: its latent
-kernels, likelihood and mixing matrix): the tile being updated learns them on its own batch and memory, as a
-single engine would, so the kernel is learned from the whole drive, one tile at a time. Each tile records the
-hyperparameters theta_t its posterior was last fitted under. A tile is never changed when others learn; when
+kernels, likelihood and mixing matrix), holding the consensus theta. The tile being updated starts from theta
+and learns on its own batch and memory, as a single engine would; what it ends at, theta_t, is its proposal,
+and its posterior is fitted under it. The consensus then moves to the running average of the proposals, each
+weighted by the samples it learned from: theta <- theta + (n_t / N) (theta_t - theta), with n_t the samples
+the tile got and N all samples seen (raw parameters: logarithms of lengthscales and variances). A single
+tile's batch often cannot identify every hyperparameter (lanes 4 m apart in a 10 m tile say little about the
+lengthscale across them); letting each tile's Adam steps set the shared theta made it swing (a lengthscale
+from 2.4 m to 0.45 m within two minutes of a simulated drive) and the map lose 30 % of its accuracy on ground
+it revisited. Each tile records the hyperparameters theta_t its posterior was last fitted under. A tile is never changed when others learn; when
 it is next *updated* it is first carried to the current theta by its engine's ``hyperparameter_change()``
 (dual_svgp: the old data's pseudo-likelihood on u = f(Z) is kept, held data are recomputed -- the same
 transport the engine applies to its own hyperparameter steps). continual_mogp has no such hook and needs
@@ -472,8 +478,15 @@ class TiledModel(nn.Module):
             tile_mode = mode
             if mode is None and rows.numel() < FAST_FRACTION * most:
                 tile_mode = "fast"
+            consensus = self._theta()
             out = slot.engine.update(xt[rows], yt[rows], mode=tile_mode)
-            slot.theta.copy_(self._theta())
+            proposal = self._theta()
+            slot.theta.copy_(proposal)  # the tile's posterior is fitted under its own proposal
+            if not torch.equal(proposal, consensus):
+                # The shared hyperparameters: the running average of the tiles' proposals, each weighted by
+                # the samples it learned from (a 1/t stochastic-approximation step).
+                step = float(rows.numel()) / float(self.num_seen + rows.numel())
+                self._set_theta(consensus + step * (proposal - consensus))
             modes.append(out.get("mode"))
             stats["z_moved"] += int(out.get("z_moved", 0))
             stats["hyper_steps"] += int(out.get("hyper_steps", 0))
