@@ -25,15 +25,13 @@ end of the drive (ground revisited) and against the number of tiles.
 """
 from __future__ import annotations
 
-import gc
-import math
 import time
 from typing import Any, Callable
 
 import numpy as np
 
-from bench.common import percentiles, rss_bytes
-from bench.growth import _decile_ratio, state_bytes
+from bench.common import percentiles
+from bench.growth import _decile_ratio, feed
 
 
 def _world_and_drive(plan: dict, dims: int, seed: int):
@@ -83,34 +81,10 @@ def _stream(rec, plan: dict, dims: int, tiled: bool, test_x: np.ndarray, truth: 
 
     mapper = Mapper(_config(plan, dims, tiled))
     n = len(rec.t)
-    t, pos, quat, field = rec.t, rec.position, rec.orientation_xyzw, rec.field_sensor_tesla
-    seen, ms, cpu_ms, tiles = [], [], [], []
-    mem_samples, rss, state, mem_tiles = [], [], [], []
-    every = int(plan["large_sample_every"])
-    gc.collect()
-    start = time.perf_counter()
-    for i in range(n):
-        mapper.add_pose(float(t[i]), pos[i], quat[i])
-        mapper.add_magnetic_field(float(t[i]), field[i])
-        cpu0 = time.process_time()
-        done = mapper.process()
-        if done:
-            per_update = 1e3 * (time.process_time() - cpu0) / len(done)
-        for u in done:
-            seen.append(int(u["num_seen"]))
-            ms.append(1e3 * float(u["update_seconds"]))
-            cpu_ms.append(per_update)
-            tiles.append(int(u.get("tiles", 1)))
-        if (i + 1) % every == 0 or i == n - 1:
-            mem_samples.append(i + 1)
-            rss.append(rss_bytes())
-            state.append(state_bytes(mapper.model))
-            mem_tiles.append(int(getattr(mapper.model, "num_tiles", 1)))
-        if (i + 1) % (n // 5 or 1) == 0:
-            log(f"  {label}: {i + 1}/{n} samples, {time.perf_counter() - start:.0f} s, tiles {mem_tiles[-1] if mem_tiles else '-'}"
-                f", last update {ms[-1] if ms else float('nan'):.0f} ms")
+    fed = feed(mapper, rec, int(plan["large_sample_every"]), log, label, log_parts=5)
+    seen, ms, cpu_ms = fed["updates"]["num_seen"], fed["updates"]["ms"], fed["updates"]["cpu_ms"]
     mapper.flush()
-    processing = time.perf_counter() - start
+    processing = fed["processing_s"]
     with torch.no_grad():
         mean, var = mapper.model.predict(test_x)
     mean = mean.numpy()[:, 0]
@@ -123,8 +97,7 @@ def _stream(rec, plan: dict, dims: int, tiled: bool, test_x: np.ndarray, truth: 
            "rmse": float(np.sqrt(np.mean((mean - truth) ** 2))),
            "grid": {"cells": int(grid.spec.num_cells), "seconds": grid_seconds,
                     "known_cells": int(grid.known.sum())},
-           "curve": {"num_seen": seen, "ms": ms, "cpu_ms": cpu_ms, "tiles": tiles},
-           "memory": {"samples": mem_samples, "rss_bytes": rss, "state_bytes": state, "tiles": mem_tiles}}
+           "curve": fed["updates"], "memory": fed["memory"]}
     a, b, r = _decile_ratio(s, m, lo, float(n))
     out.update(latency_first_decile_ms=a, latency_last_decile_ms=b, latency_ratio=r)
     a, b, r = _decile_ratio(s, np.asarray(cpu_ms, float), lo, float(n))
