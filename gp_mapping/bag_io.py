@@ -25,6 +25,9 @@ import numpy as np
 
 from gp_mapping.mapping.frames import FrameError, normalize_quaternion, quaternion_inverse, quaternion_multiply, \
     rotate_vectors, slerp
+from gp_mapping.mapping.publication import (FLOAT64_ARRAY, MAP_NAMESPACE, OCCUPANCY_GRID, POINT_CLOUD,
+                                            Publication, PublicationError, cloud_topic, map_topics, publication,
+                                            scale_topic)
 
 MAGNETIC_FIELD = "sensor_msgs/msg/MagneticField"
 POSE_STAMPED = "geometry_msgs/msg/PoseStamped"
@@ -560,24 +563,6 @@ def is_identity_extrinsic(translation: Sequence[float], rotation: Sequence[float
 
 # --------------------------------------------------------------------------------------------- writing
 
-# The live node's map topics (gp_mapping/ros/mapper_node.py, default node name "mapper"), so that
-# `ros2 bag play maps.mcap` feeds RViz exactly as the node would.
-MAP_NAMESPACE = "/mapper"
-OCCUPANCY_GRID = "nav_msgs/msg/OccupancyGrid"
-POINT_CLOUD = "sensor_msgs/msg/PointCloud2"
-FLOAT64_ARRAY = "std_msgs/msg/Float64MultiArray"
-# Column labels of the scale message (one row per layer); the node's conversions use the same layout.
-SCALE_COLUMNS = ("mean_offset", "mean_scale", "variance_offset", "variance_scale")
-
-
-def map_topics(layers: Sequence[str], namespace: str = MAP_NAMESPACE) -> dict[str, tuple[str, str]]:
-    """Layer -> (mean topic, variance topic): ``mean``/``variance`` for a magnitude map, else one pair per layer
-    (``mean/x`` ... ``mean/norm``), as the node publishes them."""
-    if list(layers) == ["magnitude"]:
-        return {"magnitude": (f"{namespace}/mean", f"{namespace}/variance")}
-    return {name: (f"{namespace}/mean/{name}", f"{namespace}/variance/{name}") for name in layers}
-
-
 class MapBagError(BagError):
     """The map bag cannot be written (the output exists, or a grid is inconsistent)."""
 
@@ -591,26 +576,15 @@ def _latched_qos() -> list:
                 QosLiveliness.AUTOMATIC, zero, False)]
 
 
-def _publishable_known(grid) -> np.ndarray:
-    """Known cells whose mean and variance are finite in every layer (the rest are published as unknown)."""
-    known = np.asarray(grid.known, dtype=bool).copy()
-    for mean, var in grid.layers.values():
-        known &= np.isfinite(np.asarray(mean)) & np.isfinite(np.asarray(var))
-    return known
-
-
 class MapBagWriter:
     """Writes map snapshots into one ROS 2 MCAP file, on the node's topics and in the node's message layout.
 
-    Per snapshot, in the node's publishing order: ``/mapper/scale`` (std_msgs/Float64MultiArray: an L x 4
-    matrix, one row ``[mean_offset, mean_scale, variance_offset, variance_scale]`` per layer, dims labelled
-    ``layer:<names>`` and ``mean_offset,mean_scale,variance_offset,variance_scale;unit:<field unit>``), then
-    per layer the nav_msgs/OccupancyGrid pair of :func:`map_topics` (0..100, -1 unknown, encoded by
-    :func:`gp_mapping.mapping.grid.encode_occupancy`; a cell value ``c`` decodes as ``offset + scale * c``),
-    then ``/mapper/cloud`` (sensor_msgs/PointCloud2, float32 ``x, y, z, mean, variance``, or ``mean_<layer>``
-    ... ``variance_<layer>`` for a vector map, one point per known cell). Headers carry the grid's stamp (the
-    newest sample in the model), as the node's do; the bag's log time is the replay's bag time. All topics are
-    offered reliable + transient local, depth 1, so ``ros2 bag play`` serves them latched to RViz.
+    Per snapshot, the messages of :mod:`gp_mapping.mapping.publication` (the layout the node publishes) in the
+    node's publishing order on the node's topics under :data:`~gp_mapping.mapping.publication.MAP_NAMESPACE`
+    (``/mapper/scale``, the mean and variance grids layer by layer, ``/mapper/cloud``), so ``ros2 bag play
+    maps.mcap`` feeds RViz exactly as the node would. Headers carry the grid's stamp (the newest sample in the
+    model), as the node's do; the bag's log time is the replay's bag time. All topics are offered reliable +
+    transient local, depth 1, so ``ros2 bag play`` serves them latched to RViz.
 
     The file is written in a temporary rosbag2 folder beside ``path`` and moved into place on :meth:`close`,
     so a failed replay leaves no half-written file. The MCAP embeds the rosbag2 metadata: ``ros2 bag play
@@ -674,17 +648,8 @@ class MapBagWriter:
         return T["nav_msgs/msg/OccupancyGrid"](header=self._header(stamp_ns, grid.frame_id), info=info,
                                                data=np.asarray(data, dtype=np.int8))
 
-    def _cloud(self, grid, known: np.ndarray, stamp_ns: int):
-        T, spec = self._ts.types, grid.spec
-        names = list(grid.layers)
-        fields = ["x", "y", "z"] + (["mean", "variance"] if names == ["magnitude"] else
-                                    [f"mean_{n}" for n in names] + [f"variance_{n}" for n in names])
-        rows, cols = np.nonzero(known)
-        columns = [spec.origin_x + (cols + 0.5) * spec.resolution, spec.origin_y + (rows + 0.5) * spec.resolution,
-                   np.full(rows.shape, float(grid.height))]
-        columns += [np.asarray(grid.layers[n][0])[rows, cols] for n in names]
-        columns += [np.asarray(grid.layers[n][1])[rows, cols] for n in names]
-        points = np.column_stack(columns).astype("<f4").reshape(-1, len(fields))
+    def _cloud(self, grid, points: np.ndarray, fields: list[str], stamp_ns: int):
+        T = self._ts.types
         point_field = T["sensor_msgs/msg/PointField"]
         return T["sensor_msgs/msg/PointCloud2"](
             header=self._header(stamp_ns, grid.frame_id), height=1, width=int(points.shape[0]),
@@ -693,39 +658,35 @@ class MapBagWriter:
             is_bigendian=False, point_step=4 * len(fields), row_step=4 * len(fields) * int(points.shape[0]),
             data=np.frombuffer(points.tobytes(), dtype=np.uint8), is_dense=True)
 
-    def _scale(self, rows: list[tuple[str, float, float, float, float]]):
+    def _scale(self, layout: Publication):
         T = self._ts.types
         dim = T["std_msgs/msg/MultiArrayDimension"]
-        n = len(rows)
-        layout = T["std_msgs/msg/MultiArrayLayout"](
-            dim=[dim(label="layer:" + ",".join(r[0] for r in rows), size=n, stride=4 * n),
-                 dim(label=",".join(SCALE_COLUMNS) + ";unit:" + self.field_unit, size=4, stride=4)],
+        n = len(layout.layers)
+        rows_label, columns_label = layout.scale_labels
+        dims = T["std_msgs/msg/MultiArrayLayout"](
+            dim=[dim(label=rows_label, size=n, stride=4 * n), dim(label=columns_label, size=4, stride=4)],
             data_offset=0)
-        return T["std_msgs/msg/Float64MultiArray"](layout=layout,
-                                                   data=np.array([v for r in rows for v in r[1:]], dtype=np.float64))
+        return T["std_msgs/msg/Float64MultiArray"](layout=dims, data=np.array(layout.scale_data, dtype=np.float64))
 
     def write(self, grid, bag_time: float) -> None:
         """Record one snapshot of ``grid`` (a MapGrid) at ``bag_time`` [s]."""
-        from gp_mapping.mapping.grid import encode_occupancy
-
         for name, value in (("bag time", bag_time), ("grid stamp", grid.stamp)):
             if not (math.isfinite(value) and value >= 0):
                 raise MapBagError(f"a snapshot's {name} must be finite and non-negative, got {value!r}")
         log_ns, stamp_ns = int(round(bag_time * 1e9)), int(round(grid.stamp * 1e9))
-        known = _publishable_known(grid)
-        rows, grids = [], []
-        topics = map_topics(list(grid.layers))
-        for name, (mean, var) in grid.layers.items():
-            m_data, m_off, m_scale = encode_occupancy(np.asarray(mean, dtype=np.float64), known, self.mean_range)
-            v_data, v_off, v_scale = encode_occupancy(np.asarray(var, dtype=np.float64), known,
-                                                      self.variance_range)
-            rows.append((name, m_off, m_scale, v_off, v_scale))
-            grids += [(topics[name][0], m_data), (topics[name][1], v_data)]
+        try:
+            layout = publication(grid, self.field_unit, self.mean_range, self.variance_range)
+        except PublicationError as err:
+            raise MapBagError(f"the map cannot be written: {err}") from err
+        topics = map_topics(list(grid.layers), MAP_NAMESPACE)
         # The scale first, as the node publishes it, so a grid always meets the scale that decodes it.
-        self._put(f"{MAP_NAMESPACE}/scale", FLOAT64_ARRAY, self._scale(rows), log_ns)
-        for topic, data in grids:
-            self._put(topic, OCCUPANCY_GRID, self._occupancy(grid, data, stamp_ns), log_ns)
-        self._put(f"{MAP_NAMESPACE}/cloud", POINT_CLOUD, self._cloud(grid, known, stamp_ns), log_ns)
+        self._put(scale_topic(MAP_NAMESPACE), FLOAT64_ARRAY, self._scale(layout), log_ns)
+        for layer in layout.layers:
+            mean_topic, variance_topic = topics[layer.name]
+            self._put(mean_topic, OCCUPANCY_GRID, self._occupancy(grid, layer.mean_data, stamp_ns), log_ns)
+            self._put(variance_topic, OCCUPANCY_GRID, self._occupancy(grid, layer.variance_data, stamp_ns), log_ns)
+        self._put(cloud_topic(MAP_NAMESPACE), POINT_CLOUD,
+                  self._cloud(grid, layout.cloud, layout.cloud_fields, stamp_ns), log_ns)
         self.count += 1
 
     def close(self) -> Path:

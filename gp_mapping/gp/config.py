@@ -21,14 +21,15 @@ MIXING_LEARNING_CHOICES = ("first", "always", "never")
 
 
 def option(default, *, doc: str, low=None, high=None, low_open=False, choices=None, length=None, pattern=None,
-           pattern_doc=None, increasing=False):
+           pattern_doc=None, increasing=False, max_length=None):
     """A dataclass field with its validation rule and its one-line documentation.
 
     ``choices`` lists the allowed strings; ``pattern`` (a regular expression, described by ``pattern_doc``)
     allows more strings beside them. ``length``: a list's length, or a tuple of allowed lengths (0 in it: an
-    empty list is allowed, meaning "automatic"); ``increasing``: a list's entries must strictly increase."""
+    empty list is allowed, meaning "automatic"); ``increasing``: a list's entries must strictly increase;
+    ``max_length``: a string's longest length."""
     meta = {"doc": doc, "low": low, "high": high, "low_open": low_open, "choices": choices, "length": length,
-            "pattern": pattern, "pattern_doc": pattern_doc, "increasing": increasing}
+            "pattern": pattern, "pattern_doc": pattern_doc, "increasing": increasing, "max_length": max_length}
     if isinstance(default, list):
         return field(default_factory=lambda d=tuple(default): list(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -114,7 +115,11 @@ def describe_allowed(meta: Mapping[str, Any], ftype: str) -> str:
         lengths = meta["length"] if isinstance(meta["length"], tuple) else (meta["length"],)
         text = " or ".join(f"{n} finite numbers" for n in lengths if n)
         text = f"a list of {text}" + (", strictly increasing" if meta.get("increasing") else "")
+        if meta.get("low") is not None or meta.get("high") is not None:
+            text += f", each in {'(' if meta.get('low_open') else '['}{meta.get('low')}, {meta.get('high')}]"
         return ("an empty list (automatic) or " + text) if 0 in lengths else text
+    if meta.get("max_length"):
+        return f"a string of at most {meta['max_length']} characters"
     low, high = meta.get("low"), meta.get("high")
     if low is not None or high is not None:
         left = "(" if meta.get("low_open") else "["
@@ -140,6 +145,8 @@ def validate_value(key: str, value: Any, f: dataclasses.Field) -> Any:
         if meta.get("choices") and value not in meta["choices"] \
                 and not (meta.get("pattern") and re.fullmatch(meta["pattern"], value)):
             raise refuse(f"{value!r} is not allowed")
+        if meta.get("max_length") and len(value) > meta["max_length"]:
+            raise refuse(f"a string of {len(value)} characters is too long")
         return value
     if ftype == "list":
         lengths = meta["length"] if isinstance(meta["length"], tuple) else (meta["length"],)
@@ -154,6 +161,10 @@ def validate_value(key: str, value: Any, f: dataclasses.Field) -> Any:
             out.append(float(v))
         if meta.get("increasing") and any(b <= a for a, b in zip(out, out[1:])):
             raise refuse(f"{value!r} does not strictly increase")
+        low, high = meta.get("low"), meta.get("high")
+        if any((low is not None and (v < low or (meta.get("low_open") and v == low))) or (high is not None and v > high)
+               for v in out):
+            raise refuse(f"{value!r} holds an entry out of range")
         return out
     if ftype == "int":
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
