@@ -227,7 +227,7 @@ def test_mapper_checkpoint_round_trip_and_grid_with_tiles(drive, tmp_path):
     other = config_from_dict({"model": dataclasses.asdict(model_config(hyper_steps=5, tile_size=5.0))})
     with pytest.raises(MapStateError, match="tile_size"):
         Mapper.load(path, other)
-    ga, gb = mapper.grid(), loaded.grid()
+    ga, gb = mapper.grid(full=True), loaded.grid(full=True)
     for name in ga.layers:
         np.testing.assert_array_equal(ga.layers[name][0], gb.layers[name][0])
         np.testing.assert_array_equal(ga.layers[name][1], gb.layers[name][1])
