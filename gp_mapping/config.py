@@ -102,6 +102,14 @@ class GridConfig:
 class NodeConfig:
     """ROS-facing settings of the mapping node (section ``node``)."""
 
+    pose_source: str = _opt("topic", doc="where the pose comes from: the pose topic (in grid.frame_id), or /tf and "
+                            "/tf_static (grid.frame_id to the magnetometer frame, else to node.base_frame)",
+                            choices=("topic", "tf"))
+    base_frame: str = _opt("base_link", doc="pose_source tf: the body frame, used with sync.sensor_translation / "
+                           "sync.sensor_rotation when tf does not hold the magnetometer frame")
+    tf_timeout: float = _opt(1.0, doc="pose_source tf: a reading is refused (tf_missing) when a reading this many "
+                             "seconds newer has come and its transforms still have not [s]", low=0.0, low_open=True,
+                             high=60.0)
     pose_type: str = _opt("pose_stamped", doc="message type on the pose topic",
                           choices=("pose_stamped", "odometry", "pose_with_covariance"))
     publish_period: float = _opt(1.0, doc="seconds between map publications (at most 20 a second: each one "

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from gp_mapping import bag_io
+from gp_mapping.bag import (Bag, BagError, CorruptBagError, MapBagWriter, PoseSource, TransformBuffer, TransformError,
+                            choose_pose_source, decode_magnetic_field, decode_pose, is_identity_extrinsic)
 from gp_mapping.config import ConfigError, MapperConfig, load_config
 
 NPZ_NAME = "map.npz"
@@ -59,7 +60,7 @@ class ReplayResult:
 
     bag_path: Path
     mag_topic: str
-    pose_source: bag_io.PoseSource
+    pose_source: PoseSource
     mapper: Any
     grid: Any                     # the final MapGrid, or None when no sample was accepted
     counts: dict[str, Any]        # messages read, poses fed, tf lookups refused, updates, snapshots, mapper counters
@@ -81,7 +82,7 @@ def _as_config(config: MapperConfig | str | Path | None) -> MapperConfig:
     return load_config(config)
 
 
-def _tf_config(config: MapperConfig, source: bag_io.PoseSource, mag_frame: str, notes: list[str]) -> MapperConfig:
+def _tf_config(config: MapperConfig, source: PoseSource, mag_frame: str, notes: list[str]) -> MapperConfig:
     """The config to map with along a tf chain: the map lives in the chain's parent frame, and a chain that
     ends at the magnetometer frame already holds the sensor extrinsic (so the config's is not applied again)."""
     if source.kind != "tf":
@@ -93,7 +94,7 @@ def _tf_config(config: MapperConfig, source: bag_io.PoseSource, mag_frame: str, 
     if source.child != mag_frame:
         return config
     sync = config.sync
-    if not bag_io.is_identity_extrinsic(sync.sensor_translation, sync.sensor_rotation):
+    if not is_identity_extrinsic(sync.sensor_translation, sync.sensor_rotation):
         notes.append(f"the tf chain {source.parent} -> {source.child} already places the magnetometer; the "
                      f"config's sync.sensor_translation {sync.sensor_translation} and sync.sensor_rotation "
                      f"{sync.sensor_rotation} are not applied on top of it")
@@ -113,7 +114,7 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
     and the final map to ``out_dir/map.npz`` and ``out_dir/map.png`` (files of those names are replaced);
     without it no snapshot is predicted, only the final map.
 
-    Raises :class:`gp_mapping.bag_io.BagError` (bag, topic or pose-source problems), ConfigError, or
+    Raises :class:`gp_mapping.bag.BagError` (bag, topic or pose-source problems), ConfigError, or
     ReplayError when no sample could be matched with a pose. A bag that breaks part way (truncated, corrupt, a
     message that cannot be decoded) ends the reading there: what was read is mapped and written as usual, then
     :class:`IncompleteReplayError` (carrying the result) is raised.
@@ -126,10 +127,10 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
     bag_path = Path(bag_path)
     notes: list[str] = []
     out = Path(out_dir) if out_dir is not None else None
-    with bag_io.Bag(bag_path) as bag:
+    with Bag(bag_path) as bag:
         mag_topic = bag.mag_topic(mag_topic)
         mag_frame = bag.first_frame_id(mag_topic)
-        source, tf_buffer = bag_io.choose_pose_source(bag, pose_topic=pose_topic, tf_frames=tf_frames,
+        source, tf_buffer = choose_pose_source(bag, pose_topic=pose_topic, tf_frames=tf_frames,
                                                       map_frame=config.grid.frame_id, mag_frame=mag_frame)
         config = _tf_config(config, source, mag_frame, notes)
         mapper = Mapper(config)
@@ -140,11 +141,11 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
         writer = None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            writer = bag_io.MapBagWriter(out / MCAP_NAME, config.sync.field_unit, overwrite=True,
+            writer = MapBagWriter(out / MCAP_NAME, config.sync.field_unit, overwrite=True,
                                          mean_range=config.grid.mean_range,
                                          variance_range=config.grid.variance_range)
         started = time.perf_counter()
-        broken: list[bag_io.CorruptBagError] = []
+        broken: list[CorruptBagError] = []
         try:
             next_snapshot, bag_time = None, bag.start_time
             with tqdm(total=sum(bag.counts.get(t, 0) for t in topics), unit="msg", desc=bag_path.name,
@@ -154,7 +155,7 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
                     bag_time = bag_time_ns * 1e-9
                     if topic == mag_topic:
                         counts["mag_messages"] += 1
-                        sample = bag_io.decode_magnetic_field(msg, bag_time_ns)
+                        sample = decode_magnetic_field(msg, bag_time_ns)
                         if tf_buffer is None or _feed_tf_pose(mapper, tf_buffer, source, sample.stamp, max_gap):
                             mapper.add_magnetic_field(sample.stamp, sample.field, frame_id=sample.frame_id,
                                                       receive_time=bag_time)
@@ -162,7 +163,7 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
                             counts["tf_lookups_failed"] += 1
                     else:
                         counts["pose_messages"] += 1
-                        pose = bag_io.decode_pose(msg, msgtype, bag_time_ns)
+                        pose = decode_pose(msg, msgtype, bag_time_ns)
                         # The Mapper's rule, as in the node: a pose in another frame is refused (no tf lookup).
                         mapper.add_pose(pose.stamp, pose.position, pose.orientation, receive_time=bag_time,
                                         frame_id=pose.frame_id)
@@ -225,22 +226,22 @@ def _until_broken(messages, broken: list):
     """The messages of ``messages`` until the bag breaks; the CorruptBagError, if any, is appended to ``broken``."""
     try:
         yield from messages
-    except bag_io.CorruptBagError as err:
+    except CorruptBagError as err:
         broken.append(err)
 
 
-def _feed_tf_pose(mapper, tf_buffer: bag_io.TransformBuffer, source: bag_io.PoseSource, stamp: float,
+def _feed_tf_pose(mapper, tf_buffer: TransformBuffer, source: PoseSource, stamp: float,
                   max_gap: float) -> bool:
     """Give the mapper the tf chain's pose at ``stamp``; False when tf has no transform there (tf2 semantics)."""
     try:
         position, orientation = tf_buffer.lookup(source.parent, source.child, stamp, max_gap)
-    except bag_io.TransformError:
+    except TransformError:
         return False
     mapper.add_pose(stamp, position, orientation)
     return True
 
 
-def _snapshot(writer: bag_io.MapBagWriter, grid, bag_time: float) -> int:
+def _snapshot(writer: MapBagWriter, grid, bag_time: float) -> int:
     if grid is None:
         return 0
     writer.write(grid, bag_time)
@@ -403,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
             if kind in err.result.files:
                 print(f"wrote {err.result.files[kind].resolve()} (partial)")
         return 1
-    except (bag_io.BagError, ConfigError, ReplayError, GridError) as err:
+    except (BagError, TransformError, ConfigError, ReplayError, GridError) as err:
         print(f"gp-mapping replay: error: {err}", file=sys.stderr)
         return 1
     for note in result.notes:

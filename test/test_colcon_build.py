@@ -64,6 +64,17 @@ def test_installed_commands_run(workspace):
     assert str(workspace / "install") in proc.stdout
 
 
+def test_colcon_finds_only_gp_mapping_in_the_repository(workspace):
+    """interfaces/tf2_msgs (the development venv's TFMessage bindings) is never built in a robot's workspace,
+    where the distribution's tf2_msgs is: colcon does not look inside a package's folder."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, "-m", "colcon", "list", "--names-only"], cwd=workspace, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["gp_mapping"]
+
+
 def test_share_files_are_installed(workspace):
     share = workspace / "install" / "gp_mapping" / "share"
     assert (share / "ament_index" / "resource_index" / "packages" / "gp_mapping").is_file()

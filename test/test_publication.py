@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gp_mapping import bag_io
+from gp_mapping.bag import MapBagWriter
 from gp_mapping.mapping import publication
 from gp_mapping.mapping.grid import GridSpec
 from gp_mapping.mapping.mapper import MapGrid, vector_layers
@@ -55,7 +55,7 @@ def _bag_messages(tmp_path, grid) -> list:
     from rosbags.highlevel import AnyReader
 
     path = tmp_path / "maps.mcap"
-    with bag_io.MapBagWriter(path, grid.field_unit) as writer:
+    with MapBagWriter(path, grid.field_unit) as writer:
         writer.write(grid, 1240.0)
     with AnyReader([path]) as reader:
         return [(conn.topic, conn.msgtype, bytes(data)) for conn, _, data in reader.messages()]

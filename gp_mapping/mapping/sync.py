@@ -162,6 +162,33 @@ class Measurements:
         return Measurements(self.x[sl], self.y[sl], self.t[sl], self.position[sl])
 
 
+def interpolate_poses(stamps: np.ndarray, positions: np.ndarray, orientations: np.ndarray, t: np.ndarray,
+                      max_gap: float) -> tuple[np.ndarray, ...]:
+    """The pose at each stamp ``t`` from time-ordered poses (``stamps`` (K,), ``positions`` (K, 3),
+    ``orientations`` (K, 4) [x, y, z, w]): linear interpolation of the positions and slerp of the orientations
+    between the last pose at or before ``t`` and the first at or after it, the matching rule of this module
+    (and of the replay's tf lookups). Returns (positions (N, 3), orientations (N, 4), has a pose before (N,),
+    both neighbours within ``max_gap`` (N,), and the indices (N,) of the two neighbours, clipped to the poses).
+    A stamp after the last pose takes the last one as both neighbours: callers decide only stamps up to it.
+    """
+    st = stamps
+    i1 = np.searchsorted(st, t, side="left")  # first pose at or after t
+    exact = (i1 < st.shape[0]) & (st[np.minimum(i1, st.shape[0] - 1)] == t)
+    i0 = np.where(exact, i1, i1 - 1)          # last pose at or before t
+    has_before = i0 >= 0
+    i0c = np.clip(i0, 0, st.shape[0] - 1)
+    i1c = np.clip(i1, 0, st.shape[0] - 1)
+    t0, t1 = st[i0c], st[i1c]
+    within = has_before & (t - t0 <= max_gap) & (t1 - t <= max_gap)
+    span = t1 - t0
+    alpha = np.where(span > 0, (t - t0) / np.where(span > 0, span, 1.0), 0.0)
+    p0, p1 = positions[i0c], positions[i1c]
+    q0, q1 = orientations[i0c], orientations[i1c]
+    pos = p0 + alpha[:, None] * (p1 - p0)
+    quat = slerp(q0, q1, alpha) if t.shape[0] else np.zeros((0, 4))
+    return pos, quat, has_before, within, i0c, i1c
+
+
 class _PoseBuffer:
     """Time-ordered poses in growable numpy arrays, trimmed to a time window (cheap searchsorted lookups)."""
 
@@ -216,22 +243,10 @@ class _PoseBuffer:
 
         Every ``t`` must be at or before the newest pose.
         """
-        st = self.stamps
-        i1 = np.searchsorted(st, t, side="left")  # first pose at or after t
-        exact = (i1 < st.shape[0]) & (st[np.minimum(i1, st.shape[0] - 1)] == t)
-        i0 = np.where(exact, i1, i1 - 1)          # last pose at or before t
-        has_before = i0 >= 0
-        i0c = np.clip(i0, 0, st.shape[0] - 1)
-        i1c = np.clip(i1, 0, st.shape[0] - 1)
-        t0, t1 = st[i0c], st[i1c]
-        within = has_before & (t - t0 <= max_gap) & (t1 - t <= max_gap)
-        span = t1 - t0
-        alpha = np.where(span > 0, (t - t0) / np.where(span > 0, span, 1.0), 0.0)
-        p0, p1 = self._p[self._lo + i0c], self._p[self._lo + i1c]
-        q0, q1 = self._q[self._lo + i0c], self._q[self._lo + i1c]
-        pos = p0 + alpha[:, None] * (p1 - p0)
-        quat = slerp(q0, q1, alpha) if t.shape[0] else np.zeros((0, 4))
-        across = self._jump[self._lo + i1c]
+        lo, hi = self._lo, self._hi
+        pos, quat, has_before, within, _, i1 = interpolate_poses(self._t[lo:hi], self._p[lo:hi], self._q[lo:hi], t,
+                                                                 max_gap)
+        across = self._jump[lo + i1]
         return pos, quat, has_before, within, across
 
 

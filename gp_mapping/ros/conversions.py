@@ -24,6 +24,7 @@ from gp_mapping.mapping.grid import decode_occupancy
 from gp_mapping.mapping.publication import (SCALE_COLUMNS, EncodedLayer, PublicationError, cloud_field_names,  # noqa: F401
                                             cloud_points, encode_layers, parse_scale_labels, publishable_known,
                                             scale_labels)
+from gp_mapping.mapping.transforms import TransformSample, frame_name
 
 POSE_TYPES: dict[str, type] = {
     "pose_stamped": PoseStamped,
@@ -76,6 +77,17 @@ def field_from_msg(msg: MagneticField) -> tuple[float, np.ndarray, str]:
     """MagneticField -> (stamp, field in tesla (3,), frame_id)."""
     b = msg.magnetic_field
     return stamp_to_seconds(msg.header.stamp), np.array([b.x, b.y, b.z], dtype=np.float64), msg.header.frame_id
+
+
+def transforms_from_msg(msg: Any) -> list[TransformSample]:
+    """tf2_msgs/TFMessage -> one TransformSample per transform (stamp, parent, child, translation, rotation)."""
+    out = []
+    for ts in msg.transforms:
+        t, q = ts.transform.translation, ts.transform.rotation
+        out.append(TransformSample(stamp_to_seconds(ts.header.stamp), frame_name(ts.header.frame_id),
+                                   frame_name(ts.child_frame_id), np.array([t.x, t.y, t.z], dtype=np.float64),
+                                   np.array([q.x, q.y, q.z, q.w], dtype=np.float64)))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ outputs

@@ -10,7 +10,11 @@ Subscriptions (sensor-data QoS: best effort, keep last ``node.queue_depth``)
               ``sync.sensor_translation`` / ``sync.sensor_rotation``).
     ``pose``  geometry_msgs/PoseStamped, nav_msgs/Odometry or geometry_msgs/PoseWithCovarianceStamped as
               ``node.pose_type`` says; the body pose in ``grid.frame_id`` (a pose in another frame is
-              rejected and counted as ``pose_frame_mismatch``; there is no tf lookup).
+              rejected and counted as ``pose_frame_mismatch``).
+    ``/tf``, ``/tf_static``  tf2_msgs/TFMessage, instead of ``pose`` when ``node.pose_source`` is ``tf``: each
+              reading gets the pose of ``grid.frame_id`` -> its frame (mount from /tf_static), or ->
+              ``node.base_frame`` with the configured extrinsic (:class:`gp_mapping.mapping.transforms.TfPoseMatcher`;
+              refusals ``tf_missing``, ``tf_stale``).
     Stamps come from the message headers; a header left at zero gets the receive time on the node's clock
     (the offline replay uses the bag's receive time for such messages).
 
@@ -111,6 +115,7 @@ from gp_mapping.mapping import publication
 from gp_mapping.mapping.grid import check_grid_config
 from gp_mapping.mapping.mapper import Mapper
 from gp_mapping.mapping.publication import NODE_NAME
+from gp_mapping.mapping.transforms import TfPoseMatcher
 from gp_mapping.ros import conversions
 
 DIAGNOSTICS_PERIOD = 1.0  # seconds (node clock), the usual rate of /diagnostics
@@ -234,8 +239,8 @@ class MapperNode(Node):
         self._updates_waiting = False  # the last update step ran an update: more full batches may be ready
         self._stopping = False
         self._mapper_diagnostics: dict[str, Any] = self.mapper.diagnostics()  # the update thread refreshes it
-        self._counts: dict[str, int] = {"mag_messages": 0, "pose_messages": 0, "updates": 0, "maps_published": 0,
-                                        "errors": 0, "stamps_from_clock": 0}
+        self._counts: dict[str, int] = {"mag_messages": 0, "pose_messages": 0, "tf_messages": 0, "updates": 0,
+                                        "maps_published": 0, "errors": 0, "stamps_from_clock": 0}
         self._node_rejected: dict[str, int] = {"pose_frame_mismatch": 0, "inbox_overflow": 0,
                                                "transport_lost_mag": 0, "transport_lost_pose": 0}
         self._latency = {"last": math.nan, "max": 0.0, "sum": 0.0, "count": 0}
@@ -256,8 +261,12 @@ class MapperNode(Node):
         self._last_sequence: dict[str, dict[bytes, int]] = {"mag": {}, "pose": {}}
         self.create_subscription(MagneticField, "mag", lambda msg, info: self._receive("mag", msg, info),
                                  sensor_qos)
-        self.create_subscription(conversions.POSE_TYPES[self.config.node.pose_type], "pose",
-                                 lambda msg, info: self._receive("pose", msg, info), sensor_qos)
+        self._tf: TfPoseMatcher | None = None
+        if self.config.node.pose_source == "tf":
+            self._subscribe_tf()
+        else:
+            self.create_subscription(conversions.POSE_TYPES[self.config.node.pose_type], "pose",
+                                     lambda msg, info: self._receive("pose", msg, info), sensor_qos)
 
         self._map_pubs = {layer: (self.create_publisher(OccupancyGrid, mean, MAP_QOS),
                                   self.create_publisher(OccupancyGrid, var, MAP_QOS))
@@ -293,10 +302,40 @@ class MapperNode(Node):
         self._worker = threading.Thread(target=self._worker_loop, name="gp_mapping_updates", daemon=True)
         self._worker.start()
         self._service_thread.start()
-        self.get_logger().info(
-            f"mapping {self.config.sync.target} of the field in {self.config.sync.field_unit} on frame "
-            f"'{self.config.grid.frame_id}' with {self.config.model.engine} (M={self.config.model.num_inducing}); "
-            f"pose type {self.config.node.pose_type}; publishing every {self.config.node.publish_period} s")
+        self.get_logger().info(self.describe())
+
+    def describe(self) -> str:
+        """The start-up line: what is mapped, from which topics and frames, with which engine on which device."""
+        c = self.config
+        resolve = self.resolve_topic_name
+        if self._tf is not None:
+            pose = (f"pose from tf ({resolve('/tf')}, {resolve('/tf_static')}): {c.grid.frame_id} -> the "
+                    f"magnetometer frame, or -> {c.node.base_frame} with the configured sensor extrinsic")
+        else:
+            pose = f"pose {c.node.pose_type} on {resolve('pose')} in frame '{c.grid.frame_id}'"
+        device = getattr(getattr(self.mapper, "model", None), "device", c.model.device)
+        return (f"mapping {c.sync.target} of the field in {c.sync.field_unit}: magnetometer on {resolve('mag')}, "
+                f"{pose}; map frame '{c.grid.frame_id}'; {c.model.engine} (M={c.model.num_inducing}) on {device}; "
+                f"publishing under {self.get_fully_qualified_name()}/ every {c.node.publish_period} s")
+
+    def _subscribe_tf(self) -> None:
+        """``node.pose_source: tf``: /tf and /tf_static (the QoS of tf2_ros's listener) feed the transform
+        buffer that places each reading (mapping/transforms.py, shared with the replay)."""
+        try:
+            from tf2_msgs.msg import TFMessage
+        except ImportError as err:
+            raise NodeStartError("node.pose_source is 'tf' but the tf2_msgs Python package is not installed (it "
+                                 "comes with ROS; in this repository's venv `make venv` builds it)") from err
+        c = self.config
+        self._tf = TfPoseMatcher(c.grid.frame_id, c.node.base_frame,
+                                 (c.sync.sensor_translation, c.sync.sensor_rotation), c.sync.max_pose_gap,
+                                 c.node.tf_timeout, cache_seconds=max(c.sync.pose_buffer_seconds, 10.0))
+        dynamic = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=100, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.VOLATILE)
+        static = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=100, reliability=ReliabilityPolicy.RELIABLE,
+                            durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self.create_subscription(TFMessage, "/tf", lambda msg: self.on_tf(msg, static=False), dynamic)
+        self.create_subscription(TFMessage, "/tf_static", lambda msg: self.on_tf(msg, static=True), static)
 
     # ------------------------------------------------------------------------------------------ parameters
 
@@ -466,22 +505,41 @@ class MapperNode(Node):
         self._counts["pose_messages"] += 1
         self._push(("pose", stamp, position, (orientation, frame), now))
 
+    def on_tf(self, msg: Any, static: bool = False) -> None:
+        """Subscription callback of ``/tf`` and ``/tf_static`` (``node.pose_source: tf``)."""
+        samples = conversions.transforms_from_msg(msg)
+        self._counts["tf_messages"] += 1
+        self._push(("tf", 0.0, samples, static, self._now()))
+
     def _feed_inbox(self) -> None:
         """Hand every buffered message to the mapper in arrival order (caller holds ``_lock``)."""
         with self._inbox_cond:
             items, self._inbox = self._inbox, deque()
+        tf = self._tf
         for kind, stamp, a, b, now in items:
             if kind == "pose":
                 self.mapper.add_pose(stamp, a, b[0], receive_time=now, frame_id=b[1])
+            elif kind == "tf":
+                for sample in a:
+                    tf.add_transform(sample, static=b)
+            elif tf is not None:
+                tf.add_field(stamp, a, b, receive_time=now)
             else:
                 self.mapper.add_magnetic_field(stamp, a, frame_id=b, receive_time=now)
+        if tf is not None:  # readings whose transforms have come, in arrival order, each with its pose
+            for stamp, position, orientation, reading in tf.ready():
+                self.mapper.add_pose(stamp, position, orientation, receive_time=reading.receive_time,
+                                     frame_id=self.config.grid.frame_id)
+                self.mapper.add_magnetic_field(stamp, reading.field, frame_id=reading.frame_id,
+                                               receive_time=reading.receive_time)
         refused = self.mapper.pose_frame_mismatch  # the Mapper's rule: a pose must be in grid.frame_id
         if refused != self._node_rejected["pose_frame_mismatch"]:
             if refused > self._node_rejected["pose_frame_mismatch"]:
                 frames = ", ".join(repr(f) for f in sorted(self.mapper.refused_pose_frames))
                 self.get_logger().warning(f"poses in frame(s) {frames}, expected grid.frame_id "
-                                          f"'{self.config.grid.frame_id}'; rejected (no tf lookup in this node)",
-                                          throttle_duration_sec=5.0)
+                                          f"'{self.config.grid.frame_id}'; rejected (node.pose_source topic: the "
+                                          "pose topic must be in the map frame; node.pose_source tf looks frames "
+                                          "up in /tf)", throttle_duration_sec=5.0)
             self._node_rejected["pose_frame_mismatch"] = refused
 
     def _run_updates(self, flush: bool = False, max_updates: int | None = None) -> int:
@@ -693,6 +751,12 @@ class MapperNode(Node):
         _flatten("", mapper_diag, values)
         values.update({f"node/{k}": v for k, v in self._counts.items()})
         values.update({f"node/rejected/{k}": v for k, v in self._node_rejected.items()})
+        if self._tf is not None:  # read without a lock: counters only grow, a stale value is one second old
+            values.update({f"node/rejected/{k}": v for k, v in self._tf.rejected.items()})
+            values["node/tf_waiting"] = self._tf.waiting
+            values["node/tf_from_sensor_frame"] = self._tf.from_sensor_frame
+            values["node/tf_from_base_frame"] = self._tf.from_base_frame
+            values["node/tf_rejected_transforms"] = self._tf.buffer.rejected
         values["node/inbox"] = inbox
         lat = self._latency
         values["node/update_latency_last_s"] = lat["last"]
@@ -774,8 +838,7 @@ class MapperNode(Node):
                     self._inbox.clear()
                 self.mapper = mapper
                 self._mapper_diagnostics = self.mapper.diagnostics()
-                self._dirty = True
-                self._publish_due = True  # the loaded map goes out at once
+                self._publish_due = True  # the loaded map (changed, for the Mapper) goes out at once
                 self._last_error = ""
             return (f"loaded {Path(path).resolve()} ({self._mapper_diagnostics.get('num_seen', 0)} samples in the "
                     f"model; {dropped} buffered messages dropped)")
@@ -789,6 +852,8 @@ class MapperNode(Node):
                     dropped = len(self._inbox)
                     self._inbox.clear()
                 self.mapper.reset()
+                if self._tf is not None:
+                    self._tf.clear()
                 self._mapper_diagnostics = self.mapper.diagnostics()
                 self.mapper.mark_published()  # the cleared map below
                 self._last_error = ""
