@@ -39,7 +39,8 @@ from gp_mapping.mapping.sync import REJECTION_REASONS, UNIT_SYMBOL, Measurements
 # Config keys that decide what the saved model means; a state file refuses a config that changes them.
 STATE_DEFINING_KEYS = (("model", "engine"), ("model", "kernel"), ("model", "likelihood"), ("model", "ard"),
                        ("model", "constant_kernel"), ("sync", "target"), ("sync", "input_dims"),
-                       ("sync", "field_unit"))
+                       ("sync", "field_unit"), ("model", "tile_size"), ("model", "tile_overlap"),
+                       ("model", "tile_height"))
 TRAJECTORY_MAX_POINTS = 20_000
 PREDICTION_CHECK_POINTS = 64  # batch points predicted after each update to catch a non-finite model
 LOG = logging.getLogger("gp_mapping.mapper")
@@ -248,9 +249,13 @@ class Mapper:
             return min(n, b.max_pending)
         return b.max_pending if t.shape[0] >= b.max_pending else 0
 
-    def _fail(self, batch: Measurements, before: dict, why: str) -> None:
-        """Roll the model back to ``before``, count the batch as dropped and log why."""
-        self.model.load_state_dict(before)
+    def _fail(self, batch: Measurements, before: dict | None, why: str) -> None:
+        """Roll the model back to ``before`` (None: the model's own ``rollback``), count the batch as dropped
+        and log why."""
+        if before is None:
+            self.model.rollback()
+        else:
+            self.model.load_state_dict(before)
         self.failed_updates += 1
         self.dropped += len(batch)
         self.dropped_failed_update += len(batch)
@@ -265,7 +270,14 @@ class Mapper:
         from gp_mapping.gp import GPNumericalError, ModelInputError
 
         start = time.perf_counter()
-        before = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        # A model that records its own changes (begin_update / rollback: the tiled model, whose state grows with
+        # the area) is rolled back by itself; otherwise from a copy of its whole state.
+        begin = getattr(self.model, "begin_update", None)
+        if begin is not None and callable(getattr(self.model, "rollback", None)):
+            begin()
+            before = None
+        else:
+            before = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         try:
             stats = self.model.update(batch.x, batch.y)
             check = batch.x[:PREDICTION_CHECK_POINTS]
