@@ -31,7 +31,7 @@ import numpy as np
 from bench.common import percentiles, rss_bytes
 from bench.speed import shipped_config
 
-RSS_EVERY_S = 10.0
+RSS_EVERY_S = 10.0  # emulated seconds between two samples of the resident memory (less in a short run)
 Q = np.array([0.0, 0.0, 0.0, 1.0])
 
 
@@ -144,7 +144,7 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
         if now >= next_rss:
             rss_t.append(now - t0)
             rss.append(rss_bytes())
-            next_rss += RSS_EVERY_S
+            next_rss += min(RSS_EVERY_S, duration / 200)
         if now - last_log >= duration / 10:
             last_log = now
             log(f"  explore: {now - t0:.0f}/{duration:.0f} s emulated, {time.perf_counter() - wall:.0f} s wall, "

@@ -66,8 +66,8 @@ QUICK = {
        "large_exact_points": 300, "large_exact_hyper_points": 200, "large_exact_iterations": 5,
        "large_test_every": 6, "large_sample_every": 50, "large_warmup_seconds": 0.0, "large_seed": 0,
        "large_dims": (2,)},
-    **{"explore_area": 40.0, "explore_lane": 10.0, "explore_seconds": 60.0, "explore_rate": 50.0,
-       "explore_warmup_seconds": 10.0, "explore_seed": 0, "explore_window": None},
+    **{"explore_area": 30.0, "explore_lane": 10.0, "explore_seconds": 30.0, "explore_rate": 50.0,
+       "explore_warmup_seconds": 5.0, "explore_seed": 0, "explore_window": None},
 }
 
 
