@@ -716,7 +716,7 @@ class _MapperCore:
         with self._lock:
             self.mapper.mark_published()
             try:
-                grid = self.mapper.grid()
+                grid = self.mapper.grid(predict_unknown=False)  # a map shows known cells only
             except Exception as err:
                 self._report(f"map prediction failed: {type(err).__name__}: {err}")
                 return
