@@ -96,6 +96,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from nav_msgs.msg import OccupancyGrid
@@ -124,7 +125,7 @@ DIAGNOSTICS_PERIOD = 1.0  # seconds (node clock), the usual rate of /diagnostics
 # other one is declared read-only because the model, the sync, the grid lattice or the subscriptions are built
 # from it at start.
 LIVE_PARAMETERS = frozenset({"node.publish_period", "grid.unknown_distance", "grid.tile_size", "grid.margin",
-                             "grid.window",
+                             "grid.window", "grid.height",
                              "grid.mean_range", "grid.variance_range", "node.initial_map", "node.map_directory"})
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_CONFIG = 0, 1, 2
 LOG_THROTTLE_S = 5.0  # seconds between two log lines about refused input, failed updates or dropped backlog
@@ -751,17 +752,12 @@ class _MapperCore:
         self._last_error = ""  # the diagnostics show ERROR until the next good map
 
     def _publish_cleared(self) -> None:
-        """After a reset: every map topic gets the last geometry with all cells unknown, the cloud no points."""
+        """After a reset: the last geometry with every cell unknown, published as any map is (the scale that goes
+        with it first, the cloud without points), stamped on the maps' clock (the last map's data time)."""
         grid = self._last_grid
         if grid is None:
             return
-        stamp = self.get_clock().now().to_msg()
-        unknown = publication.unknown_data(grid)
-        for mean_pub, var_pub in self._map_pubs.values():
-            for pub in (mean_pub, var_pub):
-                msg = conversions.occupancy_msg(grid, unknown, stamp)
-                pub.publish(msg)
-        self._cloud_pub.publish(conversions.cloud_msg(grid, stamp, empty=True))
+        self._publish_grid(dataclasses.replace(grid, known=np.zeros(grid.spec.shape, dtype=bool)))
 
     def _on_checkpoint_timer(self) -> None:
         self._submit("checkpoint", self.write_checkpoint)
@@ -1055,15 +1051,15 @@ def spin(argv: list[str], lifecycle: bool = False, autostart: bool = False) -> i
     except Exception as err:  # rcl refuses malformed --ros-args or an unparsable params file
         print(f"gp_mapping mapper: cannot start ROS: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    # Before the node exists (so before any message or /clock arrives): the first update must not stall on
-    # the imports torch makes on first use.
-    warm_up_engines()
     try:
         try:
             node = LifecycleMapperNode() if lifecycle else MapperNode()
-        except NodeStartError as err:
+        except NodeStartError as err:  # at once: a bad parameter does not wait for the warm-up below
             rclpy.logging.get_logger(NODE_NAME).fatal(str(err))
             return EXIT_BAD_CONFIG
+        # Before the executor takes any message (or /clock): the first update must not stall on the imports
+        # torch makes on first use.
+        warm_up_engines()
         if lifecycle and autostart:
             if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
                 node.destroy_node()
@@ -1073,16 +1069,29 @@ def spin(argv: list[str], lifecycle: bool = False, autostart: bool = False) -> i
         # MultiThreadedExecutor took about 400 of 30 000 messages under a 1 kHz flood on two cores.
         executor = SingleThreadedExecutor()
         executor.add_node(node)
+        sys.unraisablehook = quiet_interrupts_in_finalizers
         try:
             executor.spin()
         except (KeyboardInterrupt, ExternalShutdownException):
             pass
+        except RuntimeError:  # rclpy's SIGINT handler can invalidate the context under the executor's wait
+            if rclpy.ok():
+                raise
         finally:
             executor.shutdown()
             node.close()
         return EXIT_OK
     finally:
         rclpy.try_shutdown()
+
+
+def quiet_interrupts_in_finalizers(unraisable: Any) -> None:
+    """``sys.unraisablehook`` of the node's process: a Ctrl-C that lands while Python runs a finalizer (an rclpy
+    Future's ``__del__``) cannot be raised there and was printed as a traceback on a clean stop; the node is
+    stopping anyway, so it is dropped. Anything else is reported as usual."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def main(argv: list[str] | None = None) -> int:
