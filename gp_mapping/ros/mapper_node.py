@@ -1,7 +1,10 @@
 """The ROS 2 mapping node: magnetometer + pose in, Gaussian-process map of the magnetic field out.
 
 Run it with ``ros2 run gp_mapping mapper --ros-args --params-file config/mapper.yaml`` or
-``gp-mapping node --config config/mapper.yaml`` (any ``--ros-args ...`` after it are passed to ROS).
+``gp-mapping node --config config/mapper.yaml`` (any ``--ros-args ...`` after it are passed to ROS): the plain
+node, mapping from the start. ``ros2 run gp_mapping lifecycle_mapper`` runs the same node as an rclpy lifecycle
+(managed) node: configure (parameters, model, publishers), activate (subscriptions, timers, services),
+deactivate (keeps the map), cleanup (drops it); ``--autostart`` configures and activates it without a manager.
 The node is thin: it converts messages to arrays, feeds a :class:`gp_mapping.mapping.mapper.Mapper`, and
 converts the Mapper's grids back to messages. The offline replay drives the same Mapper the same way.
 
