@@ -20,9 +20,11 @@ published only when it changed since the last publication (:attr:`map_changed`, 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +147,18 @@ class Mapper:
         self._last_xy: np.ndarray | None = None  # newest accepted sensor position: the window's centre
         self._clear()
         self._clear_pose_frames()
+        self.new_source()
+
+    def new_source(self) -> None:
+        """Give this map a fresh source id whose lineage is itself alone: the data it will see from now on are
+        nobody else's. A merge refuses two maps whose lineages share an id (the same data counted twice)."""
+        self.source_id = uuid.uuid4().hex
+        self.lineage = [self.source_id]
+
+    def set_lineage(self, source_id: str, lineage) -> None:
+        """This map holds the data of every id in ``lineage`` (a merged map: the union of its sources')."""
+        ids = sorted({str(i) for i in lineage} | {str(source_id)})
+        self.source_id, self.lineage = str(source_id), ids
 
     # ------------------------------------------------------------------------------------------------ input
 
@@ -430,6 +444,10 @@ class Mapper:
         """``(K, 2)`` accepted sensor positions, decimated (bounded), for plots."""
         return self._trajectory.array()
 
+    def add_trajectory(self, xy) -> None:
+        """Append positions ``(K, 2)`` to the plotted trajectory (a merged map takes its sources')."""
+        self._trajectory.add(np.asarray(xy, dtype=np.float64).reshape(-1, 2))
+
     @property
     def coverage(self) -> Coverage:
         return self._coverage
@@ -482,6 +500,7 @@ class Mapper:
         self._last_xy = None
         self._clear()
         self._clear_pose_frames()
+        self.new_source()
 
     def save(self, path: str | Path) -> None:
         """Write the model, coverage, trajectory, pending samples, the sync's pose buffer and samples waiting
@@ -532,6 +551,8 @@ class Mapper:
             "coverage_resolution": self._coverage.resolution,
             "trajectory_spacing": self._trajectory.spacing,
             "last_position": None if self._last_xy is None else [float(v) for v in self._last_xy],
+            "source_id": self.source_id,
+            "lineage": list(self.lineage),
         }
         sync_arrays, sync_info = self._sync.export_state()
         arrays.update({f"sync_{k}": v for k, v in sync_arrays.items()})
@@ -612,6 +633,14 @@ class Mapper:
         self.failed_updates = int(info.get("failed_updates", 0))
         self.jitter_escalations = int(info.get("jitter_escalations", 0))
         self.checkpoints = int(info.get("checkpoints", 0))
+        if "source_id" in info:
+            self.set_lineage(str(info["source_id"]), [str(i) for i in info.get("lineage", [])])
+        else:  # a file from before source ids: named by its model, so two copies of it are still one source
+            digest = hashlib.sha256()
+            for name in sorted(state.model_state):
+                digest.update(name.encode())
+                digest.update(state.model_state[name].detach().cpu().contiguous().numpy().tobytes())
+            self.set_lineage("legacy-" + digest.hexdigest()[:32], [])
         self.last_stamp = -math.inf if info["last_stamp"] is None else float(info["last_stamp"])
         if "sync" in info:  # files written before the sync state was saved start with empty buffers
             self._sync.import_state({k[len("sync_"):]: v for k, v in a.items() if k.startswith("sync_")},
