@@ -6,8 +6,9 @@
 Sections: ``accuracy`` (protocols 1 and 2 on the Solin 2018 recording; skipped with the reason when the
 recording is absent), ``speed`` (engine latency over M, grid prediction, replay real-time factors),
 ``growth`` (cost against samples seen over a long simulated drive), ``cuda`` (the engine sweep on the
-GPU; skipped without CUDA) and ``large`` (local submaps against one engine over a 100 m x 60 m simulated building,
-30 minutes, 2-D and 3-D inputs). A section that fails is recorded with its error and the others still run; the
+GPU; skipped without CUDA), ``large`` (local submaps against one engine over a 100 m x 60 m simulated building,
+30 minutes, 2-D and 3-D inputs) and ``merge`` (two robots' maps merged against one mapper; merge time against the
+number of sources, 1-16). A section that fails is recorded with its error and the others still run; the
 exit status is then 1. Everything in the outputs is regenerated from code on every run.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from bench.common import REPO_ROOT, jsonable, machine_info
 
-SECTIONS = ("accuracy", "speed", "growth", "cuda", "large")
+SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "merge")
 JSON_NAME = "bench.json"
 MD_NAME = "bench.md"
 
@@ -47,6 +48,9 @@ FULL = {
        "large_exact_points": 6000, "large_exact_hyper_points": 1500, "large_exact_iterations": 50,
        "large_test_every": 6, "large_sample_every": 500, "large_warmup_seconds": 60.0, "large_seed": 0,
        "large_dims": (2, 3)},
+    **{"merge_seconds": 120.0, "merge_rate": 10.0, "merge_batch": 50, "merge_m": 64, "merge_steps": 100,
+       "merge_sources": (1, 2, 4, 8, 16), "merge_strip_seconds": 60.0, "merge_strip_m": 32, "merge_resolution": 0.25,
+       "merge_seed": 3},
 }
 QUICK = {
     "p1_batches": 10, "p2_batch_seconds": 20.0, "p2_eval_every": 3, "fast_full_every": 10,
@@ -63,6 +67,9 @@ QUICK = {
        "large_exact_points": 300, "large_exact_hyper_points": 200, "large_exact_iterations": 5,
        "large_test_every": 6, "large_sample_every": 50, "large_warmup_seconds": 0.0, "large_seed": 0,
        "large_dims": (2,)},
+    **{"merge_seconds": 30.0, "merge_rate": 5.0, "merge_batch": 25, "merge_m": 24, "merge_steps": 10,
+       "merge_sources": (1, 2, 4), "merge_strip_seconds": 15.0, "merge_strip_m": 12, "merge_resolution": 0.5,
+       "merge_seed": 3},
 }
 
 
@@ -79,7 +86,7 @@ def _data_root(given: Path | None) -> tuple[Path | None, str | None]:
 
 
 def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[[str], None]) -> dict[str, Any]:
-    from bench import accuracy, growth, large, speed
+    from bench import accuracy, growth, large, merge, speed
 
     results: dict[str, Any] = {"machine": machine_info(), "plan": plan, "sections": {}}
     root, why = _data_root(data)
@@ -116,6 +123,8 @@ def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[
                 out = speed.cuda_section(plan["engine"], log)
             elif section == "large":
                 out = large.run(plan, log)
+            elif section == "merge":
+                out = merge.run(plan, log)
             else:
                 raise ValueError(f"unknown section {section!r}; choose from {', '.join(SECTIONS)}")
         except Exception as err:  # one broken section must not hide the others' numbers
@@ -238,6 +247,11 @@ def markdown(results: dict[str, Any]) -> str:
         from bench import large
 
         lines += large.markdown(lg)
+    mg = sec.get("merge")
+    if mg is not None:
+        from bench import merge
+
+        lines += merge.markdown(mg)
     cu = sec.get("cuda")
     if cu is not None:
         lines += ["## CUDA", ""]
