@@ -154,3 +154,17 @@ def test_bench_command_outside_the_source_tree_says_so(tmp_path, monkeypatch, ca
         bench_cli.add_arguments(argparse.ArgumentParser(prog="gp-mapping bench"))
     assert exit_info.value.code == 2
     assert "needs the gp_mapping source tree" in capsys.readouterr().err
+
+
+def test_quick_bench_merge_section(quick_run):
+    """Two robots' maps merged against one mapper, and merge times for 1..K sources (the quick world is tiny:
+    structure and sanity only; the full run's numbers are in README)."""
+    sec = quick_run["json"]["sections"]["merge"]
+    h = sec["halves"]
+    assert all(_finite(h[k]) and h[k] > 0 for k in ("merged_rmse", "single_rmse", "ratio", "merge_seconds"))
+    assert h["global_m"] > 0
+    counts = [r["sources"] for r in sec["timing"]]
+    assert counts == list(quick_run["json"]["plan"]["merge_sources"])
+    assert all(r["closed_form_seconds"] > 0 and r["learned_seconds"] > 0 and _finite(r["rmse_covered"])
+               for r in sec["timing"])
+    assert "## Merging maps" in quick_run["md"]
