@@ -19,7 +19,7 @@ from conftest import REPO_ROOT, SHARED_DATA, shared_data
 pytest.importorskip("gpytorch")
 pytestmark = pytest.mark.slow
 
-SECTIONS = ("accuracy", "speed", "growth", "cuda", "large")
+SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "merge")
 STREAMING = ("dual_svgp_full", "dual_svgp_fast", "dual_svgp_fast_only", "bui2017_osgpr", "nearest_neighbour",
              "constant_mean")
 OFFLINE = ("offline_svgp", "exact_gp")
@@ -67,7 +67,7 @@ def test_quick_bench_writes_every_section_and_finite_ratios(quick_run):
         values = value if isinstance(value, list) else [value]
         assert values and all(_finite(v) and v > 0 for v in values), f"{path} holds a non-finite ratio: {value}"
     md = quick_run["md"]
-    for heading in ("## Speed", "## Cost as the stream grows", "## CUDA", "## Large area"):
+    for heading in ("## Speed", "## Cost as the stream grows", "## CUDA", "## Large area", "## Merging maps"):
         assert heading in md
     assert (quick_run["out"] / "growth.png").stat().st_size > 1000
 
