@@ -16,6 +16,8 @@ SUBCOMMANDS = {
                "(--save-state: the state the node starts from)"),
     "export": ("gp_mapping.export", "write a map state or map.npz as nav2 map_server files (PGM + YAML per layer), "
                "map.npz and map.png"),
+    "merge": ("gp_mapping.merge_cli", "merge saved maps (several robots or sessions) into one without their data; "
+              "writes merged.safetensors, map.npz, map.png"),
     "node": ("gp_mapping.ros.mapper_node", "run the ROS 2 mapping node (same as `ros2 run gp_mapping mapper`)"),
     "bench": ("gp_mapping.bench_cli", "benchmarks: engines vs baselines (accuracy, latency, growth)"),
 }

@@ -268,8 +268,8 @@ def test_a_shutdown_during_a_publication_stops_the_update_thread_cleanly(monkeyp
         _wait_idle(node)
         real_grid = node.mapper.grid
 
-        def slow_grid():
-            grid = real_grid()
+        def slow_grid(*args, **kwargs):
+            grid = real_grid(*args, **kwargs)
             context.shutdown()  # what rclpy's SIGTERM handler does while the prediction runs
             return grid
 
@@ -360,6 +360,13 @@ def test_publication_cost_is_bounded_by_the_window_not_the_explored_area():
     mapper.model = counting
     grid = mapper.grid()
     assert sum(counting.calls) == grid.spec.num_cells <= 40 * 40
+    counting.calls.clear()
+    published = mapper.grid(predict_unknown=False)         # what the node publishes: the known cells alone
+    assert sum(counting.calls) == int(published.known.sum()) < grid.spec.num_cells
+    known = published.known
+    for name, (mean, var) in grid.layers.items():
+        np.testing.assert_allclose(published.layers[name][0][known], mean[known], rtol=1e-9, atol=1e-9)
+        assert np.all(np.isnan(published.layers[name][0][~known]))
     # The full map is still there for saving and export: the visited extent, predicted in bounded tiles.
     full = mapper.grid(full=True)
     assert full.extent == "full" and full.spec.num_cells > grid.spec.num_cells

@@ -96,6 +96,14 @@ class ModelConfig:
                                   "E-step (a Gaussian likelihood has a closed-form E-step)", low=1, high=100_000)
     variational_lr: float = option(0.02, doc="continual_mogp, non-Gaussian likelihoods: Adam learning rate on q(u)",
                                  low=0.0, low_open=True, high=10.0)
+    tile_size: float = option(0.0, doc="local submaps: side of the square tiles that each hold their own engine "
+                              "with num_inducing points, for areas larger than a room (README 'Large areas'); 0: one "
+                              "global engine [m]", low=0.0, high=1e5)
+    tile_overlap: float = option(2.0, doc="tiles: width of the band around a tile border where two tiles share the "
+                                 "data and their maps are blended; at most tile_size (and tile_height) [m]", low=0.0,
+                                 low_open=True, high=1e5)
+    tile_height: float = option(0.0, doc="tiles with 3-D inputs: side of the tiles in z (several storeys); 0: tiles "
+                                "span all heights [m]", low=0.0, high=1e5)
 
 
 def describe_allowed(meta: Mapping[str, Any], ftype: str) -> str:

@@ -648,7 +648,7 @@ class MapperNode(Node):
         with self._lock:
             self.mapper.mark_published()
             try:
-                grid = self.mapper.grid()
+                grid = self.mapper.grid(predict_unknown=False)  # a map shows known cells only
             except Exception as err:
                 self._report(f"map prediction failed: {type(err).__name__}: {err}")
                 return
