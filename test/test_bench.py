@@ -18,7 +18,7 @@ from conftest import REPO_ROOT, SHARED_DATA, shared_data
 pytest.importorskip("gpytorch")
 pytestmark = pytest.mark.slow
 
-SECTIONS = ("accuracy", "speed", "growth", "cuda", "large")
+SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore")
 STREAMING = ("dual_svgp_full", "dual_svgp_fast", "dual_svgp_fast_only", "bui2017_osgpr", "nearest_neighbour",
              "constant_mean")
 OFFLINE = ("offline_svgp", "exact_gp")
@@ -166,3 +166,15 @@ def test_bench_runs_without_the_source_tree(tmp_path, monkeypatch, capsys):
     assert bench_cli.run(args) == 0
     res = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert set(res["sections"]) == {"cuda"}
+
+
+def test_quick_bench_explore_section(quick_run):
+    """The exploration row: every message fed, maps published, memory sampled, the summary's goals evaluated."""
+    e = quick_run["json"]["sections"]["explore"]
+    plan = quick_run["json"]["plan"]
+    assert e["samples"] == int(plan["explore_seconds"] * plan["explore_rate"])
+    assert e["num_seen"] > 0.9 * e["samples"] and e["updates"] > 0
+    s = e["summary"]
+    assert s["maps"] > 0 and 0 < s["map_rate_hz_mean"] <= 1.0 / e["publish_period_s"] + 1e-9
+    assert _finite(s["rss_ratio"]) and set(s["pass"]) == {"maps_at_least_0.5_hz", "rss_flat", "at_most_one_batch_behind"}
+    assert "Long exploration" in quick_run["md"]
