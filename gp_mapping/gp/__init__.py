@@ -14,6 +14,7 @@ from .continual_mogp import ContinualMOGP
 from .dual_svgp import DualSVGP, ModelInputError
 from .kernels import GPNumericalError
 from .likelihoods import BernoulliLikelihood, GaussianLikelihood, StudentTLikelihood
+from .smc_experts import SMCExperts
 
 EngineFactory = Callable[[ModelConfig, int, int], Any]
 
@@ -33,6 +34,7 @@ def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
 
 register_engine("dual_svgp")(DualSVGP)
 register_engine("continual_mogp")(ContinualMOGP)
+register_engine("smc_experts")(SMCExperts)
 
 
 def build_model(model_config: ModelConfig | Mapping[str, Any], input_dims: int, output_dims: int):
@@ -60,4 +62,4 @@ def warm_up() -> None:
 
 
 __all__ = ["BernoulliLikelihood", "ContinualMOGP", "DualSVGP", "ENGINES", "GPNumericalError", "GaussianLikelihood",
-           "ModelInputError", "StudentTLikelihood", "build_model", "register_engine", "warm_up"]
+           "ModelInputError", "SMCExperts", "StudentTLikelihood", "build_model", "register_engine", "warm_up"]
