@@ -4,137 +4,25 @@ One YAML file in the ROS 2 parameter form (``/**: ros__parameters: ...``) fills 
 Nested YAML mappings are the sections (``model.kernel`` in ROS parameter names). Every field carries its
 allowed range or choices in its metadata; :func:`load_config` and :func:`config_from_dict` refuse unknown
 keys and out-of-range values with a :class:`ConfigError` that names the key and what is allowed.
+
+The ``model`` section (:class:`ModelConfig`), the field rules and :class:`ConfigError` live with the engines in
+:mod:`gp_mapping.gp.config`, so ``gp/`` depends on nothing above it; they are re-exported here.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
+from gp_mapping.gp.config import (MIXING_LEARNING_CHOICES, ConfigError, ModelConfig, describe_allowed,  # noqa: F401
+                                  section_from_dict, validate_value)
+from gp_mapping.gp.config import option as _opt
 
-#: model.mixing_learning choices (the continual_mogp engine reads them from here).
-MIXING_LEARNING_CHOICES = ("first", "always", "never")
-
-
-class ConfigError(ValueError):
-    """A configuration key is unknown or its value is outside what is allowed."""
-
-
-def _opt(default, *, doc: str, low=None, high=None, low_open=False, choices=None, length=None):
-    """A dataclass field with its validation rule and its one-line documentation."""
-    meta = {"doc": doc, "low": low, "high": high, "low_open": low_open, "choices": choices, "length": length}
-    if isinstance(default, list):
-        return field(default_factory=lambda d=tuple(default): list(d), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-@dataclass
-class ModelConfig:
-    """The GP engine (section ``model``)."""
-
-    engine: str = _opt("dual_svgp", doc="GP engine: dual_svgp (memory-based dual SVGP, seed 004; a vector target "
-                       "gets independent latents sharing Z), continual_mogp (continual multi-output GP with a "
-                       "linear model of coregionalisation, seed 000) or smc_experts (sequential Monte Carlo mixture "
-                       "of GP experts for nonstationary and changing fields, seed 003)",
-                       choices=("dual_svgp", "continual_mogp", "smc_experts"))
-    kernel: str = _opt("matern52", doc="stationary kernel", choices=("matern12", "matern32", "matern52", "rbf"))
-    ard: bool = _opt(True, doc="one lengthscale per input dimension")
-    constant_kernel: bool = _opt(True, doc="add a learned constant (bias) kernel")
-    lengthscale: float = _opt(1.0, doc="initial lengthscale [m]", low=0.0, low_open=True, high=1e4)
-    signal_variance: float = _opt(1.0, doc="initial kernel variance (standardised targets)", low=0.0,
-                                  low_open=True, high=1e4)
-    constant_variance: float = _opt(1.0, doc="initial constant-kernel variance (standardised)", low=0.0,
-                                    low_open=True, high=1e4)
-    likelihood: str = _opt("gaussian", doc="observation model", choices=("gaussian", "student_t", "bernoulli"))
-    noise_variance: float = _opt(0.01, doc="initial noise variance (standardised)", low=0.0, low_open=True,
-                                 high=1e2)
-    student_t_dof: float = _opt(4.0, doc="Student-t degrees of freedom", low=0.0, low_open=True, high=1e3)
-    num_inducing: int = _opt(128, doc="number of inducing points M", low=1, high=8192)
-    inducing: str = _opt("pivoted_cholesky", doc="inducing-point policy: re-selected by pivoted Cholesky "
-                         "over [Z; X_new], or a fixed grid over inducing_bounds",
-                         choices=("pivoted_cholesky", "grid"))
-    inducing_bounds: list = _opt([-5.0, -5.0, 5.0, 5.0], doc="grid policy: [xmin, ymin, xmax, ymax] of the fixed "
-                                 "inducing grid [m]", length=4)
-    memory_size: int = _opt(500, doc="maximum number of past samples kept in memory", low=0, high=1_000_000)
-    memory_per_batch: int = _opt(10, doc="samples drawn into memory from each batch", low=0, high=100_000)
-    memory_selection: str = _opt("leverage", doc="how memory samples are drawn from a batch",
-                                 choices=("leverage", "random"))
-    rho: float = _opt(0.9, doc="natural-gradient damping step", low=0.0, low_open=True, high=1.0)
-    n_steps: int = _opt(2, doc="natural-gradient steps per update", low=1, high=1000)
-    learn_hyperparameters: bool = _opt(True, doc="learn kernel and noise hyperparameters online (full mode)")
-    hyper_steps: int = _opt(20, doc="Adam steps on the hyperparameters per full update", low=0, high=100_000)
-    hyper_lr: float = _opt(0.01, doc="Adam learning rate for the hyperparameters", low=0.0, low_open=True,
-                           high=10.0)
-    learn_inducing: bool = _opt(False, doc="move the inducing inputs by gradient steps on an ELBO that keeps the old "
-                                "data's information (full mode; not for the grid policy). Opt-in: it helps on the Solin "
-                                "recording and hurts on the demo bag (see the engine docstring)")
-    inducing_lr: float = _opt(0.01, doc="Adam learning rate for the inducing inputs [m per step]", low=0.0,
-                              low_open=True, high=100.0)
-    full_update_every: int = _opt(1, doc="every n-th update is a full update (memory, hyperparameters, "
-                                  "inducing re-selection); the others are fast conditioning", low=1, high=1_000_000)
-    jitter: float = _opt(1e-6, doc="initial diagonal jitter added to K before Cholesky", low=0.0, high=1.0)
-    device: str = _opt("auto", doc="torch device for the model", choices=("auto", "cpu", "cuda"))
-    seed: int = _opt(0, doc="random seed (memory sampling, initial mixing weights)", low=0, high=2**31 - 1)
-    num_latents: int = _opt(3, doc="continual_mogp: number Q of latent GPs mixed into the output channels",
-                            low=1, high=64)
-    latent_lengthscale_ratio: float = _opt(2.0, doc="continual_mogp: latent q starts at lengthscale * ratio ** "
-                                           "(q - (Q - 1) / 2), so the latents cover several scales (1: all equal)",
-                                           low=1.0, high=100.0)
-    vem_iterations: int = _opt(4, doc="continual_mogp: variational EM iterations (M-step of hyper_steps Adam "
-                               "steps, inducing inputs re-placed, E-step) per full update", low=1, high=1000)
-    mixing_learning: str = _opt("first", doc="continual_mogp: when the mixing weights are learned: only while a "
-                                "channel is first seen (no forgetting through them), in every full update (as "
-                                "the paper), or never", choices=MIXING_LEARNING_CHOICES)
-    variational_steps: int = _opt(100, doc="continual_mogp, non-Gaussian likelihoods: Adam steps on q(u) per "
-                                  "E-step (a Gaussian likelihood has a closed-form E-step)", low=1, high=100_000)
-    variational_lr: float = _opt(0.02, doc="continual_mogp, non-Gaussian likelihoods: Adam learning rate on q(u)",
-                                 low=0.0, low_open=True, high=10.0)
-    smc_particles: int = _opt(16, doc="smc_experts: number J of particles (partitions of the data into experts)",
-                              low=1, high=100_000)
-    smc_max_experts: int = _opt(32, doc="smc_experts: most experts per particle (when all are in use no new one "
-                                "opens; with gate_on_time the most faded one is retired)", low=1, high=4096)
-    smc_expert_memory: int = _opt(64, doc="smc_experts: most pseudo-observations per expert (exact GP on them); "
-                                  "when full, the closest pair is merged", low=2, high=4096)
-    smc_niw_psi: float = _opt(4.0, doc="smc_experts: gating NIW prior scale Psi0 = smc_niw_psi * I [input units^2]; "
-                              "the prior mean covariance of an expert's inputs is Psi0 / (dof - D - 1)",
-                              low=0.0, low_open=True, high=1e12)
-    smc_niw_dof: float = _opt(5.0, doc="smc_experts: gating NIW prior degrees of freedom nu0 (must exceed "
-                              "input_dims - 1)", low=0.0, low_open=True, high=1e6)
-    smc_niw_prior_count: float = _opt(0.5, doc="smc_experts: gating NIW prior count lambda0 on the expert's mean",
-                                      low=0.0, low_open=True, high=1e6)
-    smc_gate_prior_mean: str = _opt("local", doc="smc_experts: NIW prior mean of an expert's inputs: at the input "
-                                    "that opens it (local: any place can open an expert, for maps that grow) or "
-                                    "at the origin (zero: for standardised inputs, as in the paper's experiments)",
-                                    choices=("local", "zero"))
-    smc_alpha_shape: float = _opt(1.0, doc="smc_experts: Gamma prior shape a0 of the DP concentration alpha",
-                                  low=0.0, low_open=True, high=1e6)
-    smc_alpha_rate: float = _opt(1.0, doc="smc_experts: Gamma prior rate b0 of alpha", low=0.0, low_open=True,
-                                 high=1e6)
-    smc_hyper_prior_std: float = _opt(1.0, doc="smc_experts: standard deviation of the log-normal prior of each "
-                                      "expert's hyperparameters (medians: lengthscale, signal_variance, "
-                                      "noise_variance, constant_variance)", low=0.0, low_open=True, high=100.0)
-    smc_slice_steps: int = _opt(1, doc="smc_experts: elliptical slice sampling transitions per update for each "
-                                "expert that received data (0: hyperparameters stay at their draws)", low=0, high=1000)
-    smc_slice_experts: int = _opt(2, doc="smc_experts: at most this many experts per particle (those that received "
-                                  "the most readings) have their hyperparameters moved per update", low=0, high=4096)
-    smc_ess_threshold: float = _opt(0.5, doc="smc_experts: resample when the effective sample size falls below "
-                                    "this fraction of the particles", low=0.0, high=1.0)
-    smc_resampling: str = _opt("systematic", doc="smc_experts: resampling scheme (multinomial as in the paper, "
-                               "or systematic: lower variance)", choices=("systematic", "multinomial"))
-    smc_proposal: str = _opt("adapted", doc="smc_experts: how a reading picks its expert: from the gate alone "
-                             "(prior, as in the paper) or from the gate times the expert's predictive density "
-                             "of the reading (adapted: readings that disagree with an expert open a new one)",
-                             choices=("adapted", "prior"))
-    gate_on_time: bool = _opt(False, doc="smc_experts: an expert's gate weight decays with the time since its "
-                              "readings (time scale smc_time_scale), so a field that changed gets a new expert "
-                              "and the map prefers it")
-    smc_time_scale: float = _opt(300.0, doc="smc_experts with gate_on_time: decay time of an expert's gate weight "
-                                 "[s of sample stamps]", low=0.0, low_open=True, high=1e9)
-
+#: Longest frame_id accepted (in sync.field_frame and in a reading's header).
+FRAME_ID_MAX_LENGTH = 256
 
 @dataclass
 class SyncConfig:
@@ -150,6 +38,9 @@ class SyncConfig:
     target: str = _opt("magnitude", doc="what is mapped: |B| or the map-frame vector",
                        choices=("magnitude", "vector"))
     input_dims: int = _opt(2, doc="map inputs: 2 (x, y) or 3 (x, y, z)", low=2, high=3)
+    field_frame: str = _opt("", doc="the magnetometer's frame_id: readings in another frame are refused. Empty: "
+                            "learn it (the first frame seen is held; another frame that sends 20 readings in a "
+                            "row while the held one is silent takes over)", max_length=FRAME_ID_MAX_LENGTH)
     field_unit: str = _opt("microtesla", doc="unit of the field inside the mapper and in its outputs",
                            choices=("tesla", "millitesla", "microtesla", "nanotesla", "gauss"))
     # Bad-input guards (README "Bad input and reliability"): each refusal is counted under a named reason.
@@ -189,21 +80,44 @@ class GridConfig:
     origin: list = _opt([-5.0, -5.0], doc="fixed mode: map coordinates of the corner of cell (0, 0) [m]", length=2)
     size: list = _opt([10.0, 10.0], doc="fixed mode: width and height [m]", length=2)
     margin: float = _opt(1.0, doc="grow mode: margin around the visited area [m]", low=0.0, high=1e4)
+    window: list = _opt([40.0, 40.0], doc="grow mode: width and height of the published window [m], centred on the "
+                        "newest accepted position (a rolling window, as costmaps and elevation maps have): each map is "
+                        "the visited area plus margin cut to it, so publishing costs the same however far the robot "
+                        "goes; the whole map stays in the model (save, export). At most grid.max_cells cells",
+                        length=2, low=0.0, low_open=True, high=1e6)
     max_cells: int = _opt(1_000_000, doc="refuse grids with more cells than this", low=1, high=100_000_000)
-    unknown_distance: float = _opt(1.0, doc="cells farther than this from every sample are unknown (-1) [m]",
-                                   low=0.0, low_open=True, high=1e4)
+    unknown_distance: float = _opt(1.0, doc="cells farther than this from every sample are unknown (-1) [m]; at most "
+                                   "the smaller side of grid.window (grow) or grid.size (fixed), so the known-cell "
+                                   "mask stays bounded by the published grid", low=0.0, low_open=True, high=1e4)
     tile_size: int = _opt(16384, doc="cells predicted per tile on the device", low=1, high=10_000_000)
     height: float = _opt(0.0, doc="z of the grid cells when input_dims is 3 [m]", low=-1e4, high=1e4)
+    mean_range: list = _opt([], doc="field values [unit] published as 0 and 100 in every mean grid, so a colour "
+                            "means the same value all run (values outside are clipped); empty: each map's own "
+                            "min..max", length=(0, 2), increasing=True)
+    variance_range: list = _opt([], doc="as mean_range for the variance grids [unit squared]", length=(0, 2),
+                                increasing=True)
 
 
 @dataclass
 class NodeConfig:
     """ROS-facing settings of the mapping node (section ``node``)."""
 
+    pose_source: str = _opt("topic", doc="where the pose comes from: the pose topic (in grid.frame_id), or /tf and "
+                            "/tf_static (grid.frame_id to the magnetometer frame, else to node.base_frame)",
+                            choices=("topic", "tf"))
+    base_frame: str = _opt("base_link", doc="pose_source tf: the body frame, used with sync.sensor_translation / "
+                           "sync.sensor_rotation when tf does not hold the magnetometer frame")
+    tf_timeout: float = _opt(1.0, doc="pose_source tf: a reading is refused (tf_missing) when a reading this many "
+                             "seconds newer has come and its transforms still have not [s]", low=0.0, low_open=True,
+                             high=60.0)
     pose_type: str = _opt("pose_stamped", doc="message type on the pose topic",
                           choices=("pose_stamped", "odometry", "pose_with_covariance"))
-    publish_period: float = _opt(1.0, doc="seconds between map publications", low=0.0, low_open=True, high=3600.0)
-    initial_map: str = _opt("", doc="map state file to start from (empty: start empty)")
+    publish_period: float = _opt(1.0, doc="seconds between map publications (at most 20 a second: each one "
+                                  "predicts the whole window)", low=0.05, high=3600.0)
+    initial_map: str = _opt("", doc="map state file to start from (empty: start empty); ~/load_map loads it "
+                            "while running")
+    map_directory: str = _opt("", doc="where ~/save_map writes <node name>_<UTC time>.safetensors (empty: "
+                              "$ROS_HOME/gp_mapping)")
     queue_depth: int = _opt(50, doc="subscription queue depth (sensor-data QoS)", low=1, high=100_000)
     checkpoint_interval_s: float = _opt(0.0, doc="seconds (node clock) between atomic checkpoints of the whole "
                                         "mapper state; 0: no checkpoints", low=0.0, high=1e6)
@@ -227,76 +141,6 @@ class MapperConfig:
 SECTIONS = {f.name: f.type for f in dataclasses.fields(MapperConfig)}
 _SECTION_CLASSES = {"model": ModelConfig, "sync": SyncConfig, "batching": BatchConfig, "grid": GridConfig,
                     "node": NodeConfig}
-
-
-def describe_allowed(meta: Mapping[str, Any], ftype: str) -> str:
-    """Human-readable allowed values of a field (used in error messages and ROS parameter descriptors)."""
-    if meta.get("choices"):
-        return "one of " + ", ".join(repr(c) for c in meta["choices"])
-    if meta.get("length"):
-        return f"a list of {meta['length']} finite numbers"
-    low, high = meta.get("low"), meta.get("high")
-    if low is not None or high is not None:
-        left = "(" if meta.get("low_open") else "["
-        return f"{'an integer' if ftype == 'int' else 'a number'} in {left}{low}, {high}]"
-    return f"a {ftype}"
-
-
-def validate_value(key: str, value: Any, f: dataclasses.Field) -> Any:
-    """Return ``value`` converted to the field's type, or raise ConfigError naming ``key``."""
-    meta, ftype = f.metadata, f.type if isinstance(f.type, str) else f.type.__name__
-    allowed = describe_allowed(meta, ftype)
-
-    def refuse(why: str) -> ConfigError:
-        return ConfigError(f"config key '{key}': {why}; allowed: {allowed}")
-
-    if ftype == "bool":
-        if not isinstance(value, bool):
-            raise refuse(f"{value!r} is not a boolean")
-        return value
-    if ftype == "str":
-        if not isinstance(value, str):
-            raise refuse(f"{value!r} is not a string")
-        if meta.get("choices") and value not in meta["choices"]:
-            raise refuse(f"{value!r} is not allowed")
-        return value
-    if ftype == "list":
-        if not isinstance(value, (list, tuple)) or len(value) != meta["length"]:
-            raise refuse(f"{value!r} is not a list of length {meta['length']}")
-        out = []
-        for v in value:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise refuse(f"{value!r} holds a non-finite or non-numeric entry")
-            out.append(float(v))
-        return out
-    if ftype == "int":
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-            raise refuse(f"{value!r} is not an integer")
-        value = int(value)
-    elif ftype == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise refuse(f"{value!r} is not a number")
-        value = float(value)
-        if not math.isfinite(value):
-            raise refuse(f"{value!r} is not finite")
-    low, high = meta.get("low"), meta.get("high")
-    if low is not None and (value < low or (meta.get("low_open") and value == low)):
-        raise refuse(f"{value!r} is too small")
-    if high is not None and value > high:
-        raise refuse(f"{value!r} is too large")
-    return value
-
-
-def section_from_dict(cls, values: Mapping[str, Any], prefix: str):
-    """Build one section dataclass from a mapping, refusing unknown keys and bad values."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in values.items():
-        if key not in fields:
-            raise ConfigError(f"unknown config key '{prefix}{key}'; known keys in '{prefix.rstrip('.') or 'root'}':"
-                              f" {', '.join(sorted(fields))}")
-        kwargs[key] = validate_value(prefix + key, value, fields[key])
-    return cls(**kwargs)
 
 
 # Keys that ROS puts in every node's parameters; accepted and ignored by the mapper configuration.

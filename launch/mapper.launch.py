@@ -2,6 +2,7 @@
 
     ros2 launch gp_mapping mapper.launch.py mag_topic:=/imu/mag pose_topic:=/robot/pose
     ros2 launch gp_mapping mapper.launch.py params_file:=/path/to/mapper.yaml use_sim_time:=true
+    ros2 launch gp_mapping mapper.launch.py mag_topic:=/imu/mag pose_source:=tf base_frame:=base_link
 
 The node publishes /mapper/mean, /mapper/variance (nav_msgs/OccupancyGrid, latched), /mapper/cloud
 (sensor_msgs/PointCloud2) and /mapper/scale; `rviz2 -d <share>/gp_mapping/config/gp_mapping.rviz` shows them.
@@ -25,6 +26,11 @@ def generate_launch_description() -> LaunchDescription:
                               description="sensor_msgs/MagneticField input topic"),
         DeclareLaunchArgument("pose_topic", default_value="pose",
                               description="pose input topic; its type is the parameter node.pose_type"),
+        DeclareLaunchArgument("pose_source", default_value="topic",
+                              description="topic: the pose topic; tf: /tf and /tf_static (grid.frame_id to the "
+                                          "magnetometer frame, else to base_frame)"),
+        DeclareLaunchArgument("base_frame", default_value="base_link",
+                              description="pose_source tf: the body frame (used when tf lacks the magnetometer frame)"),
         Node(
             package="gp_mapping",
             executable="mapper",
@@ -34,7 +40,9 @@ def generate_launch_description() -> LaunchDescription:
             parameters=[
                 LaunchConfiguration("params_file"),
                 # After the file, so the launch argument wins over a use_sim_time written in the file.
-                {"use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"), value_type=bool)},
+                {"use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"), value_type=bool),
+                 "node.pose_source": LaunchConfiguration("pose_source"),
+                 "node.base_frame": LaunchConfiguration("base_frame")},
             ],
             remappings=[
                 ("mag", LaunchConfiguration("mag_topic")),

@@ -84,68 +84,21 @@ Later steps are damped with rho.
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from typing import Iterator
 
-import numpy as np
 import torch
 from torch import nn
 
-from ..config import ConfigError, ModelConfig
+from .base import Engine, resolve_device
+from .config import ModelConfig
+from .errors import ConfigError, GPNumericalError, ModelInputError
 from .inducing import DEFAULT_REL_TOL, grid_points, pivoted_cholesky
-from .kernels import GPNumericalError, build_kernel, jittered_cholesky
+from .kernels import build_kernel, jittered_cholesky
 from .likelihoods import build_likelihood
 
 #: Pending (fast-mode) points kept before the oldest are folded into the old part.
 DEFAULT_MAX_PENDING = 8192
-
-
-class ModelInputError(ValueError):
-    """Inputs or targets given to the model have the wrong shape, type or non-finite values."""
-
-
-def to_float64_tensor(value, name: str, device: torch.device) -> torch.Tensor:
-    """``value`` (tensor, array or nested list of real numbers) as a float64 tensor on ``device``."""
-    if isinstance(value, torch.Tensor):
-        if value.dtype == torch.bool or value.is_complex():
-            raise ModelInputError(f"{name} must hold real numbers, got dtype {value.dtype}")
-        return value.detach().to(device=device, dtype=torch.float64)
-    try:
-        arr = np.asarray(value)
-    except Exception as err:  # ragged lists and the like
-        raise ModelInputError(f"{name} cannot be read as a numeric array: {err}") from err
-    if arr.dtype.kind not in "fiu":
-        try:
-            arr = arr.astype(np.float64)
-        except (TypeError, ValueError) as err:
-            raise ModelInputError(f"{name} must hold real numbers, got dtype {arr.dtype}") from err
-    return torch.as_tensor(np.ascontiguousarray(arr, dtype=np.float64), device=device)
-
-
-def check_inputs(x, input_dims: int, device: torch.device, name: str = "x") -> torch.Tensor:
-    """Model inputs as a finite (N, input_dims) float64 tensor, or ModelInputError saying what is wrong."""
-    t = to_float64_tensor(x, name, device)
-    if t.dim() == 1 and input_dims == 1:
-        t = t[:, None]
-    if t.dim() != 2 or t.shape[1] != input_dims:
-        raise ModelInputError(f"{name} must have shape (N, {input_dims}), got {tuple(t.shape)}")
-    bad = ~torch.isfinite(t).all(dim=1)
-    if bool(bad.any()):
-        raise ModelInputError(f"{name} holds NaN or Inf in {int(bad.sum())} of {t.shape[0]} rows")
-    return t
-
-
-def resolve_device(name: str) -> torch.device:
-    """'cpu', 'cuda', or 'auto' (cuda when available)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("config key 'model.device': 'cuda' was requested but CUDA is not available "
-                          "(use 'auto' or 'cpu')")
-    if name not in ("cpu", "cuda"):
-        raise ConfigError(f"config key 'model.device': {name!r} is not allowed; allowed: 'auto', 'cpu', 'cuda'")
-    return torch.device(name)
 
 
 def _sym(W: torch.Tensor) -> torch.Tensor:
@@ -159,7 +112,7 @@ def _site_sums(V: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor) -> tuple
     return a_w, _sym(W)
 
 
-class DualSVGP(nn.Module):
+class DualSVGP(Engine):
     """Online dual-parameter SVGP with bounded memory. See the module docstring for the method."""
 
     #: buffers whose size changes as data arrive (resized on load_state_dict)
@@ -168,12 +121,8 @@ class DualSVGP(nn.Module):
 
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int, *,
                  max_pending: int = DEFAULT_MAX_PENDING, inducing_rel_tol: float = DEFAULT_REL_TOL) -> None:
-        super().__init__()
-        if int(input_dims) < 1 or int(output_dims) < 1:
-            raise ValueError(f"input_dims and output_dims must be >= 1, got {input_dims}, {output_dims}")
-        self.config = copy.deepcopy(config)
-        self.input_dims = d = int(input_dims)
-        self.output_dims = p = int(output_dims)
+        super().__init__(config, input_dims, output_dims)
+        d, p = self.input_dims, self.output_dims
         self.max_pending = int(max_pending)
         self.inducing_rel_tol = float(inducing_rel_tol)
         device = resolve_device(config.device)
@@ -183,8 +132,7 @@ class DualSVGP(nn.Module):
         z_fixed = config.inducing == "grid"
         if z_fixed:
             if d != 2:
-                raise ConfigError(f"config key 'model.inducing': 'grid' needs 2-D inputs, got input_dims {d}; "
-                                  "use 'pivoted_cholesky'")
+                raise ConfigError(f"'grid' needs 2-D inputs, got input_dims {d}; use 'pivoted_cholesky'", "inducing")
             z0 = grid_points(config.inducing_bounds, config.num_inducing)
         else:
             z0 = torch.zeros(0, d, **f64)
@@ -215,14 +163,6 @@ class DualSVGP(nn.Module):
 
     # ------------------------------------------------------------------ properties
     @property
-    def device(self) -> torch.device:
-        return self.Z.device
-
-    @property
-    def num_seen(self) -> int:
-        return int(self.num_seen_t)
-
-    @property
     def num_inducing(self) -> int:
         return int(self.Z.shape[0])
 
@@ -250,46 +190,10 @@ class DualSVGP(nn.Module):
             return L @ self.W @ L.T
 
     # ------------------------------------------------------------------ torch.nn.Module plumbing
-    def _apply(self, fn, *args, **kwargs):
-        self._cache = None  # cached factors live on the old device
-        return super()._apply(fn, *args, **kwargs)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        # Variable-size buffers take the saved shape before the copy.
-        for name in self.RESIZABLE:
-            key = prefix + name
-            if key in state_dict:
-                old = self._buffers[name]
-                self._buffers[name] = torch.empty(state_dict[key].shape, dtype=old.dtype, device=old.device)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+    def _loaded(self) -> None:
         self._generator.set_state(self.rng_state.detach().to("cpu", torch.uint8))
-        self._cache = None
 
-    # ------------------------------------------------------------------ input checking
-    def _to_tensor(self, value, name: str) -> torch.Tensor:
-        return to_float64_tensor(value, name, self.device)
-
-    def _check_x(self, x, name: str = "x") -> torch.Tensor:
-        return check_inputs(x, self.input_dims, self.device, name)
-
-    def _check_y(self, y, n: int, name: str = "y") -> torch.Tensor:
-        t = self._to_tensor(y, name)
-        if t.dim() == 1 and self.output_dims == 1:
-            t = t[:, None]
-        if t.dim() != 2 or t.shape[1] != self.output_dims:
-            raise ModelInputError(f"{name} must have shape (N, {self.output_dims}), got {tuple(t.shape)}")
-        if t.shape[0] != n:
-            raise ModelInputError(f"x has {n} rows but {name} has {t.shape[0]}")
-        bad = ~torch.isfinite(t).all(dim=1)
-        if bool(bad.any()):
-            raise ModelInputError(f"{name} holds NaN or Inf in {int(bad.sum())} of {t.shape[0]} rows")
-        why = self.likelihood.validate_targets(t)
-        if why is not None:
-            raise ModelInputError(f"{name}: {why}")
-        return t
-
+    # ------------------------------------------------------------------ standardisation
     def _standardise(self, y: torch.Tensor) -> torch.Tensor:
         return (y - self.y_mean) / self.y_std
 
@@ -357,25 +261,7 @@ class DualSVGP(nn.Module):
         mean, var, _ = self._marginals(self._features(L, x), R, c, kxx)
         return mean, var
 
-    # ------------------------------------------------------------------ public prediction API
-    def predict(self, x) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and variance (G, P) of the latent f at x, in the original target units."""
-        xt = self._check_x(x)
-        with torch.no_grad():
-            mean, var = self._latent(xt)
-            return mean * self.y_std + self.y_mean, var * self.y_std ** 2
-
-    def log_predictive_density(self, x, y) -> torch.Tensor:
-        """log p(y*|x*) (N, P) in the original units (includes the Jacobian of the standardisation)."""
-        xt = self._check_x(x)
-        yt = self._check_y(y, xt.shape[0])
-        with torch.no_grad():
-            mean, var = self._latent(xt)
-            lpd = self.likelihood.log_predictive_density(self._standardise(yt), mean, var)
-            if self.likelihood.standardise_targets:
-                lpd = lpd - torch.log(self.y_std)
-            return lpd
-
+    # ------------------------------------------------------------------ leverage (predict: Engine, from _latent)
     def leverage_scores(self, x, y) -> torch.Tensor:
         """Bayesian leverage scores (N,) of (x, y) under the current posterior (sites at the current q):
         beta_i k_i^T K^{-1} S K^{-1} k_i (eq. 30), summed over outputs."""
@@ -777,3 +663,51 @@ class DualSVGP(nn.Module):
     def extra_repr(self) -> str:
         return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, num_inducing={self.num_inducing}"
                 f"/{self.config.num_inducing}, memory={self.memory_size}/{self.config.memory_size}")
+
+    # ------------------------------------------------------------------ recyclable merge (gp/recyclable.py)
+    def recyclable_summary(self) -> dict:
+        """q(u) as a pseudo-likelihood on u = f(Z) in the original target units, for merging maps without data.
+
+        Keys: ``z`` (M, D); ``target_mean``, ``target_scale`` (P,): f = target_mean + target_scale * f_std;
+        ``prior_cov`` (P, M, M): prior covariance of f(Z) in original units (jitter included); ``site_a`` (P, M),
+        ``site_W`` (P, M, M): q(u) / p(u) = exp(site_a^T v - v^T site_W v / 2) up to a constant, v =
+        chol(prior_cov)^{-1} (f(Z) - target_mean); ``noise`` (P,): noise variance in original units (NaN for a
+        likelihood without one); ``kernel``: a copy of the kernel (standardised units); ``num_seen``.
+        """
+        import copy
+
+        with torch.no_grad():
+            noise = getattr(self.likelihood, "noise_variance", getattr(self.likelihood, "scale_variance", None))
+            noise = (torch.full((self.output_dims,), float("nan"), dtype=torch.float64) if noise is None
+                     else noise.detach().cpu() * self.y_std.cpu() ** 2)
+            L = self._chol_K() if self.num_inducing else self.W[0].clone()
+            scale = self.y_std.cpu()
+            K = (L @ L.T).cpu()
+            return {"z": self.Z.detach().cpu().clone(), "target_mean": self.y_mean.detach().cpu().clone(),
+                    "target_scale": scale.clone(), "prior_cov": K[None] * (scale ** 2)[:, None, None],
+                    "site_a": self.a_w.T.detach().cpu().clone(), "site_W": self.W.detach().cpu().clone(),
+                    "noise": noise, "kernel": copy.deepcopy(self.kernel).cpu(), "num_seen": self.num_seen}
+
+    def set_recycled_posterior(self, z, site_a, site_W, target_mean, target_scale, jitter: float,
+                               num_seen: int) -> None:
+        """Make this model the merged map: inducing inputs ``z`` (M, D), whitened sites ``site_a`` (P, M) and
+        ``site_W`` (P, M, M) relative to chol(K(z, z) + jitter I) of the current kernel (standardised units),
+        the targets' offset and scale (P,); everything becomes the old part (no memory, nothing pending)."""
+        with torch.no_grad():
+            dev = self.device
+            zt = self._check_x(z, "z")
+            m, p = zt.shape[0], self.output_dims
+            self.Z = zt.clone()
+            self.jitter_t.fill_(float(jitter))
+            self.a_w_old = torch.as_tensor(site_a, dtype=torch.float64, device=dev).reshape(p, m).T.clone()
+            self.W_old = _sym(torch.as_tensor(site_W, dtype=torch.float64, device=dev).reshape(p, m, m).clone())
+            self.a_w, self.W = self.a_w_old.clone(), self.W_old.clone()
+            for prefix in ("mem", "pend"):
+                for name in ("x", "y", "lam1", "lam2"):
+                    setattr(self, f"{prefix}_{name}", getattr(self, f"{prefix}_{name}")[:0])
+            self.mem_logkey = self.mem_logkey[:0]
+            self.y_mean.copy_(torch.as_tensor(target_mean, dtype=torch.float64).reshape(p))
+            self.y_std.copy_(torch.as_tensor(target_scale, dtype=torch.float64).reshape(p))
+            self.standardised.fill_(True)
+            self.num_seen_t.fill_(int(num_seen))
+        self._refresh_cache()

@@ -27,7 +27,7 @@ Bounded cost. Each particle has at most ``smc_max_experts`` experts and each exp
 ``smc_expert_memory`` pseudo-observations. A memory entry (x, ybar, c, S) stands for c readings merged at the
 count-weighted mean input with mean ybar and within-group sum of squares S; its GP noise is sigma^2 / c and its
 marginal likelihood includes the within-group term, which is exact for repeated inputs. When an expert's memory
-is full, the closest pair (in lengthscales) of [memory; new point] is merged. So an update costs
+is full, the closest pair of [memory; new point] is merged. So an update costs
 O(N J (K M^2 + M^3)) for N new points, whatever has been seen before. When every expert slot is used, no new
 expert is opened (with ``gate_on_time``, the expert with the smallest decayed weight is retired instead).
 
@@ -47,25 +47,26 @@ lengthscale), with independent GP values per component.
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 
 import torch
-from torch import nn
 
-from .dp_mixture import (elliptical_slice, escobar_west, effective_sample_size, gamma_sample, niw_add,
-                         niw_predictive, normalise_log_weights, resample_indices)
-from .kernels import STATIONARY_KERNELS, GPNumericalError, jittered_cholesky
+from .base import Engine, resolve_device, to_float64_tensor
+from .dp_mixture import (elliptical_slice, escobar_west, effective_sample_size, niw_add, niw_predictive,
+                         normalise_log_weights, resample_indices)
+from .errors import ConfigError, ModelInputError
+from .kernels import STATIONARY_KERNELS, jittered_cholesky
+from .likelihoods import GaussianLikelihood
 
 LOG_2PI = math.log(2.0 * math.pi)
-#: smallest noise variance (standardised units) an expert may have: keeps K + noise well conditioned
+#: smallest noise variance an expert may have, relative to the running target variance
 NOISE_FLOOR = 1e-6
 #: prediction works on chunks of test points whose (J, K, M, G, D) temporaries hold about this many numbers
 PREDICT_CHUNK_ELEMENTS = 1 << 22
 
 
-class SMCExperts(nn.Module):
+class SMCExperts(Engine):
     """Online SMC mixture of GP experts; see the module docstring. Interface as every engine in ``gp``."""
 
     #: buffers whose size follows the data or the particle count (resized on load_state_dict)
@@ -75,13 +76,17 @@ class SMCExperts(nn.Module):
     wants_stamps = True
 
     def __init__(self, config, input_dims: int, output_dims: int) -> None:
-        super().__init__()
-        if int(input_dims) < 1 or int(output_dims) < 1:
-            raise ValueError(f"input_dims and output_dims must be >= 1, got {input_dims}, {output_dims}")
-        self.config = copy.deepcopy(config)
+        super().__init__(config, input_dims, output_dims)
         cfg = self.config
-        self.input_dims = d = int(input_dims)
-        self.output_dims = p = int(output_dims)
+        d, p = self.input_dims, self.output_dims
+        if cfg.likelihood != "gaussian":
+            raise ConfigError(f"smc_experts supports the gaussian likelihood only, got {cfg.likelihood!r}",
+                              "likelihood")
+        if not cfg.smc_niw_dof > d - 1:
+            raise ConfigError(f"{cfg.smc_niw_dof} must exceed input_dims - 1 = {d - 1}", "smc_niw_dof")
+        # Only for checking targets (the experts' noise variances are their own hyperparameters).
+        self.likelihood = GaussianLikelihood(p)
+        self.likelihood.requires_grad_(False)
         j, k, m = int(cfg.smc_particles), int(cfg.smc_max_experts), int(cfg.smc_expert_memory)
         self.num_ls = d if cfg.ard else 1
         self.has_constant = bool(cfg.constant_kernel)
@@ -111,6 +116,7 @@ class SMCExperts(nn.Module):
         # target scaling (running), bookkeeping, random state
         self.register_buffer("y_count", torch.zeros((), **f64))
         self.register_buffer("y_mean", torch.zeros(p, **f64))
+        self.register_buffer("y_std", torch.ones(p, **f64))
         self.register_buffer("y_m2", torch.zeros(p, **f64))
         self.register_buffer("last_t", torch.tensor(-math.inf, **f64))
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
@@ -127,17 +133,9 @@ class SMCExperts(nn.Module):
         self._ly = torch.zeros(0)
         self._l1 = torch.zeros(0)
         self._cache_ok = False
-        self.to(_resolve_device(cfg.device))
+        self.to(resolve_device(cfg.device))
 
     # ------------------------------------------------------------------ properties
-    @property
-    def device(self) -> torch.device:
-        return self.log_w.device
-
-    @property
-    def num_seen(self) -> int:
-        return int(self.num_seen_t)
-
     @property
     def num_particles(self) -> int:
         return int(self.log_w.shape[0])
@@ -160,54 +158,31 @@ class SMCExperts(nn.Module):
         """Experts in use per particle (J,)."""
         return (self.count > 0).sum(1)
 
-    def _y_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Running (mean, std) of the targets; std 1 until two readings have a spread."""
-        n = float(self.y_count)
-        if n < 2:
-            return self.y_mean, torch.ones_like(self.y_mean)
-        std = torch.sqrt(self.y_m2 / n)
-        ok = std > 1e-12 * torch.clamp(self.y_mean.abs(), min=1.0)
-        return self.y_mean, torch.where(ok, std, torch.ones_like(std))
+    def _work_scale(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean (P,), ratio r (P,), scale sbar ()): the experts work on (y - mean) * r with r = sbar / std,
+        sbar the geometric mean of the running standard deviations (r = 1 for one output). Their variance
+        hyperparameters are in these units, so a later change of the running scale does not rescale a learned
+        expert; only the prior of new and moved hyperparameters follows the scale."""
+        sbar = torch.exp(torch.log(self.y_std).mean())
+        return self.y_mean, sbar / self.y_std, sbar
 
-    # ------------------------------------------------------------------ nn.Module plumbing
-    def _apply(self, fn, *args, **kwargs):
+    def _prior_now(self) -> torch.Tensor:
+        """Prior mean of theta in work units: the configured (standardised) variances times sbar^2."""
+        shift = torch.zeros_like(self.prior_mean)
+        shift[self.num_ls:] = 2.0 * torch.log(self._work_scale()[2])
+        return self.prior_mean + shift
+
+    # ------------------------------------------------------------------ Engine plumbing
+    def _drop_caches(self) -> None:
+        super()._drop_caches()
         self._cache_ok = False
-        return super()._apply(fn, *args, **kwargs)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        for name in self.RESIZABLE:
-            key = prefix + name
-            if key in state_dict:
-                old = self._buffers[name]
-                self._buffers[name] = torch.empty(state_dict[key].shape, dtype=old.dtype, device=old.device)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+    def _loaded(self) -> None:
         self._generator.set_state(self.rng_state.detach().to("cpu", torch.uint8))
-        self._cache_ok = False
 
     # ------------------------------------------------------------------ input checks
-    def _check_x(self, x, name: str = "x") -> torch.Tensor:
-        from .dual_svgp import check_inputs
-        return check_inputs(x, self.input_dims, self.device, name)
-
-    def _check_y(self, y, n: int) -> torch.Tensor:
-        from .dual_svgp import ModelInputError, to_float64_tensor
-        t = to_float64_tensor(y, "y", self.device)
-        if t.dim() == 1 and self.output_dims == 1:
-            t = t[:, None]
-        if t.dim() != 2 or t.shape[1] != self.output_dims:
-            raise ModelInputError(f"y must have shape (N, {self.output_dims}), got {tuple(t.shape)}")
-        if t.shape[0] != n:
-            raise ModelInputError(f"x has {n} rows but y has {t.shape[0]}")
-        bad = ~torch.isfinite(t).all(dim=1)
-        if bool(bad.any()):
-            raise ModelInputError(f"y holds NaN or Inf in {int(bad.sum())} of {t.shape[0]} rows")
-        return t
-
     def _check_t(self, t, n: int) -> torch.Tensor:
         """Stamps (n,) as float64 on the CPU; None gives a sample clock (num_seen, num_seen + 1, ...)."""
-        from .dual_svgp import ModelInputError, to_float64_tensor
         if t is None:
             return torch.arange(n, dtype=torch.float64) + float(self.num_seen)
         tt = to_float64_tensor(t, "t", torch.device("cpu")).reshape(-1)
@@ -221,8 +196,7 @@ class SMCExperts(nn.Module):
     def _kernel(self, x1: torch.Tensor, x2: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
         """k(x1, x2) (..., N1, N2) for inputs (..., N1, D), (..., N2, D) and log-hyperparameters (..., H)."""
         ls = torch.exp(theta[..., :self.num_ls])[..., None, :]
-        a, b = x1 / ls, x2 / ls
-        r2 = ((a[..., :, None, :] - b[..., None, :, :]) ** 2).sum(-1)
+        r2 = _squared_distances(x1 / ls, x2 / ls)
         k = torch.exp(theta[..., self.num_ls])[..., None, None] * self._profile(torch.sqrt(r2.clamp_min(1e-36)))
         if self.has_constant:
             k = k + torch.exp(theta[..., -1])[..., None, None]
@@ -234,7 +208,7 @@ class SMCExperts(nn.Module):
         return v + torch.exp(theta[..., -1]) if self.has_constant else v
 
     def _noise(self, theta: torch.Tensor) -> torch.Tensor:
-        return torch.exp(theta[..., self.num_ls + 1]).clamp_min(NOISE_FLOOR)
+        return torch.exp(theta[..., self.num_ls + 1]).clamp_min(NOISE_FLOOR * float(self._work_scale()[2]) ** 2)
 
     def _gram(self, mx: torch.Tensor, mc: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
         """K + diag(noise / c) on the valid entries, identity on free ones (..., M, M)."""
@@ -249,10 +223,10 @@ class SMCExperts(nn.Module):
     def _log_marginal(self, theta: torch.Tensor, mx, my, mc, ms) -> torch.Tensor:
         """log p(memory readings | theta) (B,) in standardised units for B experts (exact for merged repeats);
         -inf where K cannot be factorised."""
-        mean, std = self._y_scale()
+        mean, ratio, _ = self._work_scale()
         valid = mc > 0
         vf = valid.to(mx.dtype)
-        yt = (my - mean) / std * vf[..., None]
+        yt = (my - mean) * ratio * vf[..., None]
         L, info = torch.linalg.cholesky_ex(self._gram(mx, mc, theta))
         ok = info == 0
         L = torch.where(ok[:, None, None], L, torch.eye(L.shape[-1], dtype=L.dtype, device=L.device))
@@ -263,7 +237,7 @@ class SMCExperts(nn.Module):
         noise = self._noise(theta)
         c = mc.clamp_min(1.0)
         within = (-(0.5 * (c - 1.0))[..., None] * (LOG_2PI + torch.log(noise))[:, None, None]
-                  - 0.5 * torch.log(c)[..., None] - 0.5 * (ms / std ** 2) / noise[:, None, None])
+                  - 0.5 * torch.log(c)[..., None] - 0.5 * (ms * ratio ** 2) / noise[:, None, None])
         ll = ll + (within * vf[..., None]).sum((-2, -1))
         return torch.where(ok & torch.isfinite(ll), ll, torch.full_like(ll, -math.inf))
 
@@ -304,14 +278,14 @@ class SMCExperts(nn.Module):
 
     def _expert_predict(self, x: torch.Tensor, jj=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Standardised latent mean and variance of every expert at inputs x (G, D): (J, K, G, P), (J, K, G)."""
-        mean_y, std_y = self._y_scale()
+        mean_y, ratio, _ = self._work_scale()
         th = self.theta
         u = self._used_memory(self.mem_c)
         mx = self.mem_x[:, :, :u]
         ks = self._kernel(mx, x.expand(*mx.shape[:2], *x.shape), th)                    # (J, K, u, G)
         ks = ks * (self.mem_c[:, :, :u] > 0).to(ks.dtype)[..., None]
         v = torch.linalg.solve_triangular(self._chol[:, :, :u, :u], ks, upper=False)
-        wy = (self._ly[:, :, :u] - mean_y * self._l1[:, :, :u, None]) / std_y           # (J, K, u, P)
+        wy = (self._ly[:, :, :u] - mean_y * self._l1[:, :, :u, None]) * ratio           # (J, K, u, P)
         mean = torch.einsum("jkmg,jkmp->jkgp", v, wy)
         var = (self._prior_var(th)[..., None] - (v * v).sum(-2)).clamp_min(0.0)
         return mean, var
@@ -406,13 +380,13 @@ class SMCExperts(nn.Module):
         cfg = self.config
         j, k = self.num_particles, self.max_experts
         ar = torch.arange(j, device=self.device)
-        mean_y, std_y = self._y_scale()
-        ys = (y - mean_y) / std_y
+        mean_y, ratio, _ = self._work_scale()
+        ys = (y - mean_y) * ratio
         log_gate = self._gate_log(x[None, :], t)[..., 0]                          # (J, K + 1)
         log_px = torch.logsumexp(log_gate, 1) - torch.log(self._decayed(t).sum(1) + self.alpha)
         # Candidate hyperparameters for a new expert, drawn from the prior.
         h = self.theta.shape[-1]
-        theta_new = self.prior_mean + cfg.smc_hyper_prior_std * torch.randn(
+        theta_new = self._prior_now() + cfg.smc_hyper_prior_std * torch.randn(
             j, h, generator=self._generator, dtype=torch.float64).to(self.device)
         # One-step predictive of y under every expert and under a new one (standardised, with the noise).
         mu, var = self._expert_predict(x[None, :])
@@ -480,11 +454,16 @@ class SMCExperts(nn.Module):
         return touched, log_evidence, resampled, opened
 
     def _add_to_scale(self, y: torch.Tensor) -> None:
+        """Welford update of the running target mean and spread; the scale is their standard deviation (1 until
+        two readings differ)."""
         n = self.y_count + 1.0
         delta = y - self.y_mean
         self.y_mean = self.y_mean + delta / n
         self.y_m2 = self.y_m2 + delta * (y - self.y_mean)
         self.y_count = n
+        std = torch.sqrt(self.y_m2 / n)
+        ok = std > 1e-12 * torch.clamp(self.y_mean.abs(), min=1.0)
+        self.y_std = torch.where(ok, std, torch.ones_like(std))
 
     def _select_particles(self, idx: torch.Tensor) -> None:
         for name in ("alpha", "count", "crp_w", "crp_t", "g_mean", "g_scatter", "g_mu0", "theta", "mem_x", "mem_y",
@@ -496,7 +475,7 @@ class SMCExperts(nn.Module):
 
     def _insert(self, ar: torch.Tensor, z: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
         """Put (x, y) into the memory of expert z_j of every particle j, merging the closest pair of
-        [memory; new] (in lengthscales) where the memory is full."""
+        [memory; new] (Euclidean) where the memory is full."""
         m = self.expert_memory
         mx, my, mc, ms = self.mem_x[ar, z], self.mem_y[ar, z], self.mem_c[ar, z], self.mem_s[ar, z]
         j = ar.shape[0]
@@ -507,9 +486,8 @@ class SMCExperts(nn.Module):
         free = mc == 0
         has_free = free.any(1)
         # Closest pair among the m + 1 entries (only needed where the memory is full).
-        ls = torch.exp(self.theta[ar, z, :self.num_ls])[:, None, :]
-        a = ex / ls
-        d2 = ((a[:, :, None, :] - a[:, None, :, :]) ** 2).sum(-1)
+        a = ex  # Euclidean: a learned long lengthscale must not license merging across a short feature
+        d2 = _squared_distances(a, a)
         d2 = d2 + torch.diag_embed(torch.full((j, m + 1), math.inf, dtype=d2.dtype, device=d2.device))
         flat = torch.argmin(d2.reshape(j, -1), 1)
         p, q = torch.minimum(flat // (m + 1), flat % (m + 1)), torch.maximum(flat // (m + 1), flat % (m + 1))
@@ -556,7 +534,7 @@ class SMCExperts(nn.Module):
         std = torch.full_like(self.prior_mean, float(cfg.smc_hyper_prior_std))
         ll, evals = None, 0
         for _ in range(int(cfg.smc_slice_steps)):
-            theta, ll, n_eval = elliptical_slice(theta, log_lik, self.prior_mean, std, self._generator,
+            theta, ll, n_eval = elliptical_slice(theta, log_lik, self._prior_now(), std, self._generator,
                                                  current_ll=ll)
             evals += int(n_eval.sum())
         self.theta[jj, kk] = theta
@@ -567,7 +545,7 @@ class SMCExperts(nn.Module):
     def _mixture(self, x: torch.Tensor, t: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                  torch.Tensor, torch.Tensor]:
         """Per-component pieces of the predictive at x (G, D): weights w (J,), gates g (J, K + 1, G), expert
-        means (J, K + 1, G, P), latent variances (J, K + 1, G) and noise variances (J, K + 1), standardised."""
+        means (J, K + 1, G, P), latent variances (J, K + 1, G) and noise variances (J, K + 1), in work units."""
         self._ensure_cache()
         t = float(self.last_t) if t is None else float(t)
         if not math.isfinite(t):
@@ -577,7 +555,7 @@ class SMCExperts(nn.Module):
         mean, var = self._expert_predict(x)
         j, _, n, p = mean.shape
         std = self.config.smc_hyper_prior_std
-        pm = self.prior_mean
+        pm = self._prior_now()
         prior_var = math.exp(float(pm[self.num_ls]) + 0.5 * std ** 2)
         noise_new = math.exp(float(pm[self.num_ls + 1]) + 0.5 * std ** 2)
         if self.has_constant:
@@ -592,15 +570,14 @@ class SMCExperts(nn.Module):
         per_point = self.num_particles * self.max_experts * self.expert_memory
         return max(1, min(n, PREDICT_CHUNK_ELEMENTS // max(per_point * self.input_dims, 1)))
 
-    def predict(self, x, t=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and variance (G, P) of the latent f at x, original units; gate at stamp t (default: newest)."""
-        xt = self._check_x(x)
-        mean_y, std_y = self._y_scale()
+    def _latent(self, x: torch.Tensor, t=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mixture mean and variance (law of total variance) of f at checked inputs, standardised units."""
+        sbar = self._work_scale()[2]
         out_m, out_v = [], []
         with torch.no_grad():
-            step = self._chunks(xt.shape[0])
-            for s in range(0, xt.shape[0], step):
-                w, g, mu, var, _ = self._mixture(xt[s:s + step], t)
+            step = self._chunks(x.shape[0])
+            for s in range(0, x.shape[0], step):
+                w, g, mu, var, _ = self._mixture(x[s:s + step], t)
                 wg = w[:, None, None] * g                                                   # (J, K + 1, G)
                 m = torch.einsum("jkg,jkgp->gp", wg, mu)
                 second = torch.einsum("jkg,jkgp->gp", wg, mu * mu + var[..., None])
@@ -609,16 +586,22 @@ class SMCExperts(nn.Module):
         if not out_m:
             empty = torch.zeros(0, self.output_dims, dtype=torch.float64, device=self.device)
             return empty, empty.clone()
-        m, v = torch.cat(out_m), torch.cat(out_v)
-        return m * std_y + mean_y, v * std_y ** 2
+        return torch.cat(out_m) / sbar, torch.cat(out_v) / sbar ** 2
+
+    def predict(self, x, t=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and variance (G, P) of the latent f at x, original units; gate at stamp t (default: newest)."""
+        xt = self._check_x(x)
+        with torch.no_grad():
+            m, v = self._latent(xt, t)
+        return m * self.y_std + self.y_mean, v * self.y_std ** 2
 
     def log_predictive_density(self, x, y, t=None) -> torch.Tensor:
         """log p(y*|x*) (N, P) in the original units: per component, the mixture over particles and gates of
         the experts' Gaussian predictive densities (with their noise)."""
         xt = self._check_x(x)
         yt = self._check_y(y, xt.shape[0])
-        mean_y, std_y = self._y_scale()
-        ys = (yt - mean_y) / std_y
+        mean_y, ratio, _ = self._work_scale()
+        ys = (yt - mean_y) * ratio
         out = []
         with torch.no_grad():
             step = self._chunks(xt.shape[0])
@@ -630,13 +613,18 @@ class SMCExperts(nn.Module):
                 out.append(torch.logsumexp((logw + comp).flatten(0, 1), 0))
         if not out:
             return torch.zeros(0, self.output_dims, dtype=torch.float64, device=self.device)
-        return torch.cat(out) - torch.log(std_y)
+        return torch.cat(out) + torch.log(ratio)
 
     def extra_repr(self) -> str:
         return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, particles={self.num_particles}, "
                 f"max_experts={self.max_experts}, expert_memory={self.expert_memory}")
 
 
-def _resolve_device(name: str) -> torch.device:
-    from .dual_svgp import resolve_device
-    return resolve_device(name)
+def _squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a_i - b_j|^2 (..., N1, N2) for (..., N1, D) and (..., N2, D), one input dimension at a time (exact zeros
+    for equal points, no (..., N1, N2, D) temporary)."""
+    r2 = None
+    for d in range(a.shape[-1]):
+        diff = a[..., :, None, d] - b[..., None, :, d]
+        r2 = diff * diff if r2 is None else r2 + diff * diff
+    return r2
