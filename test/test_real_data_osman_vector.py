@@ -28,7 +28,7 @@ from scipy.spatial import cKDTree
 from scipy.spatial.transform import Rotation
 
 from gp_mapping.config import ModelConfig
-from gp_mapping.datasets import load_osman2021
+from gp_mapping.evaluation.datasets import load_osman2021
 from gp_mapping.gp import build_model
 from gp_mapping.gp.continual_mogp import ContinualMOGP
 
