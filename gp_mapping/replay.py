@@ -31,9 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from gp_mapping.bag import (Bag, BagError, CorruptBagError, MapBagWriter, PoseSource, TransformBuffer, TransformError,
+from gp_mapping.bag import (Bag, BagError, CorruptBagError, MapBagWriter, PoseSource, TransformBuffer,
                             choose_pose_source, decode_magnetic_field, decode_pose, is_identity_extrinsic)
 from gp_mapping.config import ConfigError, MapperConfig, load_config
+from gp_mapping.mapping.transforms import TransformError  # a lookup's (the bag's own is a subclass)
 
 NPZ_NAME = "map.npz"
 PNG_NAME = "map.png"

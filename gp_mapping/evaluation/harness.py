@@ -1,7 +1,7 @@
 """Run every benchmark section in one process and write ``bench.json``, ``bench.md`` and PNG curves.
 
     gp-mapping bench [--quick] [--out DIR] [--data DIR] [--threads N] [--only SECTION ...]
-    python -m bench.harness [same options]          (from the repository root)
+    python -m gp_mapping.evaluation.harness [same options]
 
 Sections: ``accuracy`` (protocols 1 and 2 on the Solin 2018 recording; skipped with the reason when the
 recording is absent), ``speed`` (engine latency over M, grid prediction, replay real-time factors),
@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from bench.common import REPO_ROOT, jsonable, machine_info
+from gp_mapping.evaluation.common import default_results_dir, jsonable, machine_info
 
 SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore", "merge")
 JSON_NAME = "bench.json"
@@ -81,7 +81,7 @@ QUICK = {
 
 def _data_root(given: Path | None) -> tuple[Path | None, str | None]:
     """The recordings folder, or None and the reason it is unusable."""
-    from gp_mapping.datasets import DatasetError, load_solin2018, shared_data_root
+    from gp_mapping.evaluation.datasets import DatasetError, load_solin2018, shared_data_root
 
     try:
         root = Path(given) if given is not None else shared_data_root()
@@ -92,7 +92,7 @@ def _data_root(given: Path | None) -> tuple[Path | None, str | None]:
 
 
 def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[[str], None]) -> dict[str, Any]:
-    from bench import accuracy, explore, growth, large, merge, speed
+    from gp_mapping.evaluation import accuracy, explore, growth, large, merge, speed
 
     results: dict[str, Any] = {"machine": machine_info(), "plan": plan, "sections": {}}
     root, why = _data_root(data)
@@ -145,7 +145,7 @@ def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[
 
 
 def _area_of(root: Path) -> tuple[np.ndarray, np.ndarray]:
-    from gp_mapping.datasets import load_solin2018
+    from gp_mapping.evaluation.datasets import load_solin2018
 
     xy = np.vstack([load_solin2018(root, s).xy for s in (1, 2, 3, 4, 5)])
     return xy.min(axis=0), xy.max(axis=0)
@@ -252,17 +252,17 @@ def markdown(results: dict[str, Any]) -> str:
                       "10 000 samples. Curves: `growth.png`.", ""]
     ex = sec.get("explore")
     if ex is not None:
-        from bench import explore
+        from gp_mapping.evaluation import explore
 
         lines += explore.markdown(ex)
     lg = sec.get("large")
     if lg is not None:
-        from bench import large
+        from gp_mapping.evaluation import large
 
         lines += large.markdown(lg)
     mg = sec.get("merge")
     if mg is not None:
-        from bench import merge
+        from gp_mapping.evaluation import merge
 
         lines += merge.markdown(mg)
     cu = sec.get("cuda")
@@ -354,10 +354,11 @@ def write(results: dict[str, Any], out: Path) -> dict[str, Path]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="the same sections on less work (under 3 minutes; what the smoke test runs)")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results",
-                        help="output folder (default bench/results)")
+    parser.add_argument("--out", type=Path, default=default_results_dir(),
+                        help="output folder (default bench/results in a source checkout, else ./bench-results)")
     parser.add_argument("--data", type=Path, default=None,
-                        help="folder holding solin2018_invensense (default ../shared/data or $GP_MAPPING_DATA)")
+                        help="folder holding solin2018_invensense (default $GP_MAPPING_DATA, else ../shared/data beside the "
+                             "checkout or the working directory)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: the batches are small and cores are often shared)")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=None, help="run only these sections")
@@ -365,7 +366,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="combine the sections of earlier runs' bench.json files (later files win) and write "
                              "the report to --out, running nothing (for sections run in parallel processes)")
     parser.add_argument("--set", nargs="+", default=(), metavar="KEY=VALUE", dest="overrides",
-                        help="override numbers of the plan (FULL or QUICK in bench/harness.py), e.g. "
+                        help="override numbers of the plan (FULL or QUICK in gp_mapping/evaluation/harness.py), e.g. "
                              "--set p2_batch_seconds=5 osgpr_iterations=10; the plan used is saved in bench.json")
     parser.add_argument("--drive-minutes", type=float, default=None,
                         help="length of the simulated drive of the growth section (default: 60, quick: 1)")
@@ -428,7 +429,8 @@ def main_with_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.harness", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m gp_mapping.evaluation.harness",
+                                     description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     return main_with_args(parser.parse_args(argv))
 
