@@ -38,9 +38,14 @@ class NoPoseSourceError(TopicError):
     """The bag has neither a pose topic nor a /tf chain from the map frame to the magnetometer frame."""
 
 
-# The tf tree is shared with the live node (mapping/transforms.py, ROS-free): its lookup error is that module's,
-# not a BagError (the replay's command catches it beside them).
-from gp_mapping.mapping.transforms import TransformError  # noqa: E402,F401
+# The tf tree is shared with the live node (mapping/transforms.py, ROS-free): a lookup error is that module's
+# TransformError; a bag whose tf does not hold the asked chain is also a BagError.
+from gp_mapping.mapping.transforms import TransformError  # noqa: E402
+
+
+class TransformChainError(BagError, TransformError):
+    """The tf chain asked for (``--tf PARENT CHILD``) does not exist in the bag: the frames are not connected."""
+
 
 
 class MapBagError(BagError):
