@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from gp_mapping.bag import (Bag, BagError, CorruptBagError, MapBagWriter, PoseSource, TransformBuffer, TransformError,
+from gp_mapping.bag import (Bag, BagError, CorruptBagError, MapBagWriter, PoseSource, TransformBuffer,
                             choose_pose_source, decode_magnetic_field, decode_pose, is_identity_extrinsic)
 from gp_mapping.config import ConfigError, MapperConfig, load_config
-from gp_mapping.mapping.transforms import body_pose_from_tf
+from gp_mapping.mapping.transforms import TransformError, body_pose_from_tf  # a lookup's (the bag's own: a subclass)
 
 NPZ_NAME = "map.npz"
 PNG_NAME = "map.png"

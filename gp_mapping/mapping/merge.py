@@ -1,4 +1,4 @@
-"""Merging maps (state files or live mappers) into one map without their data (seed 001, gp/recyclable.py).
+"""Merging maps (state files or live mappers) into one map without their data (recyclable GPs, gp/recyclable.py).
 
 A source is a :class:`~gp_mapping.mapping.mapper.Mapper` (loaded from a state file, or rebuilt from a model
 summary received over DDS) with an optional rigid transform into the merged frame. The merged map is a Mapper
