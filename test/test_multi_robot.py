@@ -113,3 +113,19 @@ def test_two_mappers_and_a_merger_over_dds(tmp_path):
             merger.stop()
             for p in procs:
                 p.stop()
+
+
+@pytest.mark.parametrize("args, names", [
+    ([], ["sources"]),
+    (["-p", "sources:=['/a/model', '/b/model']", "-p", "transforms:=['1,2']"], ["transforms"]),
+    (["-p", "sources:=['/a/model']", "-p", "merge_period:=0.0"], ["merge_period"]),
+])
+def test_bad_merger_parameters_stop_it_naming_the_parameter(tmp_path, args, names):
+    import subprocess
+
+    env = node_env(dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST"), tmp_path)
+    proc = subprocess.run([PYTHON, "-m", "gp_mapping.ros.merger_node", "--ros-args", *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    for name in names:
+        assert name in proc.stderr + proc.stdout

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import threading
 import time
 from typing import Any
 
@@ -78,10 +79,11 @@ class MergerNode(Node):
         self._merge_seconds = math.nan
         self._pubs = None  # created at the first merge, for the sources' target (layers)
         self.mapper = None  # the merged Mapper
+        self._worker: threading.Thread | None = None  # the merge in progress (callbacks never wait for it)
         for topic in self.source_topics:
             self.create_subscription(UInt8MultiArray, topic, lambda msg, t=topic: self.on_summary(t, msg), MAP_QOS)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-        self.create_timer(self.merge_period, self.merge_if_changed)
+        self.create_timer(self.merge_period, self._on_merge_timer)
         self.create_timer(DIAGNOSTICS_PERIOD, self._publish_diagnostics)
 
     def _read_parameters(self) -> None:
@@ -161,14 +163,29 @@ class MergerNode(Node):
 
     # ------------------------------------------------------------------------------------------- merging
 
+    def _on_merge_timer(self) -> None:
+        """Start a merge on a worker thread when a source changed and no merge is running: the subscriptions
+        and diagnostics go on during a merge of many or large maps."""
+        if self._worker is not None and self._worker.is_alive():
+            return
+        if not self._changed or not self._sources:
+            return
+        sources = [self._sources[t] for t in self.source_topics if t in self._sources]
+        self._changed = False
+        self._worker = threading.Thread(target=self.merge, args=(sources,), name="gp_mapping_merge", daemon=True)
+        self._worker.start()
+
     def merge_if_changed(self) -> bool:
-        """Merge the latest sources and publish the map, if any source changed since the last merge."""
+        """Merge the latest sources and publish the map now, if any source changed since the last merge."""
         if not self._changed or not self._sources:
             return False
         self._changed = False
+        return self.merge([self._sources[t] for t in self.source_topics if t in self._sources])
+
+    def merge(self, sources: list[MapSource]) -> bool:
+        """Merge ``sources`` and publish the merged map; a failure is counted and the last map stays."""
         start = time.perf_counter()
         try:
-            sources = [self._sources[t] for t in self.source_topics if t in self._sources]
             mapper, _ = merge_maps(sources, steps=self.steps, num_inducing=self.num_inducing)
             grid = mapper.grid(predict_unknown=False)
         except Exception as err:  # a merge that fails leaves the last map published
@@ -182,11 +199,16 @@ class MergerNode(Node):
         if grid is None:
             return False
         config = mapper.config
-        if self._pubs is None:
-            self._pubs = create_map_publishers(self, config)
-        layout = publication.publication(grid, config.sync.field_unit, config.grid.mean_range,
-                                         config.grid.variance_range)
-        publish_map_layout(*self._pubs, grid, layout, config.sync.field_unit, self.get_clock().now().to_msg())
+        try:
+            if self._pubs is None:
+                self._pubs = create_map_publishers(self, config)
+            layout = publication.publication(grid, config.sync.field_unit, config.grid.mean_range,
+                                             config.grid.variance_range)
+            publish_map_layout(*self._pubs, grid, layout, config.sync.field_unit, self.get_clock().now().to_msg())
+        except Exception as err:  # shutting down, or a map that cannot be encoded: counted, the node goes on
+            self._counts["failed_merges"] += 1
+            self._last_error = f"publishing the merged map failed: {type(err).__name__}: {err}"
+            return False
         self._counts["maps_published"] += 1
         self._last_error = ""
         return True
