@@ -99,6 +99,10 @@ from .likelihoods import build_likelihood
 
 #: Pending (fast-mode) points kept before the oldest are folded into the old part.
 DEFAULT_MAX_PENDING = 8192
+#: Target scaling is re-expressed when the running std leaves [1/f, f] x the current one, or the running mean
+#: moves by more than RESCALE_SHIFT current stds.
+RESCALE_FACTOR = 2.0
+RESCALE_SHIFT = 0.5
 
 
 class ModelInputError(ValueError):
@@ -155,7 +159,10 @@ def _sym(W: torch.Tensor) -> torch.Tensor:
 def _site_sums(V: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Whitened site sums (V lambda1 (M, P), V diag(lambda2) V^T (P, M, M)) for V = L^{-1} K_ZX (M, N)."""
     a_w = V @ lam1
-    W = torch.einsum("mn,np,kn->pmk", V, lam2, V)
+    if lam2.shape[1] == 1:  # one output: a plain matrix product (einsum's three-operand path is slower)
+        W = ((V * lam2[:, 0]) @ V.T)[None]
+    else:
+        W = torch.einsum("mn,np,kn->pmk", V, lam2, V)
     return a_w, _sym(W)
 
 
@@ -163,8 +170,8 @@ class DualSVGP(nn.Module):
     """Online dual-parameter SVGP with bounded memory. See the module docstring for the method."""
 
     #: buffers whose size changes as data arrive (resized on load_state_dict)
-    RESIZABLE = ("Z", "a_w", "W", "a_w_old", "W_old", "mem_x", "mem_y", "mem_lam1", "mem_lam2", "mem_logkey",
-                 "pend_x", "pend_y", "pend_lam1", "pend_lam2", "rng_state")
+    RESIZABLE = ("Z", "a_w", "W", "a_w_old", "b_w_old", "W_old", "mem_x", "mem_y", "mem_lam1", "mem_lam2",
+                 "mem_logkey", "pend_x", "pend_y", "pend_lam1", "pend_lam2", "rng_state", "adam_avg", "adam_avg_sq")
 
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int, *,
                  max_pending: int = DEFAULT_MAX_PENDING, inducing_rel_tol: float = DEFAULT_REL_TOL) -> None:
@@ -193,12 +200,23 @@ class DualSVGP(nn.Module):
         self.register_buffer("a_w", torch.zeros(m, p, **f64))
         self.register_buffer("W", torch.zeros(p, m, m, **f64))
         self.register_buffer("a_w_old", torch.zeros(m, p, **f64))
+        # sum_i V_i lambda2_i of the old part: what a shift of the targets' origin changes a_old by
+        self.register_buffer("b_w_old", torch.zeros(m, p, **f64))
         self.register_buffer("W_old", torch.zeros(p, m, m, **f64))
         self.register_buffer("jitter_t", torch.tensor(float(config.jitter), **f64))
         self.register_buffer("z_fixed", torch.tensor(z_fixed))
         self.register_buffer("y_mean", torch.zeros(p, **f64))
         self.register_buffer("y_std", torch.ones(p, **f64))
         self.register_buffer("standardised", torch.tensor(False))
+        # running count, mean and sum of squared deviations of every target seen (Chan et al.'s merge)
+        self.register_buffer("y_count", torch.tensor(0.0, **f64))
+        self.register_buffer("y_run_mean", torch.zeros(p, **f64))
+        self.register_buffer("y_run_m2", torch.zeros(p, **f64))
+        self.register_buffer("rescalings_t", torch.tensor(0, dtype=torch.int64))
+        # Adam's moments for the hyperparameters, kept across full updates (flattened in parameter order)
+        self.register_buffer("adam_avg", torch.zeros(0, **f64))
+        self.register_buffer("adam_avg_sq", torch.zeros(0, **f64))
+        self.register_buffer("adam_step", torch.tensor(0.0, **f64))
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
         for prefix in ("mem", "pend"):
@@ -211,6 +229,8 @@ class DualSVGP(nn.Module):
         self._generator.manual_seed(int(config.seed))
         self.register_buffer("rng_state", self._generator.get_state())
         self._cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._pred: tuple[torch.Tensor, torch.Tensor] | None = None  # (alpha, Q) for prediction, see _latent
+        self._chol_memo: tuple[tuple, torch.Tensor] | None = None  # (fingerprint of Z and theta, chol K)
         self.to(device)
 
     # ------------------------------------------------------------------ properties
@@ -251,8 +271,13 @@ class DualSVGP(nn.Module):
 
     # ------------------------------------------------------------------ torch.nn.Module plumbing
     def _apply(self, fn, *args, **kwargs):
-        self._cache = None  # cached factors live on the old device
+        self._drop_caches()  # cached factors live on the old device
         return super()._apply(fn, *args, **kwargs)
+
+    def _drop_caches(self) -> None:
+        self._cache = None
+        self._pred = None
+        self._chol_memo = None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -265,7 +290,7 @@ class DualSVGP(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         self._generator.set_state(self.rng_state.detach().to("cpu", torch.uint8))
-        self._cache = None
+        self._drop_caches()
 
     # ------------------------------------------------------------------ input checking
     def _to_tensor(self, value, name: str) -> torch.Tensor:
@@ -293,23 +318,100 @@ class DualSVGP(nn.Module):
     def _standardise(self, y: torch.Tensor) -> torch.Tensor:
         return (y - self.y_mean) / self.y_std
 
-    def _set_standardisation(self, y: torch.Tensor) -> None:
-        if self.likelihood.standardise_targets:
-            mean = y.mean(0)
-            std = y.std(0, unbiased=False) if y.shape[0] > 1 else torch.zeros_like(mean)
-            # A constant first batch has no scale: keep the original units for that output.
-            ok = std > 1e-9 * torch.clamp(mean.abs(), min=1.0)
+    @property
+    def rescalings(self) -> int:
+        """How many times the target scaling has been re-expressed (see :meth:`_track_targets`)."""
+        return int(self.rescalings_t)
+
+    def _running_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) of every target seen; an output with no spread yet keeps std 1 (original units)."""
+        mean = self.y_run_mean
+        std = torch.sqrt(self.y_run_m2 / self.y_count.clamp_min(1.0))
+        ok = std > 1e-9 * torch.clamp(mean.abs(), min=1.0)
+        return mean, torch.where(ok, std, torch.ones_like(std))
+
+    def _track_targets(self, y: torch.Tensor) -> None:
+        """Fold the batch into the running target statistics and re-express the model in new units when they
+        have drifted (std by more than RESCALE_FACTOR, mean by more than RESCALE_SHIFT stds).
+
+        Standardising once from the first batch fails on a robot that stands still for its first second: the
+        batch's spread is the sensor noise, the field's is a thousand times larger, and every hyperparameter
+        is then learned in absurd units. The running statistics converge to the field's spread instead; the
+        number of re-expressions is logarithmic in how far the first guess was off.
+        """
+        if not self.likelihood.standardise_targets:
+            self.standardised.fill_(True)
+            return
+        n_b = float(y.shape[0])
+        mean_b = y.mean(0)
+        m2_b = ((y - mean_b) ** 2).sum(0)
+        n_a = float(self.y_count)
+        delta = mean_b - self.y_run_mean
+        total = n_a + n_b
+        self.y_run_mean.copy_(self.y_run_mean + delta * (n_b / total))
+        self.y_run_m2.copy_(self.y_run_m2 + m2_b + delta ** 2 * (n_a * n_b / total))
+        self.y_count.fill_(total)
+        mean, std = self._running_scale()
+        if not bool(self.standardised):
             self.y_mean.copy_(mean)
-            self.y_std.copy_(torch.where(ok, std, torch.ones_like(std)))
-        self.standardised.fill_(True)
+            self.y_std.copy_(std)
+            self.standardised.fill_(True)
+            return
+        ratio = std / self.y_std
+        drift = ((ratio > RESCALE_FACTOR) | (ratio < 1.0 / RESCALE_FACTOR)
+                 | ((mean - self.y_mean).abs() > RESCALE_SHIFT * self.y_std))
+        if bool(drift.any()):
+            self._rescale_targets(mean, std)
+
+    def _rescale_targets(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        """Standardise with (mean, std) from now on: y_new = alpha (y_old - d), alpha = std_old / std, d = (mean -
+        mean_old) / std_old, per output.
+
+        The data's terms are re-expressed exactly: a site (lambda1, lambda2) of y_old becomes ((lambda1 - d
+        lambda2) / alpha, lambda2 / alpha^2), so a_old -> (a_old - d b_old) / alpha and B_old -> B_old / alpha^2
+        with b_old = sum_i k_i lambda2_i; stored targets move with them and the noise variance scales by
+        alpha^2 (it is the sensor's and stays right in the original unit). The kernel's variances stay in
+        standardised units: the prior's scale follows the data's spread, which is what standardising is for
+        (an exact re-expression would keep a prior fitted to a robot at rest).
+        """
+        alpha = self.y_std / std
+        d = (mean - self.y_mean) / self.y_std
+        self.a_w_old = (self.a_w_old - d * self.b_w_old) / alpha
+        self.b_w_old = self.b_w_old / alpha ** 2
+        self.W_old = self.W_old / (alpha ** 2)[:, None, None]
+        for prefix in ("mem", "pend"):
+            lam1, lam2 = getattr(self, f"{prefix}_lam1"), getattr(self, f"{prefix}_lam2")
+            setattr(self, f"{prefix}_lam1", (lam1 - d * lam2) / alpha)
+            setattr(self, f"{prefix}_lam2", lam2 / alpha ** 2)
+            setattr(self, f"{prefix}_y", alpha * (getattr(self, f"{prefix}_y") - d))
+        self.likelihood.rescale_targets(alpha)
+        self.y_mean.copy_(mean)
+        self.y_std.copy_(std)
+        self.rescalings_t += 1
+        if self.num_inducing:
+            self._recompute_totals(self._chol_K())
+        self._drop_caches()
 
     # ------------------------------------------------------------------ linear algebra
+    def _prior_fingerprint(self) -> tuple:
+        """Changes whenever Z, the jitter or a kernel parameter does (in place or by reassignment)."""
+        return (self.Z.data_ptr(), self.Z._version, tuple(self.Z.shape), self.jitter,
+                *((p.data_ptr(), p._version) for p in self.kernel.parameters()))
+
     def _chol_K(self, z: torch.Tensor | None = None) -> torch.Tensor:
-        """chol(K_ZZ + jitter I) (for ``z``, default Z); the jitter escalates (and stays) if needed."""
-        z = self.Z if z is None else z
-        factor, used = jittered_cholesky(self.kernel(z, z), self.jitter)
+        """chol(K_ZZ + jitter I) (for ``z``, default Z); the jitter escalates (and stays) if needed.
+
+        For Z it is remembered until Z, the jitter or the kernel change, so fast updates (which change none of
+        them) never refactorise K."""
+        memo = z is None and not torch.is_grad_enabled()
+        if memo and self._chol_memo is not None and self._chol_memo[0] == self._prior_fingerprint():
+            return self._chol_memo[1]
+        zz = self.Z if z is None else z
+        factor, used = jittered_cholesky(self.kernel(zz, zz), self.jitter)
         if used > self.jitter:
             self.jitter_t.fill_(used)
+        if memo:
+            self._chol_memo = (self._prior_fingerprint(), factor)
         return factor
 
     @staticmethod
@@ -338,6 +440,7 @@ class DualSVGP(nn.Module):
     def _refresh_cache(self) -> None:
         """Factors for prediction, always computed from the stored state (so a reload predicts identically)."""
         with torch.no_grad():
+            self._pred = None
             if self.num_inducing == 0:
                 self._cache = None
                 return
@@ -345,17 +448,35 @@ class DualSVGP(nn.Module):
             R, c = self._posterior(self.a_w, self.W)
             self._cache = (L, R, c)
 
+    def _prediction_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(alpha (M, P), Q (P, M, M)) with E[f(x)] = k_x^T alpha and Var[f(x)] = k(x,x) + k_x^T Q k_x:
+        alpha = L^{-T} R^{-T} c and Q = L^{-T} ((I + W)^{-1} - I) L^{-1}. Precomputed once per posterior, a
+        prediction is a kernel matrix and one matrix product per output instead of two triangular solves."""
+        if self._pred is None:
+            if self._cache is None:
+                self._refresh_cache()
+            L, R, c = self._cache
+            eye = torch.eye(L.shape[0], dtype=L.dtype, device=L.device)
+            L_inv = torch.linalg.solve_triangular(L, eye, upper=False)
+            R_inv = torch.linalg.solve_triangular(R, eye.expand_as(R), upper=False)  # (P, M, M)
+            mean_w = (R_inv.transpose(-1, -2) @ c[..., None])[..., 0]  # (P, M): (I + W)^{-1} a_w
+            alpha = (L_inv.T @ mean_w.T)
+            B = R_inv @ L_inv  # (P, M, M): R^{-1} L^{-1}
+            Q = B.transpose(-1, -2) @ B - L_inv.T @ L_inv
+            self._pred = (alpha, _sym(Q))
+        return self._pred
+
     def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Standardised latent mean and variance (N, P) at checked inputs."""
         kxx = self.kernel.diag(x)
         if self.num_inducing == 0:
             return (torch.zeros(x.shape[0], self.output_dims, dtype=x.dtype, device=x.device),
                     kxx[:, None].expand(-1, self.output_dims).clone())
-        if self._cache is None:
-            self._refresh_cache()
-        L, R, c = self._cache
-        mean, var, _ = self._marginals(self._features(L, x), R, c, kxx)
-        return mean, var
+        alpha, Q = self._prediction_weights()
+        Kxz = self.kernel(x, self.Z)
+        mean = Kxz @ alpha
+        var = kxx[:, None] + torch.stack([((Kxz @ Q[p]) * Kxz).sum(1) for p in range(Q.shape[0])], dim=1)
+        return mean, var.clamp_min(0.0)
 
     # ------------------------------------------------------------------ public prediction API
     def predict(self, x) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,11 +546,13 @@ class DualSVGP(nn.Module):
         m_new = L_new.shape[0]
         if self.a_w_old.shape[0] == 0:
             self.a_w_old = self.a_w_old.new_zeros(m_new, self.output_dims)
+            self.b_w_old = self.b_w_old.new_zeros(m_new, self.output_dims)
             self.W_old = self.W_old.new_zeros(self.output_dims, m_new, m_new)
             return
         G = torch.linalg.solve_triangular(L_new, torch.linalg.solve_triangular(L_old, cross, upper=False).T,
                                           upper=False).T
         self.a_w_old = G.T @ self.a_w_old
+        self.b_w_old = G.T @ self.b_w_old
         self.W_old = _sym(G.T @ self.W_old @ G)
 
     def _cross(self, z_old: torch.Tensor, z_new: torch.Tensor) -> torch.Tensor:
@@ -655,8 +778,8 @@ class DualSVGP(nn.Module):
         stats: dict = {"mode": mode, "n_batch": int(xt.shape[0]), "z_moved": 0, "hyper_steps": 0,
                        "objective": 0.0, "folded": 0}
         if xt.shape[0] > 0:
-            if not bool(self.standardised):
-                self._set_standardisation(yt)
+            with torch.no_grad():
+                self._track_targets(yt)
             ys = self._standardise(yt)
             with torch.no_grad():
                 if mode == "fast":
@@ -680,7 +803,8 @@ class DualSVGP(nn.Module):
                                       self.inducing_rel_tol)
             self._recompute_totals(self._move_inducing(x[idx]))
             z_moved = 1
-        self._refresh_cache()
+        if self._cache is None:
+            self._refresh_cache()
         L, R, c = self._cache
         V = self._features(L, x)
         mean, var, _ = self._marginals(V, R, c, self.kernel.diag(x))
@@ -696,9 +820,10 @@ class DualSVGP(nn.Module):
         excess = self.pend_x.shape[0] - self.max_pending
         if excess > 0:
             # Oldest pending points leave: their sites go to the old part (totals unchanged).
-            a_f, W_f = _site_sums(self._features(L, self.pend_x[:excess]), self.pend_lam1[:excess],
-                                  self.pend_lam2[:excess])
+            V_f = self._features(L, self.pend_x[:excess])
+            a_f, W_f = _site_sums(V_f, self.pend_lam1[:excess], self.pend_lam2[:excess])
             self.a_w_old = self.a_w_old + a_f
+            self.b_w_old = self.b_w_old + V_f @ self.pend_lam2[:excess]
             self.W_old = self.W_old + W_f
             for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2"):
                 setattr(self, name, getattr(self, name)[excess:])
@@ -763,6 +888,7 @@ class DualSVGP(nn.Module):
         leave[kept] = False
         a_f, W_f = _site_sums(V[:, leave], lam1[leave], lam2[leave])
         self.a_w_old = self.a_w_old + a_f
+        self.b_w_old = self.b_w_old + V[:, leave] @ lam2[leave]
         self.W_old = self.W_old + W_f
         self.mem_x, self.mem_y = hx[kept], hy[kept]
         self.mem_lam1, self.mem_lam2 = lam1[kept], lam2[kept]
