@@ -64,7 +64,12 @@ class ModelConfig:
     rho: float = _opt(0.9, doc="natural-gradient damping step", low=0.0, low_open=True, high=1.0)
     n_steps: int = _opt(2, doc="natural-gradient steps per update", low=1, high=1000)
     learn_hyperparameters: bool = _opt(True, doc="learn kernel and noise hyperparameters online (full mode)")
-    hyper_steps: int = _opt(20, doc="Adam steps on the hyperparameters per full update", low=0, high=100_000)
+    hyper_steps: int = _opt(20, doc="most Adam steps on the hyperparameters per full update (dual_svgp stops "
+                                    "earlier once a step gains less than hyper_tol per datum; Adam's moments carry "
+                                    "over between updates)", low=0, high=100_000)
+    hyper_tol: float = _opt(1e-4, doc="dual_svgp: stop a full update's hyperparameter steps when the objective per "
+                                      "datum rose by less than this in the last step; 0: always hyper_steps",
+                            low=0.0, high=1.0)
     hyper_lr: float = _opt(0.01, doc="Adam learning rate for the hyperparameters", low=0.0, low_open=True,
                            high=10.0)
     learn_inducing: bool = _opt(False, doc="move the inducing inputs by gradient steps on an ELBO that keeps the old "

@@ -598,18 +598,23 @@ class DualSVGP(nn.Module):
                 self._recompute_totals(L_new)
         self._refresh_cache()
 
+    def _grow_inducing(self, bx: torch.Tensor) -> torch.Tensor | None:
+        """Add batch points to Z by pivoted Cholesky over [Z; batch] (Z kept first) while below num_inducing;
+        returns the new chol(K), or None if nothing was added. Growing loses nothing: kept points carry their
+        part of the old duals exactly. Held data are the caller's."""
+        m_max, m_old = self.config.num_inducing, self.num_inducing
+        cand = torch.cat([self.Z, bx])
+        idx, _ = pivoted_cholesky(self.kernel, self.kernel.diag(cand), cand, m_max, self.inducing_rel_tol,
+                                  keep_first=m_old)
+        if idx.numel() == m_old and bool((idx < m_old).all()):
+            return None
+        return self._move_inducing(cand[idx])
+
     def _reselect_inducing(self, bx: torch.Tensor) -> bool:
         """Grow Z by pivoted Cholesky over [Z; batch] while below num_inducing; once full, exchange points
         (see the module docstring). Returns whether Z changed."""
-        m_max, m_old = self.config.num_inducing, self.num_inducing
-        if m_old < m_max:
-            cand = torch.cat([self.Z, bx])
-            idx, _ = pivoted_cholesky(self.kernel, self.kernel.diag(cand), cand, m_max, self.inducing_rel_tol,
-                                      keep_first=m_old)
-            if idx.numel() == m_old and bool((idx < m_old).all()):
-                return False
-            self._move_inducing(cand[idx])
-            return True
+        if self.num_inducing < self.config.num_inducing:
+            return self._grow_inducing(bx) is not None
         z = self.Z.clone()
         L = self._chol_K()
         Kinv = torch.cholesky_inverse(L)
@@ -690,6 +695,7 @@ class DualSVGP(nn.Module):
         groups = ([{"params": params, "lr": cfg.hyper_lr}] if params else []) + \
             ([{"params": [z], "lr": cfg.inducing_lr}] if learn_z else [])
         optimiser = torch.optim.Adam(groups)
+        self._restore_adam(optimiser, params)
         scale = 1.0 / max(1.0, float(weights.sum()))
         scale_z = 1.0 / max(1.0, float(self.num_seen))
         good = [p.detach().clone() for p in params]
@@ -701,6 +707,12 @@ class DualSVGP(nn.Module):
                 try:
                     l_theta, l_z = self._hyper_objective(L0, z0, z, hx, hy, lam1, lam2, weights, learn_z)
                     finite = bool(torch.isfinite(l_theta)) and (l_z is None or bool(torch.isfinite(l_z)))
+                    # Converged: the last step gained less than hyper_tol per datum, so stop where this value
+                    # was measured (with learned Z, l_theta alone does not tell convergence).
+                    if finite and steps and not learn_z and cfg.hyper_tol > 0 \
+                            and float(l_theta.detach()) * scale - value < cfg.hyper_tol:
+                        value = float(l_theta.detach()) * scale
+                        break
                     if finite:
                         # Each objective drives its own variables (a datum's scaled memory weight stands for
                         # old data in l_theta; in l_Z they speak through t_old instead).
@@ -727,6 +739,7 @@ class DualSVGP(nn.Module):
                 value = float(l_theta.detach()) * scale
                 optimiser.step()
                 steps += 1
+        self._store_adam(optimiser, params)
         with torch.no_grad():
             z_new = z.detach().clone()
             try:
@@ -739,6 +752,26 @@ class DualSVGP(nn.Module):
             self.Z = z_new
             self._transport_old_part(L0, self._cross(z0, z_new), L_new)
         return steps, value
+
+    def _restore_adam(self, optimiser: torch.optim.Adam, params: list[nn.Parameter]) -> None:
+        """Give the optimiser the moments of the previous full updates (saved in the state, so a checkpoint
+        resumes exactly): online, a few steps per batch then add up to one long optimisation."""
+        sizes = [p.numel() for p in params]
+        if not params or self.adam_avg.numel() != sum(sizes):
+            return
+        step = torch.tensor(float(self.adam_step))
+        for p, avg, avg_sq in zip(params, self.adam_avg.split(sizes), self.adam_avg_sq.split(sizes)):
+            optimiser.state[p] = {"step": step.clone(), "exp_avg": avg.view_as(p).clone(),
+                                  "exp_avg_sq": avg_sq.view_as(p).clone()}
+
+    def _store_adam(self, optimiser: torch.optim.Adam, params: list[nn.Parameter]) -> None:
+        states = [optimiser.state.get(p) for p in params]
+        if not params or any(not st for st in states):
+            return
+        with torch.no_grad():
+            self.adam_avg = torch.cat([st["exp_avg"].reshape(-1) for st in states]).detach().clone()
+            self.adam_avg_sq = torch.cat([st["exp_avg_sq"].reshape(-1) for st in states]).detach().clone()
+            self.adam_step.fill_(float(states[0]["step"]))
 
     # ------------------------------------------------------------------ memory
     def _draw_candidates(self, scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -797,12 +830,14 @@ class DualSVGP(nn.Module):
 
     def _fast_update(self, x: torch.Tensor, ys: torch.Tensor) -> dict:
         z_moved = 0
-        if self.num_inducing == 0:
-            # Nothing to condition on yet: inducing inputs from this batch (no old part to project).
-            idx, _ = pivoted_cholesky(self.kernel, self.kernel.diag(x), x, self.config.num_inducing,
-                                      self.inducing_rel_tol)
-            self._recompute_totals(self._move_inducing(x[idx]))
-            z_moved = 1
+        if not bool(self.z_fixed) and self.num_inducing < self.config.num_inducing:
+            # Z grows over the batch where it is poorly covered (the first batch starts it), so the map follows
+            # the robot into new areas between full updates; exchanges wait for the next full update.
+            L = self._grow_inducing(x)
+            if L is not None:
+                self._recompute_totals(L)
+                self._cache = None
+                z_moved = 1
         if self._cache is None:
             self._refresh_cache()
         L, R, c = self._cache
