@@ -14,6 +14,7 @@ setup(
         (f"share/{PACKAGE}", ["package.xml"]),
         (f"share/{PACKAGE}/launch", sorted(glob("launch/*.launch.py"))),
         (f"share/{PACKAGE}/config", sorted(glob("config/*.yaml") + glob("config/*.rviz"))),
+        (f"share/{PACKAGE}/rosdep", ["rosdep/gp_mapping.yaml"]),
     ],
     # rclpy and the ROS message packages come from ROS (rosdep / apt, or the ros-* wheels), not from here.
     install_requires=[
@@ -35,7 +36,7 @@ setup(
         "with offline bag replay."
     ),
     license="Apache-2.0",
-    tests_require=["pytest"],
+    python_requires=">=3.10",
     entry_points={
         "console_scripts": [
             "gp-mapping = gp_mapping.cli:main",

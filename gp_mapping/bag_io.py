@@ -617,7 +617,10 @@ class MapBagWriter:
     maps.mcap`` and rosbags' readers take the bare file.
     """
 
-    def __init__(self, path: str | Path, field_unit: str, overwrite: bool = False) -> None:
+    def __init__(self, path: str | Path, field_unit: str, overwrite: bool = False, mean_range=None,
+                 variance_range=None) -> None:
+        """``mean_range`` / ``variance_range``: the config's ``grid.mean_range`` / ``grid.variance_range``
+        (empty or None: each snapshot's own min..max), as the node encodes them."""
         from rosbags.rosbag2 import CompressionFormat, CompressionMode, StoragePlugin, Writer
         from rosbags.typesys import Stores, get_typestore
 
@@ -625,6 +628,7 @@ class MapBagWriter:
         if self.path.exists() and not overwrite:
             raise MapBagError(f"{self.path} exists already; remove it or choose another output directory")
         self.field_unit = field_unit
+        self.mean_range, self.variance_range = mean_range, variance_range
         self.count = 0
         self._tmp = Path(tempfile.mkdtemp(prefix=".maps-", dir=self.path.parent))
         self._ts = get_typestore(getattr(Stores, DEFAULT_ROS2_DISTRO))
@@ -712,8 +716,9 @@ class MapBagWriter:
         rows, grids = [], []
         topics = map_topics(list(grid.layers))
         for name, (mean, var) in grid.layers.items():
-            m_data, m_off, m_scale = encode_occupancy(np.asarray(mean, dtype=np.float64), known)
-            v_data, v_off, v_scale = encode_occupancy(np.asarray(var, dtype=np.float64), known)
+            m_data, m_off, m_scale = encode_occupancy(np.asarray(mean, dtype=np.float64), known, self.mean_range)
+            v_data, v_off, v_scale = encode_occupancy(np.asarray(var, dtype=np.float64), known,
+                                                      self.variance_range)
             rows.append((name, m_off, m_scale, v_off, v_scale))
             grids += [(topics[name][0], m_data), (topics[name][1], v_data)]
         # The scale first, as the node publishes it, so a grid always meets the scale that decodes it.

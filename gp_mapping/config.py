@@ -4,99 +4,22 @@ One YAML file in the ROS 2 parameter form (``/**: ros__parameters: ...``) fills 
 Nested YAML mappings are the sections (``model.kernel`` in ROS parameter names). Every field carries its
 allowed range or choices in its metadata; :func:`load_config` and :func:`config_from_dict` refuse unknown
 keys and out-of-range values with a :class:`ConfigError` that names the key and what is allowed.
+
+The ``model`` section (:class:`ModelConfig`), the field rules and :class:`ConfigError` live with the engines in
+:mod:`gp_mapping.gp.config`, so ``gp/`` depends on nothing above it; they are re-exported here.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
-
-#: model.mixing_learning choices (the continual_mogp engine reads them from here).
-MIXING_LEARNING_CHOICES = ("first", "always", "never")
-
-
-class ConfigError(ValueError):
-    """A configuration key is unknown or its value is outside what is allowed."""
-
-
-def _opt(default, *, doc: str, low=None, high=None, low_open=False, choices=None, length=None):
-    """A dataclass field with its validation rule and its one-line documentation."""
-    meta = {"doc": doc, "low": low, "high": high, "low_open": low_open, "choices": choices, "length": length}
-    if isinstance(default, list):
-        return field(default_factory=lambda d=tuple(default): list(d), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-@dataclass
-class ModelConfig:
-    """The GP engine (section ``model``)."""
-
-    engine: str = _opt("dual_svgp", doc="GP engine: dual_svgp (memory-based dual SVGP, seed 004; a vector target "
-                       "gets independent latents sharing Z) or continual_mogp (continual multi-output GP with a "
-                       "linear model of coregionalisation, seed 000)", choices=("dual_svgp", "continual_mogp"))
-    kernel: str = _opt("matern52", doc="stationary kernel", choices=("matern12", "matern32", "matern52", "rbf"))
-    ard: bool = _opt(True, doc="one lengthscale per input dimension")
-    constant_kernel: bool = _opt(True, doc="add a learned constant (bias) kernel")
-    lengthscale: float = _opt(1.0, doc="initial lengthscale [m]", low=0.0, low_open=True, high=1e4)
-    signal_variance: float = _opt(1.0, doc="initial kernel variance (standardised targets)", low=0.0,
-                                  low_open=True, high=1e4)
-    constant_variance: float = _opt(1.0, doc="initial constant-kernel variance (standardised)", low=0.0,
-                                    low_open=True, high=1e4)
-    likelihood: str = _opt("gaussian", doc="observation model", choices=("gaussian", "student_t", "bernoulli"))
-    noise_variance: float = _opt(0.01, doc="initial noise variance (standardised)", low=0.0, low_open=True,
-                                 high=1e2)
-    student_t_dof: float = _opt(4.0, doc="Student-t degrees of freedom", low=0.0, low_open=True, high=1e3)
-    num_inducing: int = _opt(128, doc="number of inducing points M", low=1, high=8192)
-    inducing: str = _opt("pivoted_cholesky", doc="inducing-point policy: re-selected by pivoted Cholesky "
-                         "over [Z; X_new], or a fixed grid over inducing_bounds",
-                         choices=("pivoted_cholesky", "grid"))
-    inducing_bounds: list = _opt([-5.0, -5.0, 5.0, 5.0], doc="grid policy: [xmin, ymin, xmax, ymax] of the fixed "
-                                 "inducing grid [m]", length=4)
-    memory_size: int = _opt(500, doc="maximum number of past samples kept in memory", low=0, high=1_000_000)
-    memory_per_batch: int = _opt(10, doc="samples drawn into memory from each batch", low=0, high=100_000)
-    memory_selection: str = _opt("leverage", doc="how memory samples are drawn from a batch",
-                                 choices=("leverage", "random"))
-    rho: float = _opt(0.9, doc="natural-gradient damping step", low=0.0, low_open=True, high=1.0)
-    n_steps: int = _opt(2, doc="natural-gradient steps per update", low=1, high=1000)
-    learn_hyperparameters: bool = _opt(True, doc="learn kernel and noise hyperparameters online (full mode)")
-    hyper_steps: int = _opt(20, doc="most Adam steps on the hyperparameters per full update (dual_svgp stops "
-                                    "earlier once a step gains less than hyper_tol per datum; Adam's moments carry "
-                                    "over between updates)", low=0, high=100_000)
-    hyper_tol: float = _opt(1e-4, doc="dual_svgp: stop a full update's hyperparameter steps when the objective per "
-                                      "datum rose by less than this in the last step; 0: always hyper_steps",
-                            low=0.0, high=1.0)
-    hyper_lr: float = _opt(0.01, doc="Adam learning rate for the hyperparameters", low=0.0, low_open=True,
-                           high=10.0)
-    learn_inducing: bool = _opt(False, doc="move the inducing inputs by gradient steps on an ELBO that keeps the old "
-                                "data's information (full mode; not for the grid policy). Opt-in: it helps on the Solin "
-                                "recording and hurts on the demo bag (see the engine docstring)")
-    inducing_lr: float = _opt(0.01, doc="Adam learning rate for the inducing inputs [m per step]", low=0.0,
-                              low_open=True, high=100.0)
-    full_update_every: int = _opt(1, doc="every n-th update is a full update (memory, hyperparameters, "
-                                  "inducing re-selection); the others are fast conditioning", low=1, high=1_000_000)
-    jitter: float = _opt(1e-6, doc="initial diagonal jitter added to K before Cholesky", low=0.0, high=1.0)
-    device: str = _opt("auto", doc="torch device for the model", choices=("auto", "cpu", "cuda"))
-    seed: int = _opt(0, doc="random seed (memory sampling, initial mixing weights)", low=0, high=2**31 - 1)
-    num_latents: int = _opt(3, doc="continual_mogp: number Q of latent GPs mixed into the output channels",
-                            low=1, high=64)
-    latent_lengthscale_ratio: float = _opt(2.0, doc="continual_mogp: latent q starts at lengthscale * ratio ** "
-                                           "(q - (Q - 1) / 2), so the latents cover several scales (1: all equal)",
-                                           low=1.0, high=100.0)
-    vem_iterations: int = _opt(4, doc="continual_mogp: variational EM iterations (M-step of hyper_steps Adam "
-                               "steps, inducing inputs re-placed, E-step) per full update", low=1, high=1000)
-    mixing_learning: str = _opt("first", doc="continual_mogp: when the mixing weights are learned: only while a "
-                                "channel is first seen (no forgetting through them), in every full update (as "
-                                "the paper), or never", choices=MIXING_LEARNING_CHOICES)
-    variational_steps: int = _opt(100, doc="continual_mogp, non-Gaussian likelihoods: Adam steps on q(u) per "
-                                  "E-step (a Gaussian likelihood has a closed-form E-step)", low=1, high=100_000)
-    variational_lr: float = _opt(0.02, doc="continual_mogp, non-Gaussian likelihoods: Adam learning rate on q(u)",
-                                 low=0.0, low_open=True, high=10.0)
-
+from gp_mapping.gp.config import (MIXING_LEARNING_CHOICES, ConfigError, ModelConfig, describe_allowed,
+                                  section_from_dict, validate_value)
+from gp_mapping.gp.config import option as _opt
 
 @dataclass
 class SyncConfig:
@@ -156,6 +79,11 @@ class GridConfig:
                                    low=0.0, low_open=True, high=1e4)
     tile_size: int = _opt(16384, doc="cells predicted per tile on the device", low=1, high=10_000_000)
     height: float = _opt(0.0, doc="z of the grid cells when input_dims is 3 [m]", low=-1e4, high=1e4)
+    mean_range: list = _opt([], doc="field values [unit] published as 0 and 100 in every mean grid, so a colour "
+                            "means the same value all run (values outside are clipped); empty: each map's own "
+                            "min..max", length=(0, 2), increasing=True)
+    variance_range: list = _opt([], doc="as mean_range for the variance grids [unit squared]", length=(0, 2),
+                                increasing=True)
 
 
 @dataclass
@@ -189,76 +117,6 @@ class MapperConfig:
 SECTIONS = {f.name: f.type for f in dataclasses.fields(MapperConfig)}
 _SECTION_CLASSES = {"model": ModelConfig, "sync": SyncConfig, "batching": BatchConfig, "grid": GridConfig,
                     "node": NodeConfig}
-
-
-def describe_allowed(meta: Mapping[str, Any], ftype: str) -> str:
-    """Human-readable allowed values of a field (used in error messages and ROS parameter descriptors)."""
-    if meta.get("choices"):
-        return "one of " + ", ".join(repr(c) for c in meta["choices"])
-    if meta.get("length"):
-        return f"a list of {meta['length']} finite numbers"
-    low, high = meta.get("low"), meta.get("high")
-    if low is not None or high is not None:
-        left = "(" if meta.get("low_open") else "["
-        return f"{'an integer' if ftype == 'int' else 'a number'} in {left}{low}, {high}]"
-    return f"a {ftype}"
-
-
-def validate_value(key: str, value: Any, f: dataclasses.Field) -> Any:
-    """Return ``value`` converted to the field's type, or raise ConfigError naming ``key``."""
-    meta, ftype = f.metadata, f.type if isinstance(f.type, str) else f.type.__name__
-    allowed = describe_allowed(meta, ftype)
-
-    def refuse(why: str) -> ConfigError:
-        return ConfigError(f"config key '{key}': {why}; allowed: {allowed}")
-
-    if ftype == "bool":
-        if not isinstance(value, bool):
-            raise refuse(f"{value!r} is not a boolean")
-        return value
-    if ftype == "str":
-        if not isinstance(value, str):
-            raise refuse(f"{value!r} is not a string")
-        if meta.get("choices") and value not in meta["choices"]:
-            raise refuse(f"{value!r} is not allowed")
-        return value
-    if ftype == "list":
-        if not isinstance(value, (list, tuple)) or len(value) != meta["length"]:
-            raise refuse(f"{value!r} is not a list of length {meta['length']}")
-        out = []
-        for v in value:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise refuse(f"{value!r} holds a non-finite or non-numeric entry")
-            out.append(float(v))
-        return out
-    if ftype == "int":
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-            raise refuse(f"{value!r} is not an integer")
-        value = int(value)
-    elif ftype == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise refuse(f"{value!r} is not a number")
-        value = float(value)
-        if not math.isfinite(value):
-            raise refuse(f"{value!r} is not finite")
-    low, high = meta.get("low"), meta.get("high")
-    if low is not None and (value < low or (meta.get("low_open") and value == low)):
-        raise refuse(f"{value!r} is too small")
-    if high is not None and value > high:
-        raise refuse(f"{value!r} is too large")
-    return value
-
-
-def section_from_dict(cls, values: Mapping[str, Any], prefix: str):
-    """Build one section dataclass from a mapping, refusing unknown keys and bad values."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in values.items():
-        if key not in fields:
-            raise ConfigError(f"unknown config key '{prefix}{key}'; known keys in '{prefix.rstrip('.') or 'root'}':"
-                              f" {', '.join(sorted(fields))}")
-        kwargs[key] = validate_value(prefix + key, value, fields[key])
-    return cls(**kwargs)
 
 
 # Keys that ROS puts in every node's parameters; accepted and ignored by the mapper configuration.

@@ -141,7 +141,9 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
         writer = None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            writer = bag_io.MapBagWriter(out / MCAP_NAME, config.sync.field_unit, overwrite=True)
+            writer = bag_io.MapBagWriter(out / MCAP_NAME, config.sync.field_unit, overwrite=True,
+                                         mean_range=config.grid.mean_range,
+                                         variance_range=config.grid.variance_range)
         started = time.perf_counter()
         broken: list[bag_io.CorruptBagError] = []
         try:

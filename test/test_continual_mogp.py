@@ -10,7 +10,7 @@ import torch
 
 from gp_mapping.config import ModelConfig
 from gp_mapping.gp.continual_mogp import ContinualMOGP
-from gp_mapping.gp.dual_svgp import DualSVGP, ModelInputError
+from gp_mapping.gp import DualSVGP, ModelInputError
 
 JITTER = 1e-6
 

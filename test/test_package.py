@@ -10,7 +10,19 @@ import pytest
 from conftest import REPO_ROOT
 
 ROS_MESSAGE_PACKAGES = {"rclpy", "sensor_msgs", "geometry_msgs", "nav_msgs", "std_msgs", "std_srvs",
-                        "visualization_msgs", "diagnostic_msgs"}
+                        "diagnostic_msgs"}
+# Python imports of the package -> the rosdep key that installs them (rosdistro's rosdep/python.yaml, or the
+# package's own rosdep/gp_mapping.yaml for keys rosdistro lacks).
+PYTHON_KEYS = {"numpy": "python3-numpy", "scipy": "python3-scipy", "yaml": "python3-yaml",
+               "matplotlib": "python3-matplotlib", "tqdm": "python3-tqdm", "torch": "python3-torch",
+               "safetensors": "python3-safetensors-pip", "rosbags": "python3-rosbags-pip"}
+# Keys that rosdistro's rosdep/python.yaml defines (August 2026); python3-pytorch-pip is end-of-life there.
+ROSDISTRO_PYTHON_KEYS = {"python3-numpy", "python3-scipy", "python3-yaml", "python3-matplotlib", "python3-tqdm",
+                         "python3-torch", "python3-rosbags-pip", "python3-pytest"}
+# Optional imports (benchmark baselines; `pip install .[test]`), not run-time dependencies of the node.
+OPTIONAL_IMPORTS = {"gpytorch", "bench"}
+# Used without an import: the replay launch file runs `ros2 bag play`.
+COMMAND_PACKAGES = {"ros2bag"}
 
 
 def _setup_call() -> dict:
@@ -102,3 +114,51 @@ def test_dev_install_pins_torch_first():
     # torch installed before the requirements, which are installed under the constraints file
     assert makefile.index("$(TORCH)") < makefile.index("-c constraints.txt -r requirements-dev.txt")
     assert "bash" in (REPO_ROOT / ".ci/run").read_text() and "make test" in (REPO_ROOT / ".ci/run").read_text()
+
+
+def _top_level_imports(paths) -> set[str]:
+    import ast
+    import sys
+    names: set[str] = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n != "gp_mapping"}
+
+
+def test_exec_depends_are_exactly_what_the_code_imports(package_xml):
+    """Every import of gp_mapping/ and launch/ has an exec_depend that rosdep resolves, and every exec_depend is
+    used (an unused one makes rosdep install a package for nothing; a missing one gives a node that fails with
+    ModuleNotFoundError on a robot)."""
+    depends = {e.text for e in package_xml.findall("exec_depend")}
+    files = list((REPO_ROOT / "gp_mapping").rglob("*.py")) + list((REPO_ROOT / "launch").glob("*.launch.py"))
+    imports = _top_level_imports(files) - OPTIONAL_IMPORTS
+    unknown = imports - set(PYTHON_KEYS) - {d for d in depends if not d.startswith("python3-")}
+    assert not unknown, f"imported but not declared in package.xml: {sorted(unknown)}"
+    expected = {PYTHON_KEYS.get(name, name) for name in imports} | COMMAND_PACKAGES
+    assert depends == expected, (f"unused: {sorted(depends - expected)}; missing: {sorted(expected - depends)}")
+    assert "python3-pytorch-pip" not in depends  # end-of-life key in rosdistro
+
+
+def test_python_keys_resolve_from_rosdistro_or_the_package_rosdep_file(package_xml):
+    """A python3-* key is one rosdistro defines or one the package's rosdep file defines as a pip package."""
+    import yaml
+    own = yaml.safe_load((REPO_ROOT / "rosdep" / "gp_mapping.yaml").read_text())
+    keys = {e.text for e in package_xml.findall("*") if e.tag.endswith("depend") and e.text.startswith("python3-")}
+    for key in keys - ROSDISTRO_PYTHON_KEYS:
+        assert key in own, f"{key} is in neither rosdistro nor rosdep/gp_mapping.yaml"
+        assert own[key]["*"]["pip"]["packages"], key
+    assert set(own) <= keys, "rosdep/gp_mapping.yaml defines keys the package does not use"
+
+
+def test_setup_has_python_requires_and_no_deprecated_options():
+    setup = _setup_call()
+    assert setup["python_requires"] == ">=3.10"
+    for deprecated in ("tests_require", "setup_requires", "test_suite"):
+        assert deprecated not in setup, deprecated
+    # the rosdep file travels with the package
+    installed = {dest: files for dest, files in setup["data_files"]}
+    assert installed[f"share/gp_mapping/rosdep"] == ["rosdep/gp_mapping.yaml"]

@@ -1,18 +1,20 @@
 """GP engines for magnetic-field mapping (pure PyTorch, no ROS, no I/O).
 
-Every engine is a ``torch.nn.Module`` with ``update(x, y, mode=None) -> dict``, ``predict(x) -> (mean, var)``,
-``log_predictive_density(x, y)``, ``num_seen``, ``device`` and a tensors-only ``state_dict``; it is built from
-the ``model`` section of the configuration by :func:`build_model`, which looks the engine up by name.
+Every engine is a :class:`~gp_mapping.gp.base.Engine` (a ``torch.nn.Module``: ``update(x, y, mode=None) -> dict``,
+``predict(x) -> (mean, var)``, ``log_predictive_density(x, y)``, ``num_seen``, ``device`` and a tensors-only
+``state_dict``); it is built from the ``model`` section of the configuration (:class:`ModelConfig`) by
+:func:`build_model`, which looks the engine up by name. Nothing here imports from the package outside ``gp/``.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from ..config import ConfigError, ModelConfig, section_from_dict
+from .base import Engine, resolve_device
+from .config import ModelConfig, section_from_dict
 from .continual_mogp import ContinualMOGP
-from .dual_svgp import DualSVGP, ModelInputError
-from .kernels import GPNumericalError
+from .dual_svgp import DualSVGP
+from .errors import ConfigError, GPNumericalError, ModelInputError
 from .likelihoods import BernoulliLikelihood, GaussianLikelihood, StudentTLikelihood
 
 EngineFactory = Callable[[ModelConfig, int, int], Any]
@@ -38,15 +40,17 @@ register_engine("continual_mogp")(ContinualMOGP)
 def build_model(model_config: ModelConfig | Mapping[str, Any], input_dims: int, output_dims: int):
     """The engine ``model_config.engine`` names, for ``input_dims`` inputs and ``output_dims`` outputs.
 
-    ``model_config`` is a ModelConfig, or a mapping of its keys (validated like the YAML).
+    ``model_config`` is a ModelConfig, or a mapping of its keys (validated like the YAML). A bad setting is a
+    ConfigError naming the ModelConfig field; the caller that read it from a file names the file's key
+    (``err.under("model.")``).
     """
     if isinstance(model_config, Mapping):
-        model_config = section_from_dict(ModelConfig, model_config, "model.")
+        model_config = section_from_dict(ModelConfig, model_config)
     try:
         factory = ENGINES[model_config.engine]
     except KeyError:
-        raise ConfigError(f"config key 'model.engine': unknown engine {model_config.engine!r}; "
-                          f"registered: {', '.join(sorted(ENGINES))}") from None
+        raise ConfigError(f"unknown engine {model_config.engine!r}; registered: {', '.join(sorted(ENGINES))}",
+                          "engine") from None
     return factory(model_config, int(input_dims), int(output_dims))
 
 
@@ -59,5 +63,6 @@ def warm_up() -> None:
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])
 
 
-__all__ = ["BernoulliLikelihood", "ContinualMOGP", "DualSVGP", "ENGINES", "GPNumericalError", "GaussianLikelihood",
-           "ModelInputError", "StudentTLikelihood", "build_model", "register_engine", "warm_up"]
+__all__ = ["BernoulliLikelihood", "ConfigError", "ContinualMOGP", "DualSVGP", "ENGINES", "Engine", "GPNumericalError",
+           "GaussianLikelihood", "ModelConfig", "ModelInputError", "StudentTLikelihood", "build_model",
+           "register_engine", "resolve_device", "warm_up"]

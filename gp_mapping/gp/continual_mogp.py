@@ -73,10 +73,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import MIXING_LEARNING_CHOICES, ModelConfig
-from .dual_svgp import ModelInputError, check_inputs, resolve_device, to_float64_tensor
+from .base import Engine, resolve_device
+from .config import MIXING_LEARNING_CHOICES, ModelConfig
+from .errors import GPNumericalError, ModelInputError
 from .inducing import DEFAULT_REL_TOL, pivoted_cholesky
-from .kernels import GPNumericalError, Kernel, StationaryKernel, SumKernel, build_kernel, jittered_cholesky
+from .kernels import Kernel, StationaryKernel, SumKernel, build_kernel, jittered_cholesky
 from .likelihoods import GaussianLikelihood, Likelihood, build_likelihood
 
 # The engine's own settings are the model section's num_latents, latent_lengthscale_ratio, vem_iterations,
@@ -158,7 +159,7 @@ class ContinualPrior:
     shift_w: torch.Tensor      # (M,)   Sigma~_w^-1 mean_w: its natural location
 
 
-class ContinualMOGP(nn.Module):
+class ContinualMOGP(Engine):
     """Continual multi-output sparse GP with an LMC prior. See the module docstring for the method."""
 
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int, *, num_latents: int | None = None,
@@ -166,14 +167,8 @@ class ContinualMOGP(nn.Module):
                  variational_lr: float | None = None, latent_lengthscale_ratio: float | None = None,
                  mixing_learning: str | None = None, analytic_e_step: bool = True,
                  inducing_rel_tol: float = DEFAULT_REL_TOL) -> None:
-        super().__init__()
-        if isinstance(input_dims, bool) or int(input_dims) < 1:
-            raise ValueError(f"input_dims must be >= 1, got {input_dims!r}")
-        if isinstance(output_dims, bool) or int(output_dims) < 1:
-            raise ValueError(f"output_dims must be >= 1, got {output_dims!r}")
-        self.config = copy.deepcopy(config)
-        self.input_dims = d = int(input_dims)
-        self.output_dims = p = int(output_dims)
+        super().__init__(config, input_dims, output_dims)
+        d, p = self.input_dims, self.output_dims
 
         def setting(name: str, given, low: float, kind=int):
             value = given if given is not None else getattr(config, name)
@@ -229,19 +224,7 @@ class ContinualMOGP(nn.Module):
         self.to(device)
 
     # ------------------------------------------------------------------ properties
-    @property
-    def device(self) -> torch.device:
-        return self.y_mean.device
-
-    @property
-    def num_seen(self) -> int:
-        """Rows (positions) seen with at least one observed channel."""
-        return int(self.num_seen_t)
-
-    @property
-    def num_updates(self) -> int:
-        return int(self.num_updates_t)
-
+    # num_seen (Engine) counts rows (positions) seen with at least one observed channel.
     @property
     def num_inducing(self) -> list[int]:
         """Inducing points per latent."""
@@ -288,52 +271,9 @@ class ContinualMOGP(nn.Module):
             return B
 
     # ------------------------------------------------------------------ torch.nn.Module plumbing
-    def _apply(self, fn, *args, **kwargs):
-        self._cache = None
-        return super()._apply(fn, *args, **kwargs)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        # Inducing sets and q(u) change size with the data: take the saved shapes before the copy.
-        for q in range(self.num_latents):
-            for name, store in ((f"z_{q}", self._buffers), (f"q_mean_{q}", self._parameters),
-                                (f"q_chol_{q}", self._parameters)):
-                key = prefix + name
-                if key in state_dict:
-                    old = store[name]
-                    fresh = torch.zeros(state_dict[key].shape, dtype=old.dtype, device=old.device)
-                    store[name] = nn.Parameter(fresh) if isinstance(old, nn.Parameter) else fresh
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
-        self._cache = None
-
-    # ------------------------------------------------------------------ input checking
-    def _to_tensor(self, value, name: str) -> torch.Tensor:
-        return to_float64_tensor(value, name, self.device)
-
-    def _check_x(self, x, name: str = "x") -> torch.Tensor:
-        return check_inputs(x, self.input_dims, self.device, name)
-
-    def _check_y(self, y, n: int, allow_missing: bool, name: str = "y") -> tuple[torch.Tensor, torch.Tensor]:
-        """(targets with missing entries set to 0, mask of observed entries) both (N, P)."""
-        t = self._to_tensor(y, name)
-        if t.dim() == 1 and self.output_dims == 1:
-            t = t[:, None]
-        if t.dim() != 2 or t.shape[1] != self.output_dims:
-            raise ModelInputError(f"{name} must have shape (N, {self.output_dims}), got {tuple(t.shape)}")
-        if t.shape[0] != n:
-            raise ModelInputError(f"x has {n} rows but {name} has {t.shape[0]}")
-        if bool(torch.isinf(t).any()):
-            raise ModelInputError(f"{name} holds +-Inf in {int(torch.isinf(t).any(1).sum())} rows "
-                                  "(NaN marks a missing channel; Inf is never a valid reading)")
-        mask = ~torch.isnan(t)
-        if not allow_missing and not bool(mask.all()):
-            raise ModelInputError(f"{name} holds NaN in {int((~mask).any(1).sum())} rows; every target is needed here")
-        filled = torch.where(mask, t, torch.zeros_like(t))
-        why = self.likelihood.validate_targets(filled)
-        if why is not None:
-            raise ModelInputError(f"{name}: {why}")
-        return filled, mask
+    def resizable_names(self) -> list[str]:
+        # Inducing sets and q(u) change size with the data.
+        return [f"{name}_{q}" for q in range(self.num_latents) for name in ("z", "q_mean", "q_chol")]
 
     # ------------------------------------------------------------------ standardisation
     def set_standardisation(self, mean, std) -> None:
@@ -510,7 +450,7 @@ class ContinualMOGP(nn.Module):
         with ``old`` (a list of latent_posterior(q) taken before), the continual bound against that posterior.
         NaN targets are missing. Uses the current inducing inputs; the old posterior is carried onto them."""
         xt = self._check_x(x)
-        yt, mask = self._check_y(y, xt.shape[0], allow_missing=True)
+        yt, mask = self._check_targets(y, xt.shape[0], allow_missing=True)
         with torch.no_grad():
             priors = None if old is None else [self._continual_prior(o, self.z(q)) for q, o in enumerate(old)]
             value, _ = self._bound(xt, self._standardise(yt, mask), mask, priors)
@@ -519,7 +459,7 @@ class ContinualMOGP(nn.Module):
     def bound_terms(self, x, y, old: list[LatentPosterior] | None = None) -> dict[str, float]:
         """The bound's terms (standardised units): ell, kl_new, kl_old, kl_tilde and the total."""
         xt = self._check_x(x)
-        yt, mask = self._check_y(y, xt.shape[0], allow_missing=True)
+        yt, mask = self._check_targets(y, xt.shape[0], allow_missing=True)
         with torch.no_grad():
             priors = None if old is None else [self._continual_prior(o, self.z(q)) for q, o in enumerate(old)]
             value, terms = self._bound(xt, self._standardise(yt, mask), mask, priors)
@@ -747,7 +687,7 @@ class ContinualMOGP(nn.Module):
         if mode not in (None, "fast", "full"):
             raise ValueError(f"update mode must be 'fast', 'full' or None, got {mode!r}")
         xt = self._check_x(x)
-        yt, mask = self._check_y(y, xt.shape[0], allow_missing=True)
+        yt, mask = self._check_targets(y, xt.shape[0], allow_missing=True)
         if mode is None:
             mode = "full" if self.num_updates % self.config.full_update_every == 0 else "fast"
         rows = mask.any(1)
@@ -833,24 +773,6 @@ class ContinualMOGP(nn.Module):
             variances.append((kxx - (V * V).sum(0) + (LtV * LtV).sum(0)).clamp_min(0.0))
         A = self.mixing
         return torch.stack(means, 1) @ A.T, torch.stack(variances, 1) @ (A * A).T
-
-    def predict(self, x) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and variance (G, P) of the latent f at x, in the original target units."""
-        xt = self._check_x(x)
-        with torch.no_grad():
-            mean, var = self._latent(xt)
-            return mean * self.y_std + self.y_mean, var * self.y_std ** 2
-
-    def log_predictive_density(self, x, y) -> torch.Tensor:
-        """log p(y*|x*) (N, P) in the original units (includes the Jacobian of the standardisation)."""
-        xt = self._check_x(x)
-        yt, mask = self._check_y(y, xt.shape[0], allow_missing=False)
-        with torch.no_grad():
-            mean, var = self._latent(xt)
-            lpd = self.likelihood.log_predictive_density(self._standardise(yt, mask), mean, var)
-            if self.likelihood.standardise_targets:
-                lpd = lpd - torch.log(self.y_std)
-            return lpd
 
     def extra_repr(self) -> str:
         return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, num_latents={self.num_latents}, "

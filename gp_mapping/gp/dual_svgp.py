@@ -84,17 +84,17 @@ Later steps are damped with rho.
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from typing import Iterator
 
-import numpy as np
 import torch
 from torch import nn
 
-from ..config import ConfigError, ModelConfig
+from .base import Engine, resolve_device
+from .config import ModelConfig
+from .errors import ConfigError, GPNumericalError, ModelInputError
 from .inducing import DEFAULT_REL_TOL, grid_points, pivoted_cholesky
-from .kernels import GPNumericalError, build_kernel, jittered_cholesky
+from .kernels import build_kernel, jittered_cholesky
 from .likelihoods import build_likelihood
 
 #: Pending (fast-mode) points kept before the oldest are folded into the old part.
@@ -103,53 +103,6 @@ DEFAULT_MAX_PENDING = 8192
 #: moves by more than RESCALE_SHIFT current stds.
 RESCALE_FACTOR = 2.0
 RESCALE_SHIFT = 0.5
-
-
-class ModelInputError(ValueError):
-    """Inputs or targets given to the model have the wrong shape, type or non-finite values."""
-
-
-def to_float64_tensor(value, name: str, device: torch.device) -> torch.Tensor:
-    """``value`` (tensor, array or nested list of real numbers) as a float64 tensor on ``device``."""
-    if isinstance(value, torch.Tensor):
-        if value.dtype == torch.bool or value.is_complex():
-            raise ModelInputError(f"{name} must hold real numbers, got dtype {value.dtype}")
-        return value.detach().to(device=device, dtype=torch.float64)
-    try:
-        arr = np.asarray(value)
-    except Exception as err:  # ragged lists and the like
-        raise ModelInputError(f"{name} cannot be read as a numeric array: {err}") from err
-    if arr.dtype.kind not in "fiu":
-        try:
-            arr = arr.astype(np.float64)
-        except (TypeError, ValueError) as err:
-            raise ModelInputError(f"{name} must hold real numbers, got dtype {arr.dtype}") from err
-    return torch.as_tensor(np.ascontiguousarray(arr, dtype=np.float64), device=device)
-
-
-def check_inputs(x, input_dims: int, device: torch.device, name: str = "x") -> torch.Tensor:
-    """Model inputs as a finite (N, input_dims) float64 tensor, or ModelInputError saying what is wrong."""
-    t = to_float64_tensor(x, name, device)
-    if t.dim() == 1 and input_dims == 1:
-        t = t[:, None]
-    if t.dim() != 2 or t.shape[1] != input_dims:
-        raise ModelInputError(f"{name} must have shape (N, {input_dims}), got {tuple(t.shape)}")
-    bad = ~torch.isfinite(t).all(dim=1)
-    if bool(bad.any()):
-        raise ModelInputError(f"{name} holds NaN or Inf in {int(bad.sum())} of {t.shape[0]} rows")
-    return t
-
-
-def resolve_device(name: str) -> torch.device:
-    """'cpu', 'cuda', or 'auto' (cuda when available)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("config key 'model.device': 'cuda' was requested but CUDA is not available "
-                          "(use 'auto' or 'cpu')")
-    if name not in ("cpu", "cuda"):
-        raise ConfigError(f"config key 'model.device': {name!r} is not allowed; allowed: 'auto', 'cpu', 'cuda'")
-    return torch.device(name)
 
 
 def _sym(W: torch.Tensor) -> torch.Tensor:
@@ -166,7 +119,7 @@ def _site_sums(V: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor) -> tuple
     return a_w, _sym(W)
 
 
-class DualSVGP(nn.Module):
+class DualSVGP(Engine):
     """Online dual-parameter SVGP with bounded memory. See the module docstring for the method."""
 
     #: buffers whose size changes as data arrive (resized on load_state_dict)
@@ -175,12 +128,8 @@ class DualSVGP(nn.Module):
 
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int, *,
                  max_pending: int = DEFAULT_MAX_PENDING, inducing_rel_tol: float = DEFAULT_REL_TOL) -> None:
-        super().__init__()
-        if int(input_dims) < 1 or int(output_dims) < 1:
-            raise ValueError(f"input_dims and output_dims must be >= 1, got {input_dims}, {output_dims}")
-        self.config = copy.deepcopy(config)
-        self.input_dims = d = int(input_dims)
-        self.output_dims = p = int(output_dims)
+        super().__init__(config, input_dims, output_dims)
+        d, p = self.input_dims, self.output_dims
         self.max_pending = int(max_pending)
         self.inducing_rel_tol = float(inducing_rel_tol)
         device = resolve_device(config.device)
@@ -190,8 +139,7 @@ class DualSVGP(nn.Module):
         z_fixed = config.inducing == "grid"
         if z_fixed:
             if d != 2:
-                raise ConfigError(f"config key 'model.inducing': 'grid' needs 2-D inputs, got input_dims {d}; "
-                                  "use 'pivoted_cholesky'")
+                raise ConfigError(f"'grid' needs 2-D inputs, got input_dims {d}; use 'pivoted_cholesky'", "inducing")
             z0 = grid_points(config.inducing_bounds, config.num_inducing)
         else:
             z0 = torch.zeros(0, d, **f64)
@@ -235,14 +183,6 @@ class DualSVGP(nn.Module):
 
     # ------------------------------------------------------------------ properties
     @property
-    def device(self) -> torch.device:
-        return self.Z.device
-
-    @property
-    def num_seen(self) -> int:
-        return int(self.num_seen_t)
-
-    @property
     def num_inducing(self) -> int:
         return int(self.Z.shape[0])
 
@@ -270,51 +210,15 @@ class DualSVGP(nn.Module):
             return L @ self.W @ L.T
 
     # ------------------------------------------------------------------ torch.nn.Module plumbing
-    def _apply(self, fn, *args, **kwargs):
-        self._drop_caches()  # cached factors live on the old device
-        return super()._apply(fn, *args, **kwargs)
-
     def _drop_caches(self) -> None:
         self._cache = None
         self._pred = None
         self._chol_memo = None
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        # Variable-size buffers take the saved shape before the copy.
-        for name in self.RESIZABLE:
-            key = prefix + name
-            if key in state_dict:
-                old = self._buffers[name]
-                self._buffers[name] = torch.empty(state_dict[key].shape, dtype=old.dtype, device=old.device)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+    def _loaded(self) -> None:
         self._generator.set_state(self.rng_state.detach().to("cpu", torch.uint8))
-        self._drop_caches()
 
-    # ------------------------------------------------------------------ input checking
-    def _to_tensor(self, value, name: str) -> torch.Tensor:
-        return to_float64_tensor(value, name, self.device)
-
-    def _check_x(self, x, name: str = "x") -> torch.Tensor:
-        return check_inputs(x, self.input_dims, self.device, name)
-
-    def _check_y(self, y, n: int, name: str = "y") -> torch.Tensor:
-        t = self._to_tensor(y, name)
-        if t.dim() == 1 and self.output_dims == 1:
-            t = t[:, None]
-        if t.dim() != 2 or t.shape[1] != self.output_dims:
-            raise ModelInputError(f"{name} must have shape (N, {self.output_dims}), got {tuple(t.shape)}")
-        if t.shape[0] != n:
-            raise ModelInputError(f"x has {n} rows but {name} has {t.shape[0]}")
-        bad = ~torch.isfinite(t).all(dim=1)
-        if bool(bad.any()):
-            raise ModelInputError(f"{name} holds NaN or Inf in {int(bad.sum())} of {t.shape[0]} rows")
-        why = self.likelihood.validate_targets(t)
-        if why is not None:
-            raise ModelInputError(f"{name}: {why}")
-        return t
-
+    # ------------------------------------------------------------------ standardisation
     def _standardise(self, y: torch.Tensor) -> torch.Tensor:
         return (y - self.y_mean) / self.y_std
 
@@ -478,25 +382,7 @@ class DualSVGP(nn.Module):
         var = kxx[:, None] + torch.stack([((Kxz @ Q[p]) * Kxz).sum(1) for p in range(Q.shape[0])], dim=1)
         return mean, var.clamp_min(0.0)
 
-    # ------------------------------------------------------------------ public prediction API
-    def predict(self, x) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and variance (G, P) of the latent f at x, in the original target units."""
-        xt = self._check_x(x)
-        with torch.no_grad():
-            mean, var = self._latent(xt)
-            return mean * self.y_std + self.y_mean, var * self.y_std ** 2
-
-    def log_predictive_density(self, x, y) -> torch.Tensor:
-        """log p(y*|x*) (N, P) in the original units (includes the Jacobian of the standardisation)."""
-        xt = self._check_x(x)
-        yt = self._check_y(y, xt.shape[0])
-        with torch.no_grad():
-            mean, var = self._latent(xt)
-            lpd = self.likelihood.log_predictive_density(self._standardise(yt), mean, var)
-            if self.likelihood.standardise_targets:
-                lpd = lpd - torch.log(self.y_std)
-            return lpd
-
+    # ------------------------------------------------------------------ leverage (predict: Engine, from _latent)
     def leverage_scores(self, x, y) -> torch.Tensor:
         """Bayesian leverage scores (N,) of (x, y) under the current posterior (sites at the current q):
         beta_i k_i^T K^{-1} S K^{-1} k_i (eq. 30), summed over outputs."""

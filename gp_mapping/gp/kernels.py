@@ -11,15 +11,13 @@ import math
 import torch
 from torch import nn
 
+from .errors import GPNumericalError
+
 # The largest diagonal jitter, relative to the mean of the matrix diagonal, tried before giving up.
 MAX_RELATIVE_JITTER = 1e-1
 # A factor whose smallest squared pivot is below this (relative to the mean diagonal) is rounding noise of
 # a singular matrix (LAPACK accepts any positive pivot): treated as a failure, so the jitter escalates.
 MIN_RELATIVE_PIVOT = 1e-13
-
-
-class GPNumericalError(ArithmeticError):
-    """A matrix that must be positive definite could not be factorised even with the largest jitter."""
 
 
 class PositiveParameter(nn.Module):

@@ -224,13 +224,16 @@ def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
     return mean_out.reshape(h, w, p), var_out.reshape(h, w, p)
 
 
-def encode_occupancy(values, known) -> tuple[np.ndarray, float, float]:
+def encode_occupancy(values, known, value_range=None) -> tuple[np.ndarray, float, float]:
     """Map a ``(H, W)`` layer to OccupancyGrid data: int8, row-major, 0..100, and -1 where unknown.
 
-    Known finite cells are scaled linearly from their minimum (0) to their maximum (100), so that
-    ``value ≈ offset + scale * cell`` within ``scale / 2``. A constant layer encodes as all 0 with
-    ``offset`` = that value and ``scale`` = 1; a layer with no known finite cell as all -1, offset 0, scale 1.
-    Cells that are known but not finite are written as -1 too.
+    Without ``value_range`` (None or empty), known finite cells are scaled linearly from their minimum (0) to
+    their maximum (100), so that ``value ≈ offset + scale * cell`` within ``scale / 2``. A constant layer
+    encodes as all 0 with ``offset`` = that value and ``scale`` = 1; a layer with no known finite cell as all
+    -1, offset 0, scale 1. With ``value_range = (lo, hi)`` (``lo < hi``, the config's ``grid.mean_range`` /
+    ``grid.variance_range``), ``lo`` is 0 and ``hi`` is 100 whatever the layer holds, so a cell value means the
+    same field value in every map; values outside are clipped to 0 or 100. Cells that are known but not finite
+    are written as -1 too.
     """
     vals = np.asarray(values, dtype=np.float64)
     mask = np.asarray(known, dtype=bool)
@@ -239,12 +242,18 @@ def encode_occupancy(values, known) -> tuple[np.ndarray, float, float]:
                         f"{mask.shape}")
     use = mask & np.isfinite(vals)
     data = np.full(vals.shape, -1, dtype=np.int8)
+    fixed = value_range is not None and len(value_range) > 0
+    if fixed:
+        lo, hi = (float(v) for v in value_range)
+        if not (math.isfinite(lo) and math.isfinite(hi) and hi / OCCUPANCY_MAX - lo / OCCUPANCY_MAX > 0):
+            raise GridError(f"a fixed value range needs finite lo < hi, got {list(value_range)}")
     if not np.any(use):
-        return data.ravel(), 0.0, 1.0
-    lo, hi = float(vals[use].min()), float(vals[use].max())
-    if not hi / OCCUPANCY_MAX - lo / OCCUPANCY_MAX > 0:  # constant, or a spread below float resolution
-        data[use] = 0
-        return data.ravel(), lo, 1.0
+        return data.ravel(), (lo if fixed else 0.0), (hi / OCCUPANCY_MAX - lo / OCCUPANCY_MAX if fixed else 1.0)
+    if not fixed:
+        lo, hi = float(vals[use].min()), float(vals[use].max())
+        if not hi / OCCUPANCY_MAX - lo / OCCUPANCY_MAX > 0:  # constant, or a spread below float resolution
+            data[use] = 0
+            return data.ravel(), lo, 1.0
     # Dividing by 100 first keeps every difference finite even when hi - lo overflows float64.
     scale = hi / OCCUPANCY_MAX - lo / OCCUPANCY_MAX
     cells = np.clip(np.rint((vals[use] / OCCUPANCY_MAX - lo / OCCUPANCY_MAX) / scale * OCCUPANCY_MAX), 0,

@@ -119,7 +119,10 @@ class Mapper:
         self._fixed_spec = fixed_grid_spec(cfg.grid) if cfg.grid.mode == "fixed" else None
         if model is None:
             from gp_mapping.gp import build_model
-            model = build_model(cfg.model, input_dims=self.input_dims, output_dims=self.output_dims)
+            try:
+                model = build_model(cfg.model, input_dims=self.input_dims, output_dims=self.output_dims)
+            except ConfigError as err:  # the engine names its setting; here it is the YAML's model section
+                raise err.under("model.") from None
         self.model = model
         # reset() returns the model to exactly this state (whether built here or passed in).
         self._initial_model_state = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -118,13 +118,14 @@ def publishable_known(grid: Any) -> np.ndarray:
     return known
 
 
-def encode_layers(grid: Any) -> list[EncodedLayer]:
-    """Every layer of ``grid`` encoded to 0..100 / -1 with its offsets and scales (all finite)."""
+def encode_layers(grid: Any, mean_range=None, variance_range=None) -> list[EncodedLayer]:
+    """Every layer of ``grid`` encoded to 0..100 / -1 with its offsets and scales (all finite); ``mean_range``,
+    ``variance_range``: fixed ``[lo, hi]`` published as 0 and 100 (``grid.mean_range``; empty: automatic)."""
     known = publishable_known(grid)
     out = []
     for name, (mean, var) in grid.layers.items():
-        m_data, m_off, m_scale = encode_occupancy(np.asarray(mean, dtype=np.float64), known)
-        v_data, v_off, v_scale = encode_occupancy(np.asarray(var, dtype=np.float64), known)
+        m_data, m_off, m_scale = encode_occupancy(np.asarray(mean, dtype=np.float64), known, mean_range)
+        v_data, v_off, v_scale = encode_occupancy(np.asarray(var, dtype=np.float64), known, variance_range)
         for what, value in (("mean offset", m_off), ("mean scale", m_scale), ("variance offset", v_off),
                             ("variance scale", v_scale)):
             if not math.isfinite(value):

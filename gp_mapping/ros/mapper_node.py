@@ -113,7 +113,8 @@ VECTOR_LAYERS = ("x", "y", "z", "norm")
 # Parameters the running node applies when they change (the Mapper reads them at every prediction); every
 # other one is declared read-only because the model, the sync, the grid lattice or the subscriptions are built
 # from it at start.
-LIVE_PARAMETERS = frozenset({"node.publish_period", "grid.unknown_distance", "grid.tile_size", "grid.margin"})
+LIVE_PARAMETERS = frozenset({"node.publish_period", "grid.unknown_distance", "grid.tile_size", "grid.margin",
+                             "grid.mean_range", "grid.variance_range"})
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_CONFIG = 0, 1, 2
 LOG_THROTTLE_S = 5.0  # seconds between two log lines about refused input, failed updates or dropped backlog
 MAX_TRACKED_PUBLISHERS = 64  # per input topic, for counting messages lost in transport
@@ -162,6 +163,10 @@ def parameter_descriptor(name: str, spec: dataclasses.Field) -> ParameterDescrip
     allowed = describe_allowed(meta, ftype)
     descriptor = ParameterDescriptor(name=name, type=_PARAMETER_TYPES[ftype], description=meta["doc"],
                                      additional_constraints=allowed, read_only=name not in LIVE_PARAMETERS)
+    if ftype == "list" and isinstance(meta.get("length"), tuple) and 0 in meta["length"]:
+        # rclpy types an empty list as a byte array and would then refuse numbers; the config validation
+        # checks the values instead.
+        descriptor.dynamic_typing = True
     low, high = meta.get("low"), meta.get("high")
     if ftype == "float" and low is not None and high is not None:
         # ROS ranges are closed; an open lower bound (low_open) is enforced by the config validation.
@@ -541,7 +546,7 @@ class MapperNode(Node):
     def _publish_grid(self, grid: Any) -> None:
         stamp = self._stamp_of(grid)
         try:
-            layers = conversions.encode_layers(grid)
+            layers = conversions.encode_layers(grid, self.config.grid.mean_range, self.config.grid.variance_range)
         except Exception as err:
             self._report(f"map encoding failed: {type(err).__name__}: {err}")
             return

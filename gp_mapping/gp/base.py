@@ -1,0 +1,224 @@
+"""The engine contract: what every GP engine in ``gp/`` is, and the plumbing they all share.
+
+An engine is a ``torch.nn.Module`` built as ``Engine(config, input_dims, output_dims)`` from a
+:class:`~gp_mapping.gp.config.ModelConfig` and looked up by name (``model.engine``) in
+:func:`gp_mapping.gp.build_model`. The node, the replay and the benchmarks use nothing else:
+
+* ``update(x, y, mode=None) -> dict``: condition on a batch, x (N, input_dims) positions, y (N, output_dims)
+  targets; ``mode`` is ``'fast'``, ``'full'`` or None (the engine's schedule); returns timings and counts.
+* ``predict(x) -> (mean, var)``: (G, output_dims) each, the latent f (not y), in the target units.
+* ``log_predictive_density(x, y)``: log p(y*|x*) (N, output_dims) in the target units.
+* ``num_seen``, ``num_updates``, ``device``; ``state_dict()`` / ``load_state_dict()`` hold tensors only and
+  the whole posterior, so an engine rebuilt from the same config and loaded predicts identically.
+
+What :class:`Engine` gives an engine: the checks of inputs and targets (raising
+:class:`~gp_mapping.gp.errors.ModelInputError` with what is wrong), ``predict`` and ``log_predictive_density``
+from the engine's ``_latent`` (standardised units), loading of buffers and parameters whose size follows the
+data (:attr:`Engine.RESIZABLE` or :meth:`Engine.resizable_names`), and ``self._cache``: factors derived from the
+state, dropped (:meth:`Engine._drop_caches`) whenever the module moves (``.to()``) or loads a state.
+
+What an engine provides: ``update`` and ``_latent``; a ``likelihood`` (``validate_targets``,
+``log_predictive_density``, ``standardise_targets``); the buffers ``y_mean`` and ``y_std`` (P,) that take its
+standardised units to the targets' (y = y_mean + y_std * standardised); the int64 buffers ``num_seen_t`` and
+``num_updates_t``. Its constructor calls ``super().__init__(config, input_dims, output_dims)`` first and
+``self.to(resolve_device(config.device))`` last.
+"""
+from __future__ import annotations
+
+import abc
+import copy
+import re
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .errors import ConfigError, ModelInputError
+
+
+def to_float64_tensor(value, name: str, device: torch.device) -> torch.Tensor:
+    """``value`` (tensor, array or nested list of real numbers) as a float64 tensor on ``device``."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.is_complex():
+            raise ModelInputError(f"{name} must hold real numbers, got dtype {value.dtype}")
+        return value.detach().to(device=device, dtype=torch.float64)
+    try:
+        arr = np.asarray(value)
+    except Exception as err:  # ragged lists and the like
+        raise ModelInputError(f"{name} cannot be read as a numeric array: {err}") from err
+    if arr.dtype.kind not in "fiu":
+        try:
+            arr = arr.astype(np.float64)
+        except (TypeError, ValueError) as err:
+            raise ModelInputError(f"{name} must hold real numbers, got dtype {arr.dtype}") from err
+    return torch.as_tensor(np.ascontiguousarray(arr, dtype=np.float64), device=device)
+
+
+def check_inputs(x, input_dims: int, device: torch.device, name: str = "x") -> torch.Tensor:
+    """Model inputs as a finite (N, input_dims) float64 tensor, or ModelInputError saying what is wrong."""
+    t = to_float64_tensor(x, name, device)
+    if t.dim() == 1 and input_dims == 1:
+        t = t[:, None]
+    if t.dim() != 2 or t.shape[1] != input_dims:
+        raise ModelInputError(f"{name} must have shape (N, {input_dims}), got {tuple(t.shape)}")
+    bad = ~torch.isfinite(t).all(dim=1)
+    if bool(bad.any()):
+        raise ModelInputError(f"{name} holds NaN or Inf in {int(bad.sum())} of {t.shape[0]} rows")
+    return t
+
+
+_CUDA = re.compile(r"cuda(?::([0-9]+))?")
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device a ``device`` setting names: 'cpu', 'cuda', 'cuda:N' (GPU N) or 'auto' (cuda when
+    available). A CUDA device this machine lacks is a ConfigError, not a fall-back to the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    match = _CUDA.fullmatch(name) if isinstance(name, str) else None
+    if match is None:
+        raise ConfigError(f"{name!r} is not allowed; allowed: 'auto', 'cpu', 'cuda', 'cuda:N'", "device")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{name!r} was requested but CUDA is not available (use 'auto' or 'cpu')", "device")
+    if match.group(1) is not None and int(match.group(1)) >= torch.cuda.device_count():
+        raise ConfigError(f"{name!r} was requested but this machine has {torch.cuda.device_count()} CUDA "
+                          f"device(s), numbered from 0", "device")
+    return torch.device(name)
+
+
+class Engine(nn.Module, abc.ABC):
+    """Base class of the GP engines (see the module docstring for the contract)."""
+
+    #: names of buffers or parameters whose shapes follow the data (taken from the saved state on load)
+    RESIZABLE: tuple[str, ...] = ()
+
+    def __init__(self, config: ModelConfig, input_dims: int, output_dims: int) -> None:
+        super().__init__()
+        for name, value in (("input_dims", input_dims), ("output_dims", output_dims)):
+            if isinstance(value, bool) or int(value) < 1:
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
+        self.config = copy.deepcopy(config)
+        self.input_dims = int(input_dims)
+        self.output_dims = int(output_dims)
+        self._cache = None
+
+    # ------------------------------------------------------------------ the contract
+    @abc.abstractmethod
+    def update(self, x, y, mode: str | None = None) -> dict:
+        """Condition on a batch x (N, D), y (N, P); mode 'fast', 'full' or None (the engine's schedule)."""
+
+    @abc.abstractmethod
+    def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and variance (N, P) of the latent f at checked inputs, in standardised target units."""
+
+    def predict(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and variance (G, P) of the latent f at x, in the original target units."""
+        xt = self._check_x(x)
+        with torch.no_grad():
+            mean, var = self._latent(xt)
+            return mean * self.y_std + self.y_mean, var * self.y_std ** 2
+
+    def log_predictive_density(self, x, y) -> torch.Tensor:
+        """log p(y*|x*) (N, P) in the original units (includes the Jacobian of the standardisation)."""
+        xt = self._check_x(x)
+        yt = self._check_y(y, xt.shape[0])
+        with torch.no_grad():
+            mean, var = self._latent(xt)
+            lpd = self.likelihood.log_predictive_density((yt - self.y_mean) / self.y_std, mean, var)
+            if self.likelihood.standardise_targets:
+                lpd = lpd - torch.log(self.y_std)
+            return lpd
+
+    @property
+    def device(self) -> torch.device:
+        for tensor in self.buffers():
+            return tensor.device
+        for tensor in self.parameters():
+            return tensor.device
+        return torch.device("cpu")
+
+    @property
+    def num_seen(self) -> int:
+        """Data rows conditioned on so far."""
+        return int(self.num_seen_t)
+
+    @property
+    def num_updates(self) -> int:
+        return int(self.num_updates_t)
+
+    # ------------------------------------------------------------------ torch.nn.Module plumbing
+    def resizable_names(self) -> Iterable[str]:
+        """Buffers and parameters whose shapes follow the data (default :attr:`RESIZABLE`)."""
+        return self.RESIZABLE
+
+    def _loaded(self) -> None:
+        """Called after a state was loaded (restore what lives outside tensors, e.g. a generator)."""
+
+    def _drop_caches(self) -> None:
+        """Forget every factor derived from the state (recomputed on demand)."""
+        self._cache = None
+
+    def _apply(self, fn, *args, **kwargs):
+        self._drop_caches()  # cached factors live on the old device
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # Variable-size tensors take the saved shape before the copy.
+        for name in self.resizable_names():
+            key = prefix + name
+            if key not in state_dict:
+                continue
+            store = self._parameters if name in self._parameters else self._buffers
+            old = store[name]
+            fresh = torch.zeros(state_dict[key].shape, dtype=old.dtype, device=old.device)
+            store[name] = nn.Parameter(fresh, requires_grad=old.requires_grad) \
+                if isinstance(old, nn.Parameter) else fresh
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        self._drop_caches()
+        self._loaded()
+
+    # ------------------------------------------------------------------ input checking
+    def _to_tensor(self, value, name: str) -> torch.Tensor:
+        return to_float64_tensor(value, name, self.device)
+
+    def _check_x(self, x, name: str = "x") -> torch.Tensor:
+        return check_inputs(x, self.input_dims, self.device, name)
+
+    def _check_targets(self, y, n: int, name: str = "y", allow_missing: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(targets (N, P) with missing entries set to 0, mask of observed entries), for n input rows.
+
+        With ``allow_missing``, NaN marks a channel not observed in that row; otherwise every target is needed.
+        Inf is never a valid reading. The likelihood checks the values (``validate_targets``)."""
+        t = self._to_tensor(y, name)
+        if t.dim() == 1 and self.output_dims == 1:
+            t = t[:, None]
+        if t.dim() != 2 or t.shape[1] != self.output_dims:
+            raise ModelInputError(f"{name} must have shape (N, {self.output_dims}), got {tuple(t.shape)}")
+        if t.shape[0] != n:
+            raise ModelInputError(f"x has {n} rows but {name} has {t.shape[0]}")
+        mask = ~torch.isnan(t)
+        if allow_missing:
+            if bool(torch.isinf(t).any()):
+                raise ModelInputError(f"{name} holds +-Inf in {int(torch.isinf(t).any(1).sum())} rows "
+                                      "(NaN marks a missing channel; Inf is never a valid reading)")
+        else:
+            bad = ~torch.isfinite(t).all(dim=1)
+            if bool(bad.any()):
+                raise ModelInputError(f"{name} holds NaN or Inf in {int(bad.sum())} of {t.shape[0]} rows; "
+                                      "every target is needed here")
+        filled = torch.where(mask, t, torch.zeros_like(t))
+        why = self.likelihood.validate_targets(filled)
+        if why is not None:
+            raise ModelInputError(f"{name}: {why}")
+        return filled, mask
+
+    def _check_y(self, y, n: int, name: str = "y") -> torch.Tensor:
+        """Targets (N, P) for n input rows, every entry observed and finite."""
+        return self._check_targets(y, n, name)[0]

@@ -1,0 +1,187 @@
+"""The engines' settings (the ``model`` section of the configuration) and the rules that validate a setting.
+
+Every field carries its allowed range or choices in its metadata (:func:`option`); :func:`section_from_dict`
+builds a settings dataclass from a mapping and refuses unknown keys and bad values with a
+:class:`~gp_mapping.gp.errors.ConfigError` naming the key. ``gp_mapping.config`` builds the whole YAML's sections
+with the same rules and re-exports :class:`ModelConfig`. An engine's own settings are fields of
+:class:`ModelConfig` (README "Layout": how to add an engine).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+#: model.mixing_learning choices (the continual_mogp engine reads them from here).
+MIXING_LEARNING_CHOICES = ("first", "always", "never")
+
+
+def option(default, *, doc: str, low=None, high=None, low_open=False, choices=None, length=None, pattern=None,
+           pattern_doc=None, increasing=False):
+    """A dataclass field with its validation rule and its one-line documentation.
+
+    ``choices`` lists the allowed strings; ``pattern`` (a regular expression, described by ``pattern_doc``)
+    allows more strings beside them. ``length``: a list's length, or a tuple of allowed lengths (0 in it: an
+    empty list is allowed, meaning "automatic"); ``increasing``: a list's entries must strictly increase."""
+    meta = {"doc": doc, "low": low, "high": high, "low_open": low_open, "choices": choices, "length": length,
+            "pattern": pattern, "pattern_doc": pattern_doc, "increasing": increasing}
+    if isinstance(default, list):
+        return field(default_factory=lambda d=tuple(default): list(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """The GP engine (section ``model``)."""
+
+    engine: str = option("dual_svgp", doc="GP engine: dual_svgp (memory-based dual SVGP, seed 004; a vector target "
+                       "gets independent latents sharing Z) or continual_mogp (continual multi-output GP with a "
+                       "linear model of coregionalisation, seed 000)", choices=("dual_svgp", "continual_mogp"))
+    kernel: str = option("matern52", doc="stationary kernel", choices=("matern12", "matern32", "matern52", "rbf"))
+    ard: bool = option(True, doc="one lengthscale per input dimension")
+    constant_kernel: bool = option(True, doc="add a learned constant (bias) kernel")
+    lengthscale: float = option(1.0, doc="initial lengthscale [m]", low=0.0, low_open=True, high=1e4)
+    signal_variance: float = option(1.0, doc="initial kernel variance (standardised targets)", low=0.0,
+                                  low_open=True, high=1e4)
+    constant_variance: float = option(1.0, doc="initial constant-kernel variance (standardised)", low=0.0,
+                                    low_open=True, high=1e4)
+    likelihood: str = option("gaussian", doc="observation model", choices=("gaussian", "student_t", "bernoulli"))
+    noise_variance: float = option(0.01, doc="initial noise variance (standardised)", low=0.0, low_open=True,
+                                 high=1e2)
+    student_t_dof: float = option(4.0, doc="Student-t degrees of freedom", low=0.0, low_open=True, high=1e3)
+    num_inducing: int = option(128, doc="number of inducing points M", low=1, high=8192)
+    inducing: str = option("pivoted_cholesky", doc="inducing-point policy: re-selected by pivoted Cholesky "
+                         "over [Z; X_new], or a fixed grid over inducing_bounds",
+                         choices=("pivoted_cholesky", "grid"))
+    inducing_bounds: list = option([-5.0, -5.0, 5.0, 5.0], doc="grid policy: [xmin, ymin, xmax, ymax] of the fixed "
+                                 "inducing grid [m]", length=4)
+    memory_size: int = option(500, doc="maximum number of past samples kept in memory", low=0, high=1_000_000)
+    memory_per_batch: int = option(10, doc="samples drawn into memory from each batch", low=0, high=100_000)
+    memory_selection: str = option("leverage", doc="how memory samples are drawn from a batch",
+                                 choices=("leverage", "random"))
+    rho: float = option(0.9, doc="natural-gradient damping step", low=0.0, low_open=True, high=1.0)
+    n_steps: int = option(2, doc="natural-gradient steps per update", low=1, high=1000)
+    learn_hyperparameters: bool = option(True, doc="learn kernel and noise hyperparameters online (full mode)")
+    hyper_steps: int = option(20, doc="most Adam steps on the hyperparameters per full update (dual_svgp stops "
+                                      "earlier once a step gains less than hyper_tol per datum; Adam's moments carry "
+                                      "over between updates)", low=0, high=100_000)
+    hyper_tol: float = option(1e-4, doc="dual_svgp: stop a full update's hyperparameter steps when the objective per "
+                                        "datum rose by less than this in the last step; 0: always hyper_steps",
+                              low=0.0, high=1.0)
+    hyper_lr: float = option(0.01, doc="Adam learning rate for the hyperparameters", low=0.0, low_open=True,
+                           high=10.0)
+    learn_inducing: bool = option(False, doc="move the inducing inputs by gradient steps on an ELBO that keeps the old "
+                                "data's information (full mode; not for the grid policy). Opt-in: it helps on the Solin "
+                                "recording and hurts on the demo bag (see the engine docstring)")
+    inducing_lr: float = option(0.01, doc="Adam learning rate for the inducing inputs [m per step]", low=0.0,
+                              low_open=True, high=100.0)
+    full_update_every: int = option(1, doc="every n-th update is a full update (memory, hyperparameters, "
+                                  "inducing re-selection); the others are fast conditioning", low=1, high=1_000_000)
+    jitter: float = option(1e-6, doc="initial diagonal jitter added to K before Cholesky", low=0.0, high=1.0)
+    device: str = option("auto", doc="torch device for the model: 'auto' (CUDA when available), 'cpu', 'cuda' or "
+                         "'cuda:N' (GPU N)", choices=("auto", "cpu", "cuda"), pattern=r"cuda:[0-9]+",
+                         pattern_doc="'cuda:N'")
+    seed: int = option(0, doc="random seed (memory sampling, initial mixing weights)", low=0, high=2**31 - 1)
+    num_latents: int = option(3, doc="continual_mogp: number Q of latent GPs mixed into the output channels",
+                            low=1, high=64)
+    latent_lengthscale_ratio: float = option(2.0, doc="continual_mogp: latent q starts at lengthscale * ratio ** "
+                                           "(q - (Q - 1) / 2), so the latents cover several scales (1: all equal)",
+                                           low=1.0, high=100.0)
+    vem_iterations: int = option(4, doc="continual_mogp: variational EM iterations (M-step of hyper_steps Adam "
+                               "steps, inducing inputs re-placed, E-step) per full update", low=1, high=1000)
+    mixing_learning: str = option("first", doc="continual_mogp: when the mixing weights are learned: only while a "
+                                "channel is first seen (no forgetting through them), in every full update (as "
+                                "the paper), or never", choices=MIXING_LEARNING_CHOICES)
+    variational_steps: int = option(100, doc="continual_mogp, non-Gaussian likelihoods: Adam steps on q(u) per "
+                                  "E-step (a Gaussian likelihood has a closed-form E-step)", low=1, high=100_000)
+    variational_lr: float = option(0.02, doc="continual_mogp, non-Gaussian likelihoods: Adam learning rate on q(u)",
+                                 low=0.0, low_open=True, high=10.0)
+
+
+def describe_allowed(meta: Mapping[str, Any], ftype: str) -> str:
+    """Human-readable allowed values of a field (used in error messages and ROS parameter descriptors)."""
+    if meta.get("choices"):
+        names = [repr(c) for c in meta["choices"]] + ([meta["pattern_doc"]] if meta.get("pattern_doc") else [])
+        return "one of " + ", ".join(names)
+    if meta.get("length"):
+        lengths = meta["length"] if isinstance(meta["length"], tuple) else (meta["length"],)
+        text = " or ".join(f"{n} finite numbers" for n in lengths if n)
+        text = f"a list of {text}" + (", strictly increasing" if meta.get("increasing") else "")
+        return ("an empty list (automatic) or " + text) if 0 in lengths else text
+    low, high = meta.get("low"), meta.get("high")
+    if low is not None or high is not None:
+        left = "(" if meta.get("low_open") else "["
+        return f"{'an integer' if ftype == 'int' else 'a number'} in {left}{low}, {high}]"
+    return f"a {ftype}"
+
+
+def validate_value(key: str, value: Any, f: dataclasses.Field) -> Any:
+    """Return ``value`` converted to the field's type, or raise ConfigError naming ``key``."""
+    meta, ftype = f.metadata, f.type if isinstance(f.type, str) else f.type.__name__
+    allowed = describe_allowed(meta, ftype)
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"{why}; allowed: {allowed}", key)
+
+    if ftype == "bool":
+        if not isinstance(value, bool):
+            raise refuse(f"{value!r} is not a boolean")
+        return value
+    if ftype == "str":
+        if not isinstance(value, str):
+            raise refuse(f"{value!r} is not a string")
+        if meta.get("choices") and value not in meta["choices"] \
+                and not (meta.get("pattern") and re.fullmatch(meta["pattern"], value)):
+            raise refuse(f"{value!r} is not allowed")
+        return value
+    if ftype == "list":
+        lengths = meta["length"] if isinstance(meta["length"], tuple) else (meta["length"],)
+        if value is None and 0 in lengths:  # ROS hands an empty array in a parameter file as "not set"
+            value = []
+        if not isinstance(value, (list, tuple)) or len(value) not in lengths:
+            raise refuse(f"{value!r} is not a list of length {' or '.join(map(str, lengths))}")
+        out = []
+        for v in value:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise refuse(f"{value!r} holds a non-finite or non-numeric entry")
+            out.append(float(v))
+        if meta.get("increasing") and any(b <= a for a, b in zip(out, out[1:])):
+            raise refuse(f"{value!r} does not strictly increase")
+        return out
+    if ftype == "int":
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            raise refuse(f"{value!r} is not an integer")
+        value = int(value)
+    elif ftype == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise refuse(f"{value!r} is not a number")
+        value = float(value)
+        if not math.isfinite(value):
+            raise refuse(f"{value!r} is not finite")
+    low, high = meta.get("low"), meta.get("high")
+    if low is not None and (value < low or (meta.get("low_open") and value == low)):
+        raise refuse(f"{value!r} is too small")
+    if high is not None and value > high:
+        raise refuse(f"{value!r} is too large")
+    return value
+
+
+def section_from_dict(cls, values: Mapping[str, Any], prefix: str = ""):
+    """Build one section dataclass from a mapping, refusing unknown keys and bad values (keys named
+    ``prefix`` + field name in the errors)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            where = f" in '{prefix.rstrip('.')}'" if prefix else ""
+            raise ConfigError(f"known keys{where}: {', '.join(sorted(fields))}", prefix + key, unknown=True)
+        kwargs[key] = validate_value(prefix + key, value, fields[key])
+    return cls(**kwargs)
+
+
+__all__ = ["MIXING_LEARNING_CHOICES", "ConfigError", "ModelConfig", "describe_allowed", "option",
+           "section_from_dict", "validate_value"]

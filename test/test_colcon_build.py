@@ -1,0 +1,74 @@
+"""The package builds as a ROS 2 user builds it: ``colcon build`` in a workspace, then the installed commands run.
+
+colcon-common-extensions and colcon-ros come from requirements-dev.txt. The build runs in this test's Python
+(``python -m colcon``), as a venv with ``--system-site-packages`` does on a robot (README "On a robot"). A few
+seconds: the source is copied without the bags and benchmark results, and an ament_python build only copies.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT
+
+pytest.importorskip("colcon_core", reason="colcon is not installed (requirements-dev.txt installs it)")
+pytest.importorskip("colcon_ros", reason="colcon-ros is not installed (requirements-dev.txt installs it)")
+
+SKIP = shutil.ignore_patterns(".git", ".venv", "build", "install", "log", "out", "bags", "results", "__pycache__",
+                              "*.egg-info", ".pytest_cache")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    ws = tmp_path_factory.mktemp("ros2_ws")
+    shutil.copytree(REPO_ROOT, ws / "src" / "gp_mapping", ignore=SKIP)
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    env.pop("PYTHONPATH", None)  # the installed package must be found through the workspace, not the checkout
+    proc = subprocess.run([sys.executable, "-m", "colcon", "build", "--packages-select", "gp_mapping",
+                           "--event-handlers", "console_direct-"], cwd=ws, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return ws
+
+
+def _installed_env(ws: Path) -> dict[str, str]:
+    """The environment `source install/setup.bash` gives, with this Python's bin first (an active venv)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    out = subprocess.run(["bash", "-c", "source install/setup.bash >/dev/null && env -0"], cwd=ws, env=env,
+                         capture_output=True, timeout=60, check=True).stdout
+    return dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
+
+
+def test_installed_commands_run(workspace):
+    lib = workspace / "install" / "gp_mapping" / "lib" / "gp_mapping"
+    env = _installed_env(workspace)
+    for command, expected in (("mapper", "Gaussian-process magnetic-field mapping node"),
+                              ("gp-mapping", "replay")):
+        script = lib / command
+        assert script.is_file() and os.access(script, os.X_OK), f"{script} missing or not executable"
+        assert script.read_text().startswith("#!/usr/bin/env python3"), "scripts must run in the active Python"
+        proc = subprocess.run([str(script), "--help"], cwd=workspace, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert expected in proc.stdout
+        # the code it ran is the installed copy, not the checkout
+    proc = subprocess.run([sys.executable, "-c", "import gp_mapping; print(gp_mapping.__file__)"], cwd=workspace,
+                          env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert str(workspace / "install") in proc.stdout
+
+
+def test_share_files_are_installed(workspace):
+    share = workspace / "install" / "gp_mapping" / "share"
+    assert (share / "ament_index" / "resource_index" / "packages" / "gp_mapping").is_file()
+    pkg = share / "gp_mapping"
+    for rel in ("package.xml", "config/mapper.yaml", "config/gp_mapping.rviz", "rosdep/gp_mapping.yaml"):
+        assert (pkg / rel).is_file(), rel
+    launch = sorted(p.name for p in (REPO_ROOT / "launch").glob("*.launch.py"))
+    assert launch and sorted(p.name for p in (pkg / "launch").glob("*.launch.py")) == launch
