@@ -90,6 +90,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+#: A batch teaches hyperparameters only if its inputs spread over more than this fraction of model.lengthscale.
+INFORMATIVE_SPREAD = 0.1
+
+
+def spans_space(x: torch.Tensor, lengthscale: float) -> bool:
+    """Whether a batch's inputs (N, D) spread over more than INFORMATIVE_SPREAD x ``lengthscale`` (farthest
+    input from their centroid). A robot standing still (every input at one point) says nothing about
+    lengthscales or the field's variance, and its reading spread is the sensor's at rest, not the noise a
+    moving robot sees: engines learn no hyperparameters from such a batch."""
+    if x.shape[0] < 2:
+        return False
+    return bool((x - x.mean(0)).norm(dim=1).max() > INFORMATIVE_SPREAD * float(lengthscale))
+
+
 class Engine(nn.Module, abc.ABC):
     """Base class of the GP engines (see the module docstring for the contract)."""
 

@@ -69,6 +69,10 @@ class ModelConfig:
     hyper_steps: int = option(20, doc="most Adam steps on the hyperparameters per full update (dual_svgp stops "
                                       "earlier once a step gains less than hyper_tol per datum; Adam's moments carry "
                                       "over between updates)", low=0, high=100_000)
+    hyper_batch: int = option(25, doc="dual_svgp: a full update takes one hyperparameter step per this many new "
+                                      "samples (at least one, at most hyper_steps), so learning keeps pace with "
+                                      "the data whatever full_update_every is, and a 1-second batch costs a step "
+                                      "or two", low=1, high=1_000_000)
     hyper_tol: float = option(1e-4, doc="dual_svgp: stop a full update's hyperparameter steps when the objective per "
                                         "datum rose by less than this in the last step; 0: always hyper_steps",
                               low=0.0, high=1.0)

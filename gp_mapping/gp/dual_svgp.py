@@ -84,13 +84,14 @@ Later steps are damped with rho.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Iterator
 
 import torch
 from torch import nn
 
-from .base import Engine, resolve_device
+from .base import spans_space, Engine, resolve_device
 from .config import ModelConfig
 from .errors import ConfigError, GPNumericalError, ModelInputError
 from .inducing import DEFAULT_REL_TOL, grid_points, pivoted_cholesky
@@ -161,6 +162,7 @@ class DualSVGP(Engine):
         self.register_buffer("y_run_mean", torch.zeros(p, **f64))
         self.register_buffer("y_run_m2", torch.zeros(p, **f64))
         self.register_buffer("rescalings_t", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("hyper_learned", torch.tensor(False))  # learned from a batch that spans space
         # Adam's moments for the hyperparameters, kept across full updates (flattened in parameter order)
         self.register_buffer("adam_avg", torch.zeros(0, **f64))
         self.register_buffer("adam_avg_sq", torch.zeros(0, **f64))
@@ -273,10 +275,11 @@ class DualSVGP(Engine):
 
         The data's terms are re-expressed exactly: a site (lambda1, lambda2) of y_old becomes ((lambda1 - d
         lambda2) / alpha, lambda2 / alpha^2), so a_old -> (a_old - d b_old) / alpha and B_old -> B_old / alpha^2
-        with b_old = sum_i k_i lambda2_i; stored targets move with them and the noise variance scales by
-        alpha^2 (it is the sensor's and stays right in the original unit). The kernel's variances stay in
-        standardised units: the prior's scale follows the data's spread, which is what standardising is for
-        (an exact re-expression would keep a prior fitted to a robot at rest).
+        with b_old = sum_i k_i lambda2_i; stored targets move with them. The noise variance scales by
+        alpha^2 once it has been learned from moving data (it is then a measurement and stays right in the
+        original unit); before that it is still the initial guess and stays in standardised units. The kernel's
+        variances stay in standardised units: the prior's scale follows the data's spread, which is what
+        standardising is for (an exact re-expression would keep a prior fitted to a robot at rest).
         """
         alpha = self.y_std / std
         d = (mean - self.y_mean) / self.y_std
@@ -288,7 +291,8 @@ class DualSVGP(Engine):
             setattr(self, f"{prefix}_lam1", (lam1 - d * lam2) / alpha)
             setattr(self, f"{prefix}_lam2", lam2 / alpha ** 2)
             setattr(self, f"{prefix}_y", alpha * (getattr(self, f"{prefix}_y") - d))
-        self.likelihood.rescale_targets(alpha)
+        if bool(self.hyper_learned):
+            self.likelihood.rescale_targets(alpha)
         self.y_mean.copy_(mean)
         self.y_std.copy_(std)
         self.rescalings_t += 1
@@ -539,8 +543,11 @@ class DualSVGP(Engine):
         alone, moving Z to project the old part away lowers the KL more than the memory term notices).
         """
         L = self._chol_K(z)
-        G = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L0, self._cross(z0, z),
-                                                                           upper=False).T, upper=False).T
+        if z.requires_grad or not torch.equal(z, z0):
+            G = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L0, self._cross(z0, z),
+                                                                               upper=False).T, upper=False).T
+        else:  # Z fixed: Cov(u0, u) = K(Z, Z) = L L^T, so G = L0^{-1} L (one solve)
+            G = torch.linalg.solve_triangular(L0, L, upper=False)
         V = torch.linalg.solve_triangular(L, self.kernel(z, hx), upper=False)
         a_h, W_h = _site_sums(V, lam1, lam2)
         a_old = G.T @ self.a_w_old
@@ -566,14 +573,14 @@ class DualSVGP(Engine):
                              + torch.einsum("pm,pmn,pn->", mean_w, W_old, mean_w)))
         return l_theta, ell.sum() + old_term - kl
 
-    def _learn_hyperparameters(self, hx, hy, lam1, lam2, weights) -> tuple[int, float]:
+    def _learn_hyperparameters(self, hx, hy, lam1, lam2, weights, budget: int) -> tuple[int, float]:
         """Adam steps on theta (l_theta) and, if configured, on Z (l_Z); returns (steps, final l_theta per
         datum). At the end the old part is carried to the new prior and Z; held contributions are the
         caller's."""
         cfg = self.config
         params = self._hyper_parameters() if cfg.learn_hyperparameters else []
         learn_z = cfg.learn_inducing and not bool(self.z_fixed) and self.num_inducing > 1
-        if (not params and not learn_z) or cfg.hyper_steps == 0:
+        if (not params and not learn_z) or budget <= 0:
             return 0, 0.0
         z0 = self.Z
         L0 = self._chol_K()
@@ -588,7 +595,7 @@ class DualSVGP(Engine):
         good_z = z0.clone()
         steps, value = 0, 0.0
         with torch.enable_grad():
-            for _ in range(cfg.hyper_steps):
+            for _ in range(budget):
                 optimiser.zero_grad()
                 try:
                     l_theta, l_z = self._hyper_objective(L0, z0, z, hx, hy, lam1, lam2, weights, learn_z)
@@ -773,13 +780,16 @@ class DualSVGP(Engine):
         V = self._features(L, hx)
         lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, fresh, cfg.n_steps, cfg.rho)
         steps, objective = 0, 0.0
-        if cfg.hyper_steps > 0:  # _learn_hyperparameters decides what (theta, Z or nothing) is learned
+        # _learn_hyperparameters decides what (theta, Z or nothing) is learned; nothing from a batch at rest
+        if cfg.hyper_steps > 0 and spans_space(bx, cfg.lengthscale):
             n_old = self.num_seen - n_pend  # data seen before this batch
             weights = torch.ones(hx.shape[0], dtype=torch.float64, device=self.device)
             if n_mem:
                 weights[:n_mem] = n_old / n_mem
-            steps, objective = self._learn_hyperparameters(hx, hy, lam1, lam2, weights)
+            budget = min(cfg.hyper_steps, max(1, math.ceil(n_b / cfg.hyper_batch)))
+            steps, objective = self._learn_hyperparameters(hx, hy, lam1, lam2, weights, budget)
             if steps:
+                self.hyper_learned.fill_(True)
                 kxx = self.kernel.diag(hx)
                 L = self._chol_K()
                 V = self._features(L, hx)
