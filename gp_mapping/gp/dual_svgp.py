@@ -91,7 +91,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .base import spans_space, Engine, resolve_device
+from .base import difference_noise_estimate, spans_space, Engine, resolve_device
 from .config import ModelConfig
 from .errors import ConfigError, GPNumericalError, ModelInputError
 from .inducing import DEFAULT_REL_TOL, grid_points, pivoted_cholesky
@@ -767,6 +767,10 @@ class DualSVGP(Engine):
         zeros = x.new_zeros(x.shape[0], self.output_dims)
         n_b = bx.shape[0]
         z_moved = 0
+        informative = cfg.hyper_steps > 0 and spans_space(bx, cfg.lengthscale)
+        if informative and cfg.learn_hyperparameters and not bool(self.hyper_learned) and n_b > 2:
+            # The first batch that can teach hyperparameters starts the noise at the data's own estimate.
+            self.likelihood.initialise_noise(difference_noise_estimate(by).clamp(1e-6, 1.0))
         if not bool(self.z_fixed):
             z_moved = int(self._reselect_inducing(bx))
         hx = torch.cat([self.mem_x, bx])
@@ -781,7 +785,7 @@ class DualSVGP(Engine):
         lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, fresh, cfg.n_steps, cfg.rho)
         steps, objective = 0, 0.0
         # _learn_hyperparameters decides what (theta, Z or nothing) is learned; nothing from a batch at rest
-        if cfg.hyper_steps > 0 and spans_space(bx, cfg.lengthscale):
+        if informative:
             n_old = self.num_seen - n_pend  # data seen before this batch
             weights = torch.ones(hx.shape[0], dtype=torch.float64, device=self.device)
             if n_mem:

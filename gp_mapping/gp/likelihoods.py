@@ -45,6 +45,9 @@ class Likelihood(nn.Module):
         """None when the targets are valid for this likelihood, else a message saying what is wrong."""
         return None
 
+    def initialise_noise(self, variance: torch.Tensor) -> None:
+        """Start the noise scale (P,) at a data-based estimate (standardised units). No-op without one."""
+
     def rescale_targets(self, factor: torch.Tensor) -> None:
         """The targets' unit changes so that y_new = factor * y_old + c (per output): re-express the noise
         exactly (its scale is the sensor's, which data at rest measure well). No-op without a noise scale."""
@@ -93,6 +96,9 @@ class GaussianLikelihood(Likelihood):
     def noise_variance(self) -> torch.Tensor:
         return self.noise_param.value
 
+    def initialise_noise(self, variance: torch.Tensor) -> None:
+        self.noise_param.set(variance)
+
     def rescale_targets(self, factor: torch.Tensor) -> None:
         self.noise_param.set(self.noise_variance.detach() * factor ** 2)
 
@@ -127,6 +133,9 @@ class StudentTLikelihood(Likelihood):
     @property
     def scale_variance(self) -> torch.Tensor:
         return self.scale_param.value
+
+    def initialise_noise(self, variance: torch.Tensor) -> None:
+        self.scale_param.set(variance)
 
     def rescale_targets(self, factor: torch.Tensor) -> None:
         self.scale_param.set(self.scale_variance.detach() * factor ** 2)
