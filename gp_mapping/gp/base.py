@@ -208,6 +208,36 @@ class Engine(nn.Module, abc.ABC):
         self._drop_caches()
         self._loaded()
 
+    # ------------------------------------------------------------------ optimiser state
+    # Engines that learn hyperparameters online call _register_adam_state in __init__ (and list adam_avg and
+    # adam_avg_sq as resizable), and wrap each update's torch.optim.Adam in _restore_adam / _store_adam.
+    def _register_adam_state(self) -> None:
+        """Adam's moments kept across updates (flattened in parameter order) and its step count: online, a few
+        steps per batch then add up to one long optimisation, and a checkpoint resumes it exactly."""
+        self.register_buffer("adam_avg", torch.zeros(0, dtype=torch.float64))
+        self.register_buffer("adam_avg_sq", torch.zeros(0, dtype=torch.float64))
+        self.register_buffer("adam_step", torch.tensor(0.0, dtype=torch.float64))
+
+    def _restore_adam(self, optimiser: torch.optim.Adam, params: list[nn.Parameter]) -> None:
+        """Give the optimiser the moments saved by the last _store_adam (a fresh start if there are none or the
+        parameters changed shape)."""
+        sizes = [p.numel() for p in params]
+        if not params or self.adam_avg.numel() != sum(sizes):
+            return
+        step = torch.tensor(float(self.adam_step))
+        for p, avg, avg_sq in zip(params, self.adam_avg.split(sizes), self.adam_avg_sq.split(sizes)):
+            optimiser.state[p] = {"step": step.clone(), "exp_avg": avg.view_as(p).clone(),
+                                  "exp_avg_sq": avg_sq.view_as(p).clone()}
+
+    def _store_adam(self, optimiser: torch.optim.Adam, params: list[nn.Parameter]) -> None:
+        states = [optimiser.state.get(p) for p in params]
+        if not params or any(not st for st in states):
+            return
+        with torch.no_grad():
+            self.adam_avg = torch.cat([st["exp_avg"].reshape(-1) for st in states]).detach().clone()
+            self.adam_avg_sq = torch.cat([st["exp_avg_sq"].reshape(-1) for st in states]).detach().clone()
+            self.adam_step.fill_(float(states[0]["step"]))
+
     # ------------------------------------------------------------------ input checking
     def _to_tensor(self, value, name: str) -> torch.Tensor:
         return to_float64_tensor(value, name, self.device)

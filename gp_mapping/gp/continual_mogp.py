@@ -73,7 +73,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Engine, resolve_device
+from .base import Engine, difference_noise_estimate, resolve_device, spans_space
 from .config import MIXING_LEARNING_CHOICES, ModelConfig
 from .errors import GPNumericalError, ModelInputError
 from .inducing import DEFAULT_REL_TOL, pivoted_cholesky
@@ -224,6 +224,9 @@ class ContinualMOGP(Engine):
         self.register_buffer("y_run_m2", torch.zeros(p, **f64))
         self.register_buffer("scale_fixed", torch.tensor(False))
         self.register_buffer("rescalings_t", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("hyper_learned", torch.tensor(False))  # learned from a batch that spans space
+        self.register_buffer("rows_fitted", torch.zeros(p, dtype=torch.bool))  # mixing rows learned (see 'first')
+        self._register_adam_state()
         self.register_buffer("num_observed_t", torch.zeros(p, dtype=torch.int64))
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
@@ -280,7 +283,8 @@ class ContinualMOGP(Engine):
     # ------------------------------------------------------------------ torch.nn.Module plumbing
     def resizable_names(self) -> list[str]:
         # Inducing sets and q(u) change size with the data.
-        return [f"{name}_{q}" for q in range(self.num_latents) for name in ("z", "q_mean", "q_chol")]
+        return [f"{name}_{q}" for q in range(self.num_latents) for name in ("z", "q_mean", "q_chol")] + \
+            ["adam_avg", "adam_avg_sq"]
 
     # ------------------------------------------------------------------ standardisation
     def set_standardisation(self, mean, std) -> None:
@@ -353,7 +357,8 @@ class ContinualMOGP(Engine):
             self.mixing_raw.mul_((alpha / common)[:, None])
             for q in range(self.num_latents):
                 self._rescale_latent(q, float(common))
-            self.likelihood.rescale_targets(alpha)
+            if bool(self.hyper_learned):  # a learned noise is the sensor's; an initial guess stays standardised
+                self.likelihood.rescale_targets(alpha)
             self.y_std.copy_(std)
             self.rescalings_t += 1
         self._cache = None
@@ -595,13 +600,17 @@ class ContinualMOGP(Engine):
                 self._set_q(q, None, mean, chol)
 
     def _adam(self, params: list[nn.Parameter], objective, steps: int, lr: float,
-              grad_masks: dict[int, torch.Tensor] | None = None) -> tuple[int, float]:
+              grad_masks: dict[int, torch.Tensor] | None = None, persistent: bool = False,
+              tol: float = 0.0) -> tuple[int, float]:
         """Adam ascent on objective(); stops at the last parameters that evaluated cleanly on trouble.
         ``grad_masks``: {index in params: 0/1 mask}, entries with mask 0 never move (zero gradient from a
-        fresh Adam state is a zero step)."""
+        fresh Adam state is a zero step). ``persistent``: the moments carry over between calls (the
+        hyperparameters' optimiser, kept in the state). ``tol``: stop once a step gained less than this."""
         if not params or steps <= 0:
             return 0, float("nan")
         optimiser = torch.optim.Adam(params, lr=lr)
+        if persistent:
+            self._restore_adam(optimiser, params)
         good = [p.detach().clone() for p in params]
         taken, value = 0, float("nan")
         with torch.enable_grad():
@@ -613,6 +622,8 @@ class ContinualMOGP(Engine):
                     obj = None
                 if obj is None or not bool(torch.isfinite(obj)):
                     break
+                if taken and tol > 0 and float(obj.detach()) - value < tol:
+                    break
                 grads = torch.autograd.grad(-obj, params, allow_unused=True)
                 if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
                     break
@@ -623,6 +634,8 @@ class ContinualMOGP(Engine):
                 value = float(obj.detach())
                 optimiser.step()
                 taken += 1
+        if persistent:
+            self._store_adam(optimiser, params)
         with torch.no_grad():
             try:  # the last step itself must leave a usable state
                 obj = objective()
@@ -660,7 +673,7 @@ class ContinualMOGP(Engine):
             return torch.zeros(p, 1, dtype=torch.float64, device=self.device)
         if self.mixing_learning == "always":
             return torch.ones(p, 1, dtype=torch.float64, device=self.device)
-        return (self.num_observed_t == 0).to(torch.float64)[:, None]
+        return (~self.rows_fitted).to(torch.float64)[:, None]
 
     def _hyper_parameters(self) -> tuple[list[nn.Parameter], dict[int, torch.Tensor]]:
         params = [p for p in self.kernels.parameters() if p.requires_grad]  # a shared kernel counts once
@@ -774,16 +787,24 @@ class ContinualMOGP(Engine):
                 self._update_standardisation(yt, mask)
             ys = self._standardise(yt, mask)
             first = self.num_updates == 0
-            learn = mode == "full" and self.config.learn_hyperparameters
-            if first and learn and bool(self._mixing_rows_learned().all()):
-                self._initialise_mixing(ys, mask)
+            # Nothing is learned from a batch at rest (see spans_space); the first batch that can teach
+            # hyperparameters starts the mixing and the noise from the data.
+            learn = (mode == "full" and self.config.learn_hyperparameters and self.config.hyper_steps > 0
+                     and spans_space(xt, self.config.lengthscale))
+            if learn and not bool(self.hyper_learned):
+                if bool(self._mixing_rows_learned().all()):
+                    self._initialise_mixing(ys, mask)
+                rows = mask.all(1)
+                if int(rows.sum()) > 2:
+                    self.likelihood.initialise_noise(difference_noise_estimate(ys[rows]).clamp(1e-6, 1.0))
             old = None if first else [self.latent_posterior(q) for q in range(self.num_latents)]
             z_old = [self.z(q) for q in range(self.num_latents)]
             priors = self._place_inducing(xt, z_old, old)
             scale = 1.0 / float(mask.sum())
             stats["variational_steps"] += self._e_step(xt, ys, mask, priors, scale)
-            if mode == "full" and self.config.learn_hyperparameters and self.config.hyper_steps > 0:
+            if learn:
                 hyper, masks = self._hyper_parameters()
+                budget = min(self.config.hyper_steps, max(1, math.ceil(xt.shape[0] / self.config.hyper_batch)))
                 if self._uses_analytic_e_step():
                     # q(u) at its exact optimum for the current hyperparameters (differentiable): the M-step
                     # climbs the bound maximised over q, not a slice of it at a stale q.
@@ -793,12 +814,16 @@ class ContinualMOGP(Engine):
                     def objective() -> torch.Tensor:
                         return self._bound(xt, ys, mask, priors, detach_q=True)[0] * scale
                 for _ in range(self.vem_iterations):
-                    taken, _ = self._adam(hyper, objective, self.config.hyper_steps, self.config.hyper_lr, masks)
+                    taken, _ = self._adam(hyper, objective, budget, self.config.hyper_lr, masks, persistent=True,
+                                          tol=self.config.hyper_tol)
                     stats["hyper_steps"] += taken
                     # Z_new is chosen under the kernel just learned: a set picked under the initial kernel
                     # (before the first batch has taught the lengthscales) is too sparse for a shorter one.
                     priors[:] = self._place_inducing(xt, z_old, old)
                     stats["variational_steps"] += self._e_step(xt, ys, mask, priors, scale)
+                if stats["hyper_steps"]:
+                    self.hyper_learned.fill_(True)
+                    self.rows_fitted |= mask.any(0) & (self._mixing_rows_learned()[:, 0] > 0)
             stats["z_moved"] = sum(not torch.equal(self.z(q), z_old[q]) for q in range(self.num_latents))
             with torch.no_grad():
                 value, _ = self._bound(xt, ys, mask, priors)

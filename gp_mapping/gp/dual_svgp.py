@@ -163,10 +163,7 @@ class DualSVGP(Engine):
         self.register_buffer("y_run_m2", torch.zeros(p, **f64))
         self.register_buffer("rescalings_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("hyper_learned", torch.tensor(False))  # learned from a batch that spans space
-        # Adam's moments for the hyperparameters, kept across full updates (flattened in parameter order)
-        self.register_buffer("adam_avg", torch.zeros(0, **f64))
-        self.register_buffer("adam_avg_sq", torch.zeros(0, **f64))
-        self.register_buffer("adam_step", torch.tensor(0.0, **f64))
+        self._register_adam_state()
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
         for prefix in ("mem", "pend"):
@@ -645,26 +642,6 @@ class DualSVGP(Engine):
             self.Z = z_new
             self._transport_old_part(L0, self._cross(z0, z_new), L_new)
         return steps, value
-
-    def _restore_adam(self, optimiser: torch.optim.Adam, params: list[nn.Parameter]) -> None:
-        """Give the optimiser the moments of the previous full updates (saved in the state, so a checkpoint
-        resumes exactly): online, a few steps per batch then add up to one long optimisation."""
-        sizes = [p.numel() for p in params]
-        if not params or self.adam_avg.numel() != sum(sizes):
-            return
-        step = torch.tensor(float(self.adam_step))
-        for p, avg, avg_sq in zip(params, self.adam_avg.split(sizes), self.adam_avg_sq.split(sizes)):
-            optimiser.state[p] = {"step": step.clone(), "exp_avg": avg.view_as(p).clone(),
-                                  "exp_avg_sq": avg_sq.view_as(p).clone()}
-
-    def _store_adam(self, optimiser: torch.optim.Adam, params: list[nn.Parameter]) -> None:
-        states = [optimiser.state.get(p) for p in params]
-        if not params or any(not st for st in states):
-            return
-        with torch.no_grad():
-            self.adam_avg = torch.cat([st["exp_avg"].reshape(-1) for st in states]).detach().clone()
-            self.adam_avg_sq = torch.cat([st["exp_avg_sq"].reshape(-1) for st in states]).detach().clone()
-            self.adam_step.fill_(float(states[0]["step"]))
 
     # ------------------------------------------------------------------ memory
     def _draw_candidates(self, scores: torch.Tensor, k: int) -> torch.Tensor:
