@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import math
 import re
 from collections.abc import Iterable
 
@@ -217,6 +218,16 @@ class Engine(nn.Module, abc.ABC):
         self.register_buffer("adam_avg", torch.zeros(0, dtype=torch.float64))
         self.register_buffer("adam_avg_sq", torch.zeros(0, dtype=torch.float64))
         self.register_buffer("adam_step", torch.tensor(0.0, dtype=torch.float64))
+
+    def _hyper_budget(self, n_new: int, warmup: bool = True) -> int:
+        """Hyperparameter steps for an update of ``n_new`` new samples: up to model.hyper_steps while the
+        optimiser is young (fewer than model.hyper_warmup steps in all: the map is small then and steps are
+        cheap, and the hyperparameters are far from their optimum), then one step per model.hyper_batch new
+        samples (at least one), so the cost per second of data stays flat while learning keeps pace."""
+        cfg = self.config
+        if warmup and float(self.adam_step) < cfg.hyper_warmup:
+            return cfg.hyper_steps
+        return min(cfg.hyper_steps, max(1, math.ceil(n_new / cfg.hyper_batch)))
 
     def _restore_adam(self, optimiser: torch.optim.Adam, params: list[nn.Parameter]) -> None:
         """Give the optimiser the moments saved by the last _store_adam (a fresh start if there are none or the

@@ -767,7 +767,7 @@ class DualSVGP(Engine):
             weights = torch.ones(hx.shape[0], dtype=torch.float64, device=self.device)
             if n_mem:
                 weights[:n_mem] = n_old / n_mem
-            budget = min(cfg.hyper_steps, max(1, math.ceil(n_b / cfg.hyper_batch)))
+            budget = self._hyper_budget(n_b)
             steps, objective = self._learn_hyperparameters(hx, hy, lam1, lam2, weights, budget)
             if steps:
                 self.hyper_learned.fill_(True)
