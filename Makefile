@@ -4,12 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+TF2_MSGS := $(VENV)/.tf2_msgs
+TF2_MSGS_SRC := $(wildcard interfaces/tf2_msgs/package.xml interfaces/tf2_msgs/CMakeLists.txt interfaces/tf2_msgs/msg/*.msg)
 TORCH := torch==2.13.0
 export ROS_AUTOMATIC_DISCOVERY_RANGE ?= LOCALHOST
 
 .PHONY: demo test test-gpu bench bench-quick venv clean
 
-venv: $(STAMP)
+venv: $(STAMP) $(TF2_MSGS)
 
 $(STAMP): setup.py requirements-dev.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,12 +21,25 @@ $(STAMP): setup.py requirements-dev.txt constraints.txt
 	$(PIP) install --quiet -c constraints.txt -e .
 	touch $(STAMP)
 
+# tf2_msgs has no wheel: its Python bindings (TFMessage only) are generated from the message definition with
+# colcon and the rosidl generator wheels (requirements-dev.txt), into the venv's own ROS prefix (lib/, share/,
+# site-packages, where the message wheels live). About 20 s once; re-run only when interfaces/tf2_msgs changes.
+$(TF2_MSGS): $(STAMP) $(TF2_MSGS_SRC)
+	rm -rf $(VENV)/ros_build
+	PATH="$(abspath $(VENV))/bin:$$PATH" CMAKE_PREFIX_PATH="$(abspath $(VENV))" AMENT_PREFIX_PATH="$(abspath $(VENV))" \
+	  $(PY) -m colcon --log-base $(VENV)/ros_build/log build --base-paths interfaces --packages-select tf2_msgs \
+	  --build-base $(VENV)/ros_build/build --install-base $(VENV) --merge-install --event-handlers console_cohesion- \
+	  --cmake-args -DPython3_EXECUTABLE="$(abspath $(PY))" -DBUILD_TESTING=OFF > $(VENV)/ros_build.log 2>&1 \
+	  || { tail -40 $(VENV)/ros_build.log; exit 1; }
+	$(PY) -c "from tf2_msgs.msg import TFMessage"
+	touch $@
+
 demo: $(STAMP)
 	$(VENV)/bin/gp-mapping replay bags/demo --out out
 
 # One torch thread per process: the tests run the node and the test process side by side on small machines,
 # where more threads per process oversubscribe the cores and make updates many times slower.
-test: $(STAMP)
+test: $(STAMP) $(TF2_MSGS)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q test
 
 test-gpu: $(STAMP)

@@ -41,6 +41,7 @@ setup(
         "console_scripts": [
             "gp-mapping = gp_mapping.cli:main",
             "mapper = gp_mapping.ros.mapper_node:main",
+            "lifecycle_mapper = gp_mapping.ros.mapper_node:lifecycle_main",
         ],
     },
 )

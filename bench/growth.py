@@ -28,6 +28,43 @@ def state_bytes(model) -> int:
     return int(sum(t.numel() * t.element_size() for t in model.state_dict().values()))
 
 
+def feed(mapper, rec, sample_every: int, log: Callable[[str], None], label: str = "drive",
+         log_parts: int = 10) -> dict[str, Any]:
+    """Every pose and reading of a simulated recording through ``mapper`` (``process()`` after each sample).
+    Recorded per update: samples seen, wall and CPU milliseconds, mode, tiles of the model (1 without tiles);
+    every ``sample_every`` samples and at the end: process RSS, model state bytes, tiles."""
+    n = len(rec)
+    pos, quat, field, t = rec.position, rec.orientation_xyzw, rec.field_sensor_tesla, rec.t
+    updates: dict[str, list] = {"num_seen": [], "ms": [], "cpu_ms": [], "mode": [], "tiles": []}
+    memory: dict[str, list] = {"samples": [], "rss_bytes": [], "state_bytes": [], "tiles": []}
+    gc.collect()
+    start = time.perf_counter()
+    for i in range(n):
+        mapper.add_pose(float(t[i]), pos[i], quat[i])
+        mapper.add_magnetic_field(float(t[i]), field[i])
+        cpu0 = time.process_time()
+        done = mapper.process()
+        if done:  # CPU time of this process: what the update costs, whatever else runs
+            per_update = 1e3 * (time.process_time() - cpu0) / len(done)
+        for u in done:
+            updates["cpu_ms"].append(per_update)
+            updates["num_seen"].append(int(u["num_seen"]))
+            updates["ms"].append(1e3 * float(u["update_seconds"]))
+            updates["mode"].append(str(u.get("mode", "")))
+            updates["tiles"].append(int(u.get("tiles", 1)))
+        if (i + 1) % sample_every == 0 or i == n - 1:
+            memory["samples"].append(i + 1)
+            memory["rss_bytes"].append(rss_bytes())
+            memory["state_bytes"].append(state_bytes(mapper.model))
+            memory["tiles"].append(int(getattr(mapper.model, "num_tiles", 1)))
+        if (i + 1) % (n // log_parts or 1) == 0:
+            last = updates["ms"][-1] if updates["ms"] else float("nan")
+            log(f"  {label}: {i + 1}/{n} samples, {time.perf_counter() - start:.0f} s, "
+                f"RSS {rss_bytes() / 2 ** 20:.0f} MiB, tiles {memory['tiles'][-1] if memory['tiles'] else 1}, "
+                f"last update {last:.1f} ms")
+    return {"updates": updates, "memory": memory, "processing_s": time.perf_counter() - start}
+
+
 def drive(duration: float, sample_every: int, log: Callable[[str], None], seed: int = 0) -> dict[str, Any]:
     from gp_mapping.mapping.mapper import Mapper
     from gp_mapping.sim import SensorConfig, TrajectoryConfig, WorldConfig, simulate
@@ -37,39 +74,13 @@ def drive(duration: float, sample_every: int, log: Callable[[str], None], seed: 
                                                    duration=float(duration), rate=RATE_HZ), SensorConfig(), seed=seed)
     sim_seconds = time.perf_counter() - t0
     config = shipped_config()
-    mapper = Mapper(config)
     n = len(rec)
-    pos, quat, field = rec.position, rec.orientation_xyzw, rec.field_sensor_tesla
     t = rec.t
-    upd_seen: list[int] = []
-    upd_ms: list[float] = []
-    upd_mode: list[str] = []
-    upd_cpu_ms: list[float] = []  # CPU time of this process: what the update costs, whatever else runs
-    samples: list[int] = []
-    rss: list[int] = []
-    state: list[int] = []
-    gc.collect()
-    start = time.perf_counter()
-    for i in range(n):
-        mapper.add_pose(float(t[i]), pos[i], quat[i])
-        mapper.add_magnetic_field(float(t[i]), field[i])
-        cpu0 = time.process_time()
-        done = mapper.process()
-        if done:
-            per_update = 1e3 * (time.process_time() - cpu0) / len(done)
-        for u in done:
-            upd_cpu_ms.append(per_update)
-            upd_seen.append(int(u["num_seen"]))
-            upd_ms.append(1e3 * float(u["update_seconds"]))
-            upd_mode.append(str(u.get("mode", "")))
-        if (i + 1) % sample_every == 0 or i == n - 1:
-            samples.append(i + 1)
-            rss.append(rss_bytes())
-            state.append(state_bytes(mapper.model))
-        if (i + 1) % (n // 10 or 1) == 0:
-            log(f"  drive: {i + 1}/{n} samples, {time.perf_counter() - start:.0f} s, "
-                f"RSS {rss_bytes() / 2 ** 20:.0f} MiB, last update {upd_ms[-1] if upd_ms else float('nan'):.1f} ms")
-    processing = time.perf_counter() - start
+    fed = feed(Mapper(config), rec, sample_every, log)
+    u, mem = fed["updates"], fed["memory"]
+    upd_seen, upd_ms, upd_cpu_ms, upd_mode = u["num_seen"], u["ms"], u["cpu_ms"], u["mode"]
+    samples, rss, state = mem["samples"], mem["rss_bytes"], mem["state_bytes"]
+    processing = fed["processing_s"]
     return {"duration_s": float(duration), "samples": n, "rate_hz": RATE_HZ, "sim_seconds": sim_seconds,
             "processing_s": processing, "real_time_factor": float(t[-1] - t[0]) / processing,
             "batching": {"mode": config.batching.mode, "size": config.batching.size,

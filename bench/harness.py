@@ -5,8 +5,10 @@
 
 Sections: ``accuracy`` (protocols 1 and 2 on the Solin 2018 recording; skipped with the reason when the
 recording is absent), ``speed`` (engine latency over M, grid prediction, replay real-time factors),
-``growth`` (cost against samples seen over a long simulated drive) and ``cuda`` (the engine sweep on the
-GPU; skipped without CUDA). A section that fails is recorded with its error and the others still run; the
+``growth`` (cost against samples seen over a long simulated drive), ``cuda`` (the engine sweep on the
+GPU; skipped without CUDA), ``large`` (local submaps against one engine over a 100 m x 60 m simulated building,
+30 minutes, 2-D and 3-D inputs) and ``explore`` (a 30-minute exploration of 200 m x 200 m at 50 Hz through the
+node's update-thread schedule: map rate, resident memory, how far the model falls behind). A section that fails is recorded with its error and the others still run; the
 exit status is then 1. Everything in the outputs is regenerated from code on every run.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from bench.common import REPO_ROOT, jsonable, machine_info
 
-SECTIONS = ("accuracy", "speed", "growth", "cuda")
+SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore")
 JSON_NAME = "bench.json"
 MD_NAME = "bench.md"
 
@@ -40,6 +42,14 @@ FULL = {
                "grid_sizes": (100, 400), "cell_seconds": 30.0},
     "solin_sequences": (1, 3, 5), "solin_max_seconds": None, "demo_bag": True,
     "drive_seconds": 3600.0, "drive_sample_every": 500,
+    **{"large_area": (100.0, 60.0), "large_dipoles": 600, "large_seconds": 1800.0, "large_rate": 10.0,
+       "large_speed": 1.2, "large_line_spacing": 4.0, "large_height_amplitude": 0.3, "large_batch": 50,
+       "large_tile": 10.0, "large_overlap": 2.0, "large_m": 64, "large_memory": 100, "large_untiled_m": 128,
+       "large_exact_points": 6000, "large_exact_hyper_points": 1500, "large_exact_iterations": 50,
+       "large_test_every": 6, "large_sample_every": 500, "large_warmup_seconds": 60.0, "large_seed": 0,
+       "large_dims": (2, 3)},
+    **{"explore_area": 200.0, "explore_lane": 20.0, "explore_seconds": 1800.0, "explore_rate": 50.0,
+       "explore_warmup_seconds": 180.0, "explore_seed": 0, "explore_window": None},
 }
 QUICK = {
     "p1_batches": 10, "p2_batch_seconds": 20.0, "p2_eval_every": 3, "fast_full_every": 10,
@@ -50,6 +60,14 @@ QUICK = {
                "cell_seconds": 4.0},
     "solin_sequences": (1,), "solin_max_seconds": 20.0, "demo_bag": False,
     "drive_seconds": 60.0, "drive_sample_every": 250,
+    **{"large_area": (24.0, 12.0), "large_dipoles": 40, "large_seconds": 60.0, "large_rate": 5.0,
+       "large_speed": 1.2, "large_line_spacing": 4.0, "large_height_amplitude": 0.3, "large_batch": 25,
+       "large_tile": 8.0, "large_overlap": 2.0, "large_m": 24, "large_memory": 100, "large_untiled_m": 32,
+       "large_exact_points": 300, "large_exact_hyper_points": 200, "large_exact_iterations": 5,
+       "large_test_every": 6, "large_sample_every": 50, "large_warmup_seconds": 0.0, "large_seed": 0,
+       "large_dims": (2,)},
+    **{"explore_area": 30.0, "explore_lane": 10.0, "explore_seconds": 30.0, "explore_rate": 50.0,
+       "explore_warmup_seconds": 5.0, "explore_seed": 0, "explore_window": None},
 }
 
 
@@ -66,7 +84,7 @@ def _data_root(given: Path | None) -> tuple[Path | None, str | None]:
 
 
 def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[[str], None]) -> dict[str, Any]:
-    from bench import accuracy, growth, speed
+    from bench import accuracy, explore, growth, large, speed
 
     results: dict[str, Any] = {"machine": machine_info(), "plan": plan, "sections": {}}
     root, why = _data_root(data)
@@ -101,6 +119,10 @@ def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[
                 out = growth.drive(plan["drive_seconds"], plan["drive_sample_every"], log)
             elif section == "cuda":
                 out = speed.cuda_section(plan["engine"], log)
+            elif section == "large":
+                out = large.run(plan, log)
+            elif section == "explore":
+                out = explore.run(plan, log)
             else:
                 raise ValueError(f"unknown section {section!r}; choose from {', '.join(SECTIONS)}")
         except Exception as err:  # one broken section must not hide the others' numbers
@@ -218,6 +240,16 @@ def markdown(results: dict[str, Any]) -> str:
                       f"{_f(s['state_last_decile_mib'], '.2f')} | {_f(s['state_ratio'])} |", "",
                       f"Latency slope after warm-up: {_f(s.get('latency_slope_ms_per_10k_samples'), '+.3f')} ms per "
                       "10 000 samples. Curves: `growth.png`.", ""]
+    ex = sec.get("explore")
+    if ex is not None:
+        from bench import explore
+
+        lines += explore.markdown(ex)
+    lg = sec.get("large")
+    if lg is not None:
+        from bench import large
+
+        lines += large.markdown(lg)
     cu = sec.get("cuda")
     if cu is not None:
         lines += ["## CUDA", ""]

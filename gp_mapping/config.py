@@ -17,9 +17,12 @@ from typing import Any, Mapping
 
 import yaml
 
-from gp_mapping.gp.config import (MIXING_LEARNING_CHOICES, ConfigError, ModelConfig, describe_allowed,
+from gp_mapping.gp.config import (MIXING_LEARNING_CHOICES, ConfigError, ModelConfig, describe_allowed,  # noqa: F401
                                   section_from_dict, validate_value)
 from gp_mapping.gp.config import option as _opt
+
+#: Longest frame_id accepted (in sync.field_frame and in a reading's header).
+FRAME_ID_MAX_LENGTH = 256
 
 @dataclass
 class SyncConfig:
@@ -35,6 +38,9 @@ class SyncConfig:
     target: str = _opt("magnitude", doc="what is mapped: |B| or the map-frame vector",
                        choices=("magnitude", "vector"))
     input_dims: int = _opt(2, doc="map inputs: 2 (x, y) or 3 (x, y, z)", low=2, high=3)
+    field_frame: str = _opt("", doc="the magnetometer's frame_id: readings in another frame are refused. Empty: "
+                            "learn it (the first frame seen is held; another frame that sends 20 readings in a "
+                            "row while the held one is silent takes over)", max_length=FRAME_ID_MAX_LENGTH)
     field_unit: str = _opt("microtesla", doc="unit of the field inside the mapper and in its outputs",
                            choices=("tesla", "millitesla", "microtesla", "nanotesla", "gauss"))
     # Bad-input guards (README "Bad input and reliability"): each refusal is counted under a named reason.
@@ -74,9 +80,15 @@ class GridConfig:
     origin: list = _opt([-5.0, -5.0], doc="fixed mode: map coordinates of the corner of cell (0, 0) [m]", length=2)
     size: list = _opt([10.0, 10.0], doc="fixed mode: width and height [m]", length=2)
     margin: float = _opt(1.0, doc="grow mode: margin around the visited area [m]", low=0.0, high=1e4)
+    window: list = _opt([40.0, 40.0], doc="grow mode: width and height of the published window [m], centred on the "
+                        "newest accepted position (a rolling window, as costmaps and elevation maps have): each map is "
+                        "the visited area plus margin cut to it, so publishing costs the same however far the robot "
+                        "goes; the whole map stays in the model (save, export). At most grid.max_cells cells",
+                        length=2, low=0.0, low_open=True, high=1e6)
     max_cells: int = _opt(1_000_000, doc="refuse grids with more cells than this", low=1, high=100_000_000)
-    unknown_distance: float = _opt(1.0, doc="cells farther than this from every sample are unknown (-1) [m]",
-                                   low=0.0, low_open=True, high=1e4)
+    unknown_distance: float = _opt(1.0, doc="cells farther than this from every sample are unknown (-1) [m]; at most "
+                                   "the smaller side of grid.window (grow) or grid.size (fixed), so the known-cell "
+                                   "mask stays bounded by the published grid", low=0.0, low_open=True, high=1e4)
     tile_size: int = _opt(16384, doc="cells predicted per tile on the device", low=1, high=10_000_000)
     height: float = _opt(0.0, doc="z of the grid cells when input_dims is 3 [m]", low=-1e4, high=1e4)
     mean_range: list = _opt([], doc="field values [unit] published as 0 and 100 in every mean grid, so a colour "
@@ -90,10 +102,22 @@ class GridConfig:
 class NodeConfig:
     """ROS-facing settings of the mapping node (section ``node``)."""
 
+    pose_source: str = _opt("topic", doc="where the pose comes from: the pose topic (in grid.frame_id), or /tf and "
+                            "/tf_static (grid.frame_id to the magnetometer frame, else to node.base_frame)",
+                            choices=("topic", "tf"))
+    base_frame: str = _opt("base_link", doc="pose_source tf: the body frame, used with sync.sensor_translation / "
+                           "sync.sensor_rotation when tf does not hold the magnetometer frame")
+    tf_timeout: float = _opt(1.0, doc="pose_source tf: a reading is refused (tf_missing) when a reading this many "
+                             "seconds newer has come and its transforms still have not [s]", low=0.0, low_open=True,
+                             high=60.0)
     pose_type: str = _opt("pose_stamped", doc="message type on the pose topic",
                           choices=("pose_stamped", "odometry", "pose_with_covariance"))
-    publish_period: float = _opt(1.0, doc="seconds between map publications", low=0.0, low_open=True, high=3600.0)
-    initial_map: str = _opt("", doc="map state file to start from (empty: start empty)")
+    publish_period: float = _opt(1.0, doc="seconds between map publications (at most 20 a second: each one "
+                                  "predicts the whole window)", low=0.05, high=3600.0)
+    initial_map: str = _opt("", doc="map state file to start from (empty: start empty); ~/load_map loads it "
+                            "while running")
+    map_directory: str = _opt("", doc="where ~/save_map writes <node name>_<UTC time>.safetensors (empty: "
+                              "$ROS_HOME/gp_mapping)")
     queue_depth: int = _opt(50, doc="subscription queue depth (sensor-data QoS)", low=1, high=100_000)
     checkpoint_interval_s: float = _opt(0.0, doc="seconds (node clock) between atomic checkpoints of the whole "
                                         "mapper state; 0: no checkpoints", low=0.0, high=1e6)

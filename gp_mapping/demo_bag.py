@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from scipy.spatial.transform import Rotation
 
+from gp_mapping.bag.ros2 import latched_qos, ros2_typestore
 from gp_mapping.sim import (
     PATTERNS,
     SensorConfig,
@@ -59,24 +60,6 @@ UT = 1e6  # tesla -> microtesla
 
 class DemoBagError(ValueError):
     """A demo-bag argument is invalid (existing output, rates that do not divide, ...)."""
-
-
-def _typestore():
-    from rosbags.typesys import Stores, get_typestore
-
-    # The newest ROS 2 distribution this rosbags knows among those whose messages we use (all identical).
-    for name in ("ROS2_KILTED", "ROS2_JAZZY", "ROS2_HUMBLE"):
-        if hasattr(Stores, name):
-            return get_typestore(getattr(Stores, name))
-    raise DemoBagError("this rosbags has no ROS 2 typestore (need rosbags >= 0.10)")
-
-
-def _latched_qos():
-    from rosbags.interfaces import Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime
-
-    zero = QosTime(0, 0)
-    return [Qos(QosHistory.KEEP_LAST, 1, QosReliability.RELIABLE, QosDurability.TRANSIENT_LOCAL, zero, zero,
-                QosLiveliness.AUTOMATIC, zero, False)]
 
 
 def body_twist(t: np.ndarray, position: np.ndarray, orientation_xyzw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -134,7 +117,7 @@ def write_demo_bag(out_dir: str | Path, recording: SimRecording, *, start_time: 
     height = float(np.mean(recording.sensor_position[:, 2]))
     xs, ys, grid = truth_grid(recording.world, area, grid_resolution, height) if ground_truth else (None, None, None)
 
-    ts = _typestore()
+    ts = ros2_typestore()
     T = ts.types
     stamps = _stamps_ns(recording.t, start_time)
 
@@ -203,7 +186,7 @@ def write_demo_bag(out_dir: str | Path, recording: SimRecording, *, start_time: 
     try:
         writer.open()
         conns = {key: writer.add_connection(TOPICS[key], MSGTYPES[key], typestore=ts,
-                                            offered_qos_profiles=_latched_qos() if key == "tf_static" else ())
+                                            offered_qos_profiles=latched_qos() if key == "tf_static" else ())
                  for key in TOPICS}
         for key, value in data.items():
             writer.set_custom_data(key, value)

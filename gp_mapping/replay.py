@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from gp_mapping import bag_io
+from gp_mapping.bag import (Bag, BagError, CorruptBagError, MapBagWriter, PoseSource, TransformBuffer, TransformError,
+                            choose_pose_source, decode_magnetic_field, decode_pose, is_identity_extrinsic)
 from gp_mapping.config import ConfigError, MapperConfig, load_config
 
 NPZ_NAME = "map.npz"
@@ -59,7 +60,7 @@ class ReplayResult:
 
     bag_path: Path
     mag_topic: str
-    pose_source: bag_io.PoseSource
+    pose_source: PoseSource
     mapper: Any
     grid: Any                     # the final MapGrid, or None when no sample was accepted
     counts: dict[str, Any]        # messages read, poses fed, tf lookups refused, updates, snapshots, mapper counters
@@ -81,7 +82,7 @@ def _as_config(config: MapperConfig | str | Path | None) -> MapperConfig:
     return load_config(config)
 
 
-def _tf_config(config: MapperConfig, source: bag_io.PoseSource, mag_frame: str, notes: list[str]) -> MapperConfig:
+def _tf_config(config: MapperConfig, source: PoseSource, mag_frame: str, notes: list[str]) -> MapperConfig:
     """The config to map with along a tf chain: the map lives in the chain's parent frame, and a chain that
     ends at the magnetometer frame already holds the sensor extrinsic (so the config's is not applied again)."""
     if source.kind != "tf":
@@ -93,7 +94,7 @@ def _tf_config(config: MapperConfig, source: bag_io.PoseSource, mag_frame: str, 
     if source.child != mag_frame:
         return config
     sync = config.sync
-    if not bag_io.is_identity_extrinsic(sync.sensor_translation, sync.sensor_rotation):
+    if not is_identity_extrinsic(sync.sensor_translation, sync.sensor_rotation):
         notes.append(f"the tf chain {source.parent} -> {source.child} already places the magnetometer; the "
                      f"config's sync.sensor_translation {sync.sensor_translation} and sync.sensor_rotation "
                      f"{sync.sensor_rotation} are not applied on top of it")
@@ -113,7 +114,7 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
     and the final map to ``out_dir/map.npz`` and ``out_dir/map.png`` (files of those names are replaced);
     without it no snapshot is predicted, only the final map.
 
-    Raises :class:`gp_mapping.bag_io.BagError` (bag, topic or pose-source problems), ConfigError, or
+    Raises :class:`gp_mapping.bag.BagError` (bag, topic or pose-source problems), ConfigError, or
     ReplayError when no sample could be matched with a pose. A bag that breaks part way (truncated, corrupt, a
     message that cannot be decoded) ends the reading there: what was read is mapped and written as usual, then
     :class:`IncompleteReplayError` (carrying the result) is raised.
@@ -126,28 +127,27 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
     bag_path = Path(bag_path)
     notes: list[str] = []
     out = Path(out_dir) if out_dir is not None else None
-    with bag_io.Bag(bag_path) as bag:
+    with Bag(bag_path) as bag:
         mag_topic = bag.mag_topic(mag_topic)
         mag_frame = bag.first_frame_id(mag_topic)
-        source, tf_buffer = bag_io.choose_pose_source(bag, pose_topic=pose_topic, tf_frames=tf_frames,
+        source, tf_buffer = choose_pose_source(bag, pose_topic=pose_topic, tf_frames=tf_frames,
                                                       map_frame=config.grid.frame_id, mag_frame=mag_frame)
         config = _tf_config(config, source, mag_frame, notes)
         mapper = Mapper(config)
         topics = [mag_topic] + ([source.topic] if source.kind == "topic" else [])
         counts: dict[str, Any] = {"mag_messages": 0, "pose_messages": 0, "pose_frame_mismatch": 0,
                                   "tf_lookups_failed": 0, "updates": 0, "snapshots": 0}
-        other_frames: set[str] = set()
         period, max_gap = float(config.node.publish_period), float(config.sync.max_pose_gap)
         writer = None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            writer = bag_io.MapBagWriter(out / MCAP_NAME, config.sync.field_unit, overwrite=True,
+            writer = MapBagWriter(out / MCAP_NAME, config.sync.field_unit, overwrite=True,
                                          mean_range=config.grid.mean_range,
                                          variance_range=config.grid.variance_range)
         started = time.perf_counter()
-        broken: list[bag_io.CorruptBagError] = []
+        broken: list[CorruptBagError] = []
         try:
-            next_snapshot, snapshot_updates, bag_time = None, 0, bag.start_time
+            next_snapshot, bag_time = None, bag.start_time
             with tqdm(total=sum(bag.counts.get(t, 0) for t in topics), unit="msg", desc=bag_path.name,
                       disable=not progress, file=sys.stderr, mininterval=0.5) as bar:
                 for topic, bag_time_ns, msgtype, msg in _until_broken(bag.messages(topics), broken):
@@ -155,7 +155,7 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
                     bag_time = bag_time_ns * 1e-9
                     if topic == mag_topic:
                         counts["mag_messages"] += 1
-                        sample = bag_io.decode_magnetic_field(msg, bag_time_ns)
+                        sample = decode_magnetic_field(msg, bag_time_ns)
                         if tf_buffer is None or _feed_tf_pose(mapper, tf_buffer, source, sample.stamp, max_gap):
                             mapper.add_magnetic_field(sample.stamp, sample.field, frame_id=sample.frame_id,
                                                       receive_time=bag_time)
@@ -163,12 +163,10 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
                             counts["tf_lookups_failed"] += 1
                     else:
                         counts["pose_messages"] += 1
-                        pose = bag_io.decode_pose(msg, msgtype, bag_time_ns)
-                        if pose.frame_id == config.grid.frame_id:
-                            mapper.add_pose(pose.stamp, pose.position, pose.orientation, receive_time=bag_time)
-                        else:  # the node's rule: a pose in another frame is refused (no tf lookup)
-                            counts["pose_frame_mismatch"] += 1
-                            other_frames.add(pose.frame_id)
+                        pose = decode_pose(msg, msgtype, bag_time_ns)
+                        # The Mapper's rule, as in the node: a pose in another frame is refused (no tf lookup).
+                        mapper.add_pose(pose.stamp, pose.position, pose.orientation, receive_time=bag_time,
+                                        frame_id=pose.frame_id)
                     counts["updates"] += len(mapper.process())
                     if writer is None:
                         continue
@@ -176,13 +174,20 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
                         next_snapshot = bag_time + period
                     elif bag_time >= next_snapshot:
                         next_snapshot += period * (math.floor((bag_time - next_snapshot) / period) + 1)
-                        if mapper.updates != snapshot_updates:  # the node publishes only a changed map
-                            snapshot_updates = mapper.updates
-                            counts["snapshots"] += _snapshot(writer, mapper.grid(), bag_time)
+                        if mapper.map_changed:  # the Mapper's rule, as in the node: only a changed map
+                            mapper.mark_published()
+                            counts["snapshots"] += _snapshot(writer, mapper.grid(predict_unknown=False), bag_time)
             counts["updates"] += len(mapper.flush())
-            grid = mapper.grid()
+            counts["pose_frame_mismatch"] = mapper.pose_frame_mismatch
+            # map.npz holds the whole map (the visited area plus margin) when it fits grid.max_cells, else the
+            # window around the newest position (grid.extent says which); maps.mcap gets what the node publishes.
+            grid = mapper.export_grid()
+            if grid is not None and grid.extent == "window" and mapper.config.grid.mode == "grow":
+                notes.append(f"the whole map is larger than grid.max_cells = {mapper.config.grid.max_cells}: map.npz "
+                             f"and map.png hold the {mapper.config.grid.window} m window around the last position")
             if writer is not None and grid is not None:
-                counts["snapshots"] += _snapshot(writer, grid, bag_time)
+                window = grid if grid.spec == mapper.grid_spec() else mapper.grid(predict_unknown=False)
+                counts["snapshots"] += _snapshot(writer, window, bag_time)
             processing = time.perf_counter() - started
             if broken and grid is None:
                 raise broken[0]  # nothing was mapped before the bag broke: the bag error is the whole story
@@ -198,9 +203,9 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
     if tf_buffer is not None and tf_buffer.rejected:
         notes.append(f"{tf_buffer.rejected} tf transforms were unusable (non-finite, non-unit quaternion, or a "
                      "second parent for a frame) and were left out")
-    if other_frames:
+    if mapper.pose_frame_mismatch:
         notes.append(f"{counts['pose_frame_mismatch']} poses on {source.topic} are in frame(s) "
-                     f"{', '.join(repr(f) for f in sorted(other_frames))}, not grid.frame_id "
+                     f"{', '.join(repr(f) for f in sorted(mapper.refused_pose_frames))}, not grid.frame_id "
                      f"'{config.grid.frame_id}', and were refused as the node refuses them; set grid.frame_id in "
                      "the config to map in their frame")
     counts["mapper"] = mapper.diagnostics()
@@ -221,22 +226,22 @@ def _until_broken(messages, broken: list):
     """The messages of ``messages`` until the bag breaks; the CorruptBagError, if any, is appended to ``broken``."""
     try:
         yield from messages
-    except bag_io.CorruptBagError as err:
+    except CorruptBagError as err:
         broken.append(err)
 
 
-def _feed_tf_pose(mapper, tf_buffer: bag_io.TransformBuffer, source: bag_io.PoseSource, stamp: float,
+def _feed_tf_pose(mapper, tf_buffer: TransformBuffer, source: PoseSource, stamp: float,
                   max_gap: float) -> bool:
     """Give the mapper the tf chain's pose at ``stamp``; False when tf has no transform there (tf2 semantics)."""
     try:
         position, orientation = tf_buffer.lookup(source.parent, source.child, stamp, max_gap)
-    except bag_io.TransformError:
+    except TransformError:
         return False
     mapper.add_pose(stamp, position, orientation)
     return True
 
 
-def _snapshot(writer: bag_io.MapBagWriter, grid, bag_time: float) -> int:
+def _snapshot(writer: MapBagWriter, grid, bag_time: float) -> int:
     if grid is None:
         return 0
     writer.write(grid, bag_time)
@@ -258,15 +263,24 @@ def _rejections(diagnostics: dict[str, Any], counts: dict[str, Any]) -> str:
 
 
 def save_map_npz(path: str | Path, result: ReplayResult) -> Path:
-    """Write the final map as plain arrays (loadable with ``allow_pickle=False``).
+    """Write the replay's final map with :func:`write_map_npz`, naming the bag, topic and pose source."""
+    return write_map_npz(path, result.grid, result.mapper.trajectory,
+                         {"bag": str(result.bag_path), "mag_topic": result.mag_topic,
+                          "pose_source": result.pose_source.describe()})
+
+
+def write_map_npz(path: str | Path, grid, trajectory, provenance: dict[str, str] | None = None) -> Path:
+    """Write a map as plain arrays (loadable with ``allow_pickle=False``).
 
     Keys: ``x`` (W,) and ``y`` (H,) cell-centre coordinates [m]; ``origin`` (2,) corner of cell (0, 0);
     ``resolution``; ``known`` (H, W) bool; ``layers`` (names); per layer ``<layer>_mean`` and
     ``<layer>_variance`` (H, W) in ``field_unit`` (variance in unit squared; rows are y, columns x, as the
     OccupancyGrid); ``field_unit``, ``frame_id``, ``stamp`` (newest sample [s]), ``height`` (z of the cells);
-    ``trajectory`` (K, 2) accepted sensor positions; ``bag``, ``mag_topic``, ``pose_source``.
+    ``extent`` ("full": the whole visited area plus margin; "window": grow mode's window around the newest
+    position, when the whole map exceeds ``grid.max_cells``); ``trajectory`` (K, 2) accepted sensor positions;
+    ``provenance`` strings (the replay: ``bag``,
+    ``mag_topic``, ``pose_source``). :func:`gp_mapping.export.read_map_npz` reads it back.
     """
-    grid = result.grid
     spec = grid.spec
     arrays: dict[str, np.ndarray] = {
         "x": spec.column_centres(), "y": spec.row_centres(),
@@ -274,10 +288,10 @@ def save_map_npz(path: str | Path, result: ReplayResult) -> Path:
         "resolution": np.float64(spec.resolution), "known": np.asarray(grid.known, dtype=bool),
         "layers": np.array(list(grid.layers), dtype=str), "field_unit": np.array(grid.field_unit),
         "frame_id": np.array(grid.frame_id), "stamp": np.float64(grid.stamp), "height": np.float64(grid.height),
-        "trajectory": np.asarray(result.mapper.trajectory, dtype=np.float64).reshape(-1, 2),
-        "bag": np.array(str(result.bag_path)), "mag_topic": np.array(result.mag_topic),
-        "pose_source": np.array(result.pose_source.describe()),
+        "extent": np.array(getattr(grid, "extent", "full")),
+        "trajectory": np.asarray(trajectory, dtype=np.float64).reshape(-1, 2),
     }
+    arrays.update({key: np.array(str(value)) for key, value in (provenance or {}).items()})
     for name, (mean, var) in grid.layers.items():
         arrays[f"{name}_mean"] = np.asarray(mean, dtype=np.float64)
         arrays[f"{name}_variance"] = np.asarray(var, dtype=np.float64)
@@ -300,6 +314,11 @@ def opacity_from_variance(var: np.ndarray, known: np.ndarray, floor: float = 0.2
 
 
 def plot_map(path: str | Path, result: ReplayResult) -> Path:
+    """Draw the replay's final map with :func:`draw_map`, titled with the bag's name."""
+    return draw_map(path, result.grid, result.mapper.trajectory, result.bag_path.name)
+
+
+def draw_map(path: str | Path, grid, trajectory, title: str) -> Path:
     """Draw every layer's mean, its opacity from the variance, and the trajectory (matplotlib Agg)."""
     import matplotlib
     matplotlib.use("Agg")
@@ -309,7 +328,6 @@ def plot_map(path: str | Path, result: ReplayResult) -> Path:
 
     from gp_mapping.mapping.sync import UNIT_SYMBOL
 
-    grid = result.grid
     spec = grid.spec
     known = np.asarray(grid.known, dtype=bool)
     unit = UNIT_SYMBOL.get(grid.field_unit, grid.field_unit)
@@ -317,7 +335,7 @@ def plot_map(path: str | Path, result: ReplayResult) -> Path:
               spec.origin_y, spec.origin_y + spec.height * spec.resolution)
     names = list(grid.layers)
     fig, axes = plt.subplots(1, len(names), figsize=(6.4 * len(names), 5.6), squeeze=False)
-    trajectory = np.asarray(result.mapper.trajectory).reshape(-1, 2)
+    trajectory = np.asarray(trajectory, dtype=np.float64).reshape(-1, 2)
     cmap = plt.get_cmap("viridis")
     for ax, name in zip(axes[0], names):
         mean, var = (np.asarray(a, dtype=np.float64) for a in grid.layers[name])
@@ -340,7 +358,7 @@ def plot_map(path: str | Path, result: ReplayResult) -> Path:
         ax.set_aspect("equal")
         ax.set_xlim(extent[0], extent[1])
         ax.set_ylim(extent[2], extent[3])
-        ax.set_title(f"{result.bag_path.name}: {label} mean\nopacity 1 - normalised std; grey unknown", fontsize=10)
+        ax.set_title(f"{title}: {label} mean\nopacity 1 - normalised std; grey unknown", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
@@ -365,6 +383,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--tf", nargs=2, metavar=("PARENT", "CHILD"), default=None,
                         help="take the pose from the bag's /tf and /tf_static, PARENT (map frame) to CHILD (the "
                              "magnetometer frame, or the body frame to apply the config's sensor extrinsic)")
+    parser.add_argument("--save-state", type=Path, default=None, metavar="FILE",
+                        help="also write the mapper's whole state (safetensors) to FILE; the node starts from it "
+                             "with node.initial_map, `gp-mapping export FILE` turns it into nav2 map files")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -378,11 +399,12 @@ def run(args: argparse.Namespace) -> int:
                             progress=not args.no_progress)
     except IncompleteReplayError as err:
         print(f"gp-mapping replay: error: {err}", file=sys.stderr)
-        for kind in ("npz", "png", "mcap"):
+        _save_state(err.result, args.save_state)
+        for kind in ("npz", "png", "mcap", "state"):
             if kind in err.result.files:
                 print(f"wrote {err.result.files[kind].resolve()} (partial)")
         return 1
-    except (bag_io.BagError, ConfigError, ReplayError, GridError) as err:
+    except (BagError, TransformError, ConfigError, ReplayError, GridError) as err:
         print(f"gp-mapping replay: error: {err}", file=sys.stderr)
         return 1
     for note in result.notes:
@@ -393,6 +415,21 @@ def run(args: argparse.Namespace) -> int:
           f"({_rejections(diag, result.counts)})")
     print(f"{result.bag_duration:.1f} s of bag in {result.processing_seconds:.1f} s "
           f"({result.real_time_factor:.1f}x real time); {result.counts['snapshots']} map snapshots")
-    for kind in ("npz", "png", "mcap"):
-        print(f"wrote {result.files[kind].resolve()}")
+    try:
+        _save_state(result, args.save_state)
+    except OSError as err:
+        print(f"gp-mapping replay: error: cannot write the state file {args.save_state}: {err}", file=sys.stderr)
+        return 1
+    for kind in ("npz", "png", "mcap", "state"):
+        if kind in result.files:
+            print(f"wrote {result.files[kind].resolve()}")
     return 0
+
+
+def _save_state(result: ReplayResult, path: Path | None) -> None:
+    """``--save-state``: the mapper's whole state, as the node's ~/save_map writes it."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result.mapper.save(path)
+    result.files["state"] = path

@@ -25,6 +25,12 @@ def generate_launch_description() -> LaunchDescription:
                               description="sensor_msgs/MagneticField topic in the bag"),
         DeclareLaunchArgument("pose_topic", default_value="/pose",
                               description="pose topic in the bag; its type is the parameter node.pose_type"),
+        DeclareLaunchArgument("pose_source", default_value="topic",
+                              description="topic: the pose topic; tf: the bag's /tf and /tf_static"),
+        DeclareLaunchArgument("base_frame", default_value="base_link",
+                              description="pose_source tf: the body frame (used when tf lacks the magnetometer frame)"),
+        DeclareLaunchArgument("use_lifecycle", default_value="true",
+                              description="true: the managed node, configured and activated; false: the plain node"),
         IncludeLaunchDescription(
             PythonLaunchDescriptionSource(PathJoinSubstitution([share, "launch", "mapper.launch.py"])),
             launch_arguments={
@@ -32,6 +38,9 @@ def generate_launch_description() -> LaunchDescription:
                 "params_file": LaunchConfiguration("params_file"),
                 "mag_topic": LaunchConfiguration("mag_topic"),
                 "pose_topic": LaunchConfiguration("pose_topic"),
+                "pose_source": LaunchConfiguration("pose_source"),
+                "base_frame": LaunchConfiguration("base_frame"),
+                "use_lifecycle": LaunchConfiguration("use_lifecycle"),
             }.items(),
         ),
         ExecuteProcess(

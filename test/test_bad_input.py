@@ -426,7 +426,7 @@ def test_node_refuses_bad_parameters_at_start_and_live_keeping_the_old_value(nod
             node_factory(**{name: value})
         assert name in str(err.value) and fragment in str(err.value)
     node = node_factory(**{"node.publish_period": 0.5})
-    for value, fragment in ((0.0, "(0.0, 3600.0]"), (-2.0, "node.publish_period"), (1e9, "node.publish_period")):
+    for value, fragment in ((0.0, "node.publish_period"), (-2.0, "node.publish_period"), (1e9, "node.publish_period")):
         result = node.set_parameters([Parameter("node.publish_period", value=value)])[0]
         assert not result.successful and fragment in result.reason
         assert node.get_parameter("node.publish_period").value == 0.5

@@ -19,7 +19,7 @@ from conftest import REPO_ROOT, SHARED_DATA, shared_data
 pytest.importorskip("gpytorch")
 pytestmark = pytest.mark.slow
 
-SECTIONS = ("accuracy", "speed", "growth", "cuda")
+SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore")
 STREAMING = ("dual_svgp_full", "dual_svgp_fast", "dual_svgp_fast_only", "bui2017_osgpr", "nearest_neighbour",
              "constant_mean")
 OFFLINE = ("offline_svgp", "exact_gp")
@@ -67,7 +67,7 @@ def test_quick_bench_writes_every_section_and_finite_ratios(quick_run):
         values = value if isinstance(value, list) else [value]
         assert values and all(_finite(v) and v > 0 for v in values), f"{path} holds a non-finite ratio: {value}"
     md = quick_run["md"]
-    for heading in ("## Speed", "## Cost as the stream grows", "## CUDA"):
+    for heading in ("## Speed", "## Cost as the stream grows", "## CUDA", "## Large area"):
         assert heading in md
     assert (quick_run["out"] / "growth.png").stat().st_size > 1000
 
@@ -96,6 +96,19 @@ def test_quick_bench_speed_growth_and_cuda_sections(quick_run):
         assert cuda["updates"] and cuda["device"] == "cuda"
     else:
         assert "CUDA" in cuda["skipped"] or "cuda" in cuda["skipped"]
+
+
+def test_quick_bench_large_section(quick_run):
+    """Tiled and untiled maps of the simulated drive against the exact GP and nearest neighbour; the quick world
+    is small, so only the structure and sanity are checked (the full run's numbers are in README)."""
+    e = quick_run["json"]["sections"]["large"]["2d"]
+    assert e["samples"] == int(quick_run["json"]["plan"]["large_seconds"] * e["rate_hz"])
+    assert e["tiled"]["tiles"] > 1 and e["untiled"]["tiles"] == 1
+    for name in ("tiled", "untiled", "exact_gp", "nearest_neighbour"):
+        assert _finite(e[name]["rmse"]) and 0 < e[name]["rmse"] < 10.0, (name, e[name]["rmse"])
+    t = e["tiled"]
+    assert len(t["curve"]["ms"]) == t["updates"] > 5 and t["grid"]["known_cells"] > 0
+    assert t["memory"]["samples"][-1] == e["samples"] and max(t["memory"]["tiles"]) == t["tiles"]
 
 
 def test_quick_bench_accuracy_protocols(quick_run):
@@ -141,3 +154,15 @@ def test_bench_command_outside_the_source_tree_says_so(tmp_path, monkeypatch, ca
         bench_cli.add_arguments(argparse.ArgumentParser(prog="gp-mapping bench"))
     assert exit_info.value.code == 2
     assert "needs the gp_mapping source tree" in capsys.readouterr().err
+
+
+def test_quick_bench_explore_section(quick_run):
+    """The exploration row: every message fed, maps published, memory sampled, the summary's goals evaluated."""
+    e = quick_run["json"]["sections"]["explore"]
+    plan = quick_run["json"]["plan"]
+    assert e["samples"] == int(plan["explore_seconds"] * plan["explore_rate"])
+    assert e["num_seen"] > 0.9 * e["samples"] and e["updates"] > 0
+    s = e["summary"]
+    assert s["maps"] > 0 and 0 < s["map_rate_hz_mean"] <= 1.0 / e["publish_period_s"] + 1e-9
+    assert _finite(s["rss_ratio"]) and set(s["pass"]) == {"maps_at_least_0.5_hz", "rss_flat", "at_most_one_batch_behind"}
+    assert "Long exploration" in quick_run["md"]

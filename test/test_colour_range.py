@@ -107,7 +107,7 @@ def test_node_without_ranges_declares_them_unset_and_encodes_automatically(node_
 def test_replay_bag_writer_uses_the_ranges(tmp_path):
     from rosbags.highlevel import AnyReader
 
-    from gp_mapping.bag_io import MapBagWriter
+    from gp_mapping.bag import MapBagWriter
 
     rng = np.random.default_rng(2)
     with MapBagWriter(tmp_path / "maps.mcap", "microtesla", mean_range=[40.0, 60.0], variance_range=[0.0, 2.0]) as w:

@@ -7,6 +7,7 @@ against the simulator's true field. Every process uses this run's ROS_DOMAIN_ID 
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -417,9 +418,9 @@ def test_parameters_are_validated_live(run):
     def get_one(name):
         return call(getter, GetParameters.Request(names=[name])).values[0]
 
-    # Open lower bound: ROS's closed range lets 0.0 through, the config validation refuses it by name.
+    # Below the lower bound (0.05 s): refused naming the parameter and its range; the old value stays.
     result = set_one("node.publish_period", 0.0)
-    assert not result.successful and "node.publish_period" in result.reason and "(0.0, 3600.0]" in result.reason
+    assert not result.successful and "node.publish_period" in result.reason and "3600" in result.reason
     result = set_one("node.publish_period", -1.0)
     assert not result.successful and "node.publish_period" in result.reason
     assert get_one("node.publish_period").double_value == 0.2  # the old value stays
@@ -451,7 +452,9 @@ def test_saved_map_restarts_to_the_same_map(run):
     response = future.result()
     assert response.success, response.message
     saved = Path(response.message)
-    assert saved == (run.home / "gp_mapping" / f"{run.proc.name}_map.safetensors").resolve() and saved.is_file()
+    # <ROS_HOME>/gp_mapping/<node>_<UTC time>.safetensors (node.map_directory empty)
+    assert saved.parent == (run.home / "gp_mapping").resolve() and saved.is_file()
+    assert re.fullmatch(rf"{run.proc.name}_\d{{8}}T\d{{6}}\.\d{{3}}Z\.safetensors", saved.name), saved.name
     # Saving runs the last partial batch (if any samples were pending): wait for that map before comparing.
     run.harness.spin_until(lambda: diagnostic_values(run.view)["pending"] == "0", 15.0, "the flushed batch")
     run.harness.spin_until(lambda: stamp_seconds(run.view.mean[-1]) == float(diagnostic_values(run.view)["last_stamp"])
@@ -639,7 +642,7 @@ def test_use_sim_time_drives_the_timers(tmp_path, ros_env):
     ({"model": {"num_inducing": 0}}, [], ["model.num_inducing", "[1, 8192]"]),
     ({"model": {"kernal": "rbf"}}, [], ["unknown config key 'model.kernal'"]),
     ({"grid": {"resolution": "fine"}}, [], ["grid.resolution", "not a number"]),
-    ({}, ["-p", "node.publish_period:=0.0"], ["node.publish_period", "(0.0, 3600.0]"]),
+    ({}, ["-p", "node.publish_period:=0.0"], ["node.publish_period", "[0.05, 3600.0]"]),
     ({"node": {"initial_map": "/nonexistent/map.safetensors"}}, [], ["node.initial_map", "/nonexistent/map"]),
     ({"batching": {"size": 500, "max_pending": 100}}, [], ["batching.size"]),
 ])

@@ -90,7 +90,7 @@ def test_console_scripts_point_to_real_functions():
         assert callable(getattr(module, func)), spec
         names[name] = target
     # `ros2 run gp_mapping mapper` and the `gp-mapping` command
-    assert set(names) == {"gp-mapping", "mapper"}
+    assert set(names) == {"gp-mapping", "mapper", "lifecycle_mapper"}
 
 
 def test_setup_cfg_installs_scripts_where_ros2_run_looks():

@@ -11,8 +11,8 @@ import pytest
 from scipy.spatial.transform import Rotation
 
 from conftest import REPO_ROOT, shared_data
-from gp_mapping import bag_io
-from gp_mapping.bag_io import TransformBuffer, TransformSample
+from gp_mapping import bag as bag_io
+from gp_mapping.bag import TransformBuffer, TransformSample
 
 
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT
-from gp_mapping import bag_io
+from gp_mapping import bag as bag_io
 
 START = 1_700_000_000.0  # the bag's first stamp (write_demo_bag's default start time)
 

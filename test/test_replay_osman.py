@@ -131,7 +131,7 @@ def test_osman_vector_map_rotates_readings_into_the_world(osman):
 
 def test_osman_bag_decodes_to_the_recording(tmp_path):
     """The bag written here holds the recording in tesla; bag_io reads back the same numbers (sqlite3 storage)."""
-    from gp_mapping import bag_io
+    from gp_mapping import bag as bag_io
 
     t, position, q_xyzw, field_nt = _load()
     k = slice(0, 400)

@@ -16,6 +16,7 @@ from .continual_mogp import ContinualMOGP
 from .dual_svgp import DualSVGP
 from .errors import ConfigError, GPNumericalError, ModelInputError
 from .likelihoods import BernoulliLikelihood, GaussianLikelihood, StudentTLikelihood
+from .tiled import TiledModel
 
 EngineFactory = Callable[[ModelConfig, int, int], Any]
 
@@ -51,6 +52,8 @@ def build_model(model_config: ModelConfig | Mapping[str, Any], input_dims: int, 
     except KeyError:
         raise ConfigError(f"unknown engine {model_config.engine!r}; registered: {', '.join(sorted(ENGINES))}",
                           "engine") from None
+    if model_config.tile_size > 0:  # local submaps: tiles of this engine (gp/tiled.py)
+        return TiledModel(model_config, int(input_dims), int(output_dims), factory)
     return factory(model_config, int(input_dims), int(output_dims))
 
 
@@ -64,5 +67,5 @@ def warm_up() -> None:
 
 
 __all__ = ["BernoulliLikelihood", "ConfigError", "ContinualMOGP", "DualSVGP", "ENGINES", "Engine", "GPNumericalError",
-           "GaussianLikelihood", "ModelConfig", "ModelInputError", "StudentTLikelihood", "build_model",
+           "GaussianLikelihood", "ModelConfig", "ModelInputError", "StudentTLikelihood", "TiledModel", "build_model",
            "register_engine", "resolve_device", "warm_up"]

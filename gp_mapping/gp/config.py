@@ -21,14 +21,15 @@ MIXING_LEARNING_CHOICES = ("first", "always", "never")
 
 
 def option(default, *, doc: str, low=None, high=None, low_open=False, choices=None, length=None, pattern=None,
-           pattern_doc=None, increasing=False):
+           pattern_doc=None, increasing=False, max_length=None):
     """A dataclass field with its validation rule and its one-line documentation.
 
     ``choices`` lists the allowed strings; ``pattern`` (a regular expression, described by ``pattern_doc``)
     allows more strings beside them. ``length``: a list's length, or a tuple of allowed lengths (0 in it: an
-    empty list is allowed, meaning "automatic"); ``increasing``: a list's entries must strictly increase."""
+    empty list is allowed, meaning "automatic"); ``increasing``: a list's entries must strictly increase;
+    ``max_length``: a string's longest length."""
     meta = {"doc": doc, "low": low, "high": high, "low_open": low_open, "choices": choices, "length": length,
-            "pattern": pattern, "pattern_doc": pattern_doc, "increasing": increasing}
+            "pattern": pattern, "pattern_doc": pattern_doc, "increasing": increasing, "max_length": max_length}
     if isinstance(default, list):
         return field(default_factory=lambda d=tuple(default): list(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -108,6 +109,14 @@ class ModelConfig:
                                   "E-step (a Gaussian likelihood has a closed-form E-step)", low=1, high=100_000)
     variational_lr: float = option(0.02, doc="continual_mogp, non-Gaussian likelihoods: Adam learning rate on q(u)",
                                  low=0.0, low_open=True, high=10.0)
+    tile_size: float = option(0.0, doc="local submaps: side of the square tiles that each hold their own engine "
+                              "with num_inducing points, for areas larger than a room (README 'Large areas'); 0: one "
+                              "global engine [m]", low=0.0, high=1e5)
+    tile_overlap: float = option(2.0, doc="tiles: width of the band around a tile border where two tiles share the "
+                                 "data and their maps are blended; at most tile_size (and tile_height) [m]", low=0.0,
+                                 low_open=True, high=1e5)
+    tile_height: float = option(0.0, doc="tiles with 3-D inputs: side of the tiles in z (several storeys); 0: tiles "
+                                "span all heights [m]", low=0.0, high=1e5)
 
 
 def describe_allowed(meta: Mapping[str, Any], ftype: str) -> str:
@@ -119,7 +128,11 @@ def describe_allowed(meta: Mapping[str, Any], ftype: str) -> str:
         lengths = meta["length"] if isinstance(meta["length"], tuple) else (meta["length"],)
         text = " or ".join(f"{n} finite numbers" for n in lengths if n)
         text = f"a list of {text}" + (", strictly increasing" if meta.get("increasing") else "")
+        if meta.get("low") is not None or meta.get("high") is not None:
+            text += f", each in {'(' if meta.get('low_open') else '['}{meta.get('low')}, {meta.get('high')}]"
         return ("an empty list (automatic) or " + text) if 0 in lengths else text
+    if meta.get("max_length"):
+        return f"a string of at most {meta['max_length']} characters"
     low, high = meta.get("low"), meta.get("high")
     if low is not None or high is not None:
         left = "(" if meta.get("low_open") else "["
@@ -145,6 +158,8 @@ def validate_value(key: str, value: Any, f: dataclasses.Field) -> Any:
         if meta.get("choices") and value not in meta["choices"] \
                 and not (meta.get("pattern") and re.fullmatch(meta["pattern"], value)):
             raise refuse(f"{value!r} is not allowed")
+        if meta.get("max_length") and len(value) > meta["max_length"]:
+            raise refuse(f"a string of {len(value)} characters is too long")
         return value
     if ftype == "list":
         lengths = meta["length"] if isinstance(meta["length"], tuple) else (meta["length"],)
@@ -159,6 +174,10 @@ def validate_value(key: str, value: Any, f: dataclasses.Field) -> Any:
             out.append(float(v))
         if meta.get("increasing") and any(b <= a for a, b in zip(out, out[1:])):
             raise refuse(f"{value!r} does not strictly increase")
+        low, high = meta.get("low"), meta.get("high")
+        if any((low is not None and (v < low or (meta.get("low_open") and v == low))) or (high is not None and v > high)
+               for v in out):
+            raise refuse(f"{value!r} holds an entry out of range")
         return out
     if ftype == "int":
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):

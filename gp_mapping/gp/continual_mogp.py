@@ -879,3 +879,45 @@ class ContinualMOGP(Engine):
     def extra_repr(self) -> str:
         return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, num_latents={self.num_latents}, "
                 f"num_inducing={self.num_inducing}/{self.config.num_inducing}")
+
+    # ------------------------------------------------------------------ recyclable merge (gp/recyclable.py)
+    def recyclable_summary(self) -> dict:
+        """q of each output channel at the union Z of the latents' inducing inputs, in the original units, for
+        merging maps without data (per channel: the cross-channel correlations of q are dropped).
+
+        Keys: ``z`` (M, D); ``target_mean``, ``target_scale`` (P,); ``prior_cov`` (P, M, M): prior covariance of
+        f_d(Z) = sum_q A[d, q] u_q(Z) in original units; ``mean`` (P, M), ``cov`` (P, M, M): q(f_d(Z)) in original
+        units; ``noise`` (P,) noise variances in original units (NaN without); ``kernel``: None (one per latent);
+        ``num_seen``.
+        """
+        with torch.no_grad():
+            zs = [self.z(q) for q in range(self.num_latents) if self.z(q).shape[0]]
+            d, p = self.input_dims, self.output_dims
+            z = torch.unique(torch.cat(zs), dim=0) if zs else torch.zeros(0, d, dtype=torch.float64)
+            m = z.shape[0]
+            A = self.mixing.detach()
+            mean = torch.zeros(p, m, dtype=torch.float64, device=self.device)
+            cov = torch.zeros(p, m, m, dtype=torch.float64, device=self.device)
+            prior = torch.zeros(p, m, m, dtype=torch.float64, device=self.device)
+            for q in range(self.num_latents):
+                kernel = self.kernels[q]
+                kzz = kernel(z, z) + self.jitter * torch.eye(m, dtype=torch.float64, device=self.device)
+                w2 = (A[:, q] ** 2)[:, None, None]
+                prior = prior + w2 * kzz
+                if self.z(q).shape[0] == 0:
+                    cov = cov + w2 * kzz
+                    continue
+                L_K = self._chol_K(kernel, self.z(q))
+                V = _tril_solve(L_K, self._cross(kernel, self.z(q), z))          # L_q^-1 K_q(Z_q, Z)
+                m_w = _tril_solve(L_K, self._q_mean(q).detach()[:, None])[:, 0]
+                LtV = _tril_solve(L_K, self._chol_S(q, detach=True)).T @ V
+                mean = mean + A[:, q, None] * (V.T @ m_w)[None, :]
+                cov = cov + w2 * (kzz - V.T @ V + LtV.T @ LtV)
+            s = self.y_std
+            noise = getattr(self.likelihood, "noise_variance", None)
+            noise = torch.full((p,), float("nan"), dtype=torch.float64) if noise is None else noise.detach() * s ** 2
+            return {"z": z.cpu().clone(), "target_mean": self.y_mean.cpu().clone(), "target_scale": s.cpu().clone(),
+                    "prior_cov": (prior * (s ** 2)[:, None, None]).cpu(),
+                    "mean": (mean * s[:, None] + self.y_mean[:, None]).cpu(),
+                    "cov": (cov * (s ** 2)[:, None, None]).cpu(), "noise": noise.cpu(), "kernel": None,
+                    "num_seen": self.num_seen}

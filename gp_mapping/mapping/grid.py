@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.ndimage import distance_transform_edt
 
-from gp_mapping.config import GridConfig
+from gp_mapping.config import ConfigError, GridConfig
 
 OCCUPANCY_MAX = 100  # OccupancyGrid values run 0..100; -1 is unknown
 
@@ -79,30 +79,85 @@ def _check_cells(num_cells: int, max_cells: int, what: str) -> None:
                                 f"grid.max_cells or grid.resolution")
 
 
+def _cells_across(length: float, resolution: float) -> int:
+    """Whole cells covering ``length`` metres (a whole number of cells up to float error gains no sliver)."""
+    return max(1, math.ceil(length / resolution - 1e-9))
+
+
+def check_grid_config(config: GridConfig) -> None:
+    """The rules between grid keys that one key's range cannot say; raises ConfigError naming the keys.
+
+    Grow mode: the window holds at most ``grid.max_cells`` cells. Both modes: ``grid.unknown_distance`` is at
+    most the smaller side of the published area (``grid.window`` or ``grid.size``), so the known-cell mask is
+    computed over at most 9 times the published cells."""
+    res = float(config.resolution)
+    if config.mode == "grow":
+        w, h = (_cells_across(v, res) for v in config.window)
+        if w * h > config.max_cells:
+            raise ConfigError(f"config key 'grid.window': {config.window} m at grid.resolution {res} m is {w} x {h} "
+                              f"= {w * h} cells, more than grid.max_cells = {config.max_cells}")
+        side, name = min(config.window), "grid.window"
+    else:
+        side, name = min(config.size), "grid.size"
+    if config.unknown_distance > side:
+        raise ConfigError(f"config key 'grid.unknown_distance': {config.unknown_distance} m is larger than the "
+                          f"smaller side of {name} ({side} m); allowed: at most {side} m, so the known-cell mask "
+                          f"stays bounded by the published grid")
+
+
 def fixed_grid_spec(config: GridConfig) -> GridSpec:
     """The grid of ``grid.origin`` and ``grid.size`` (size rounded up to whole cells)."""
     res = float(config.resolution)
-    # A size that is a whole number of cells up to float error must not gain a sliver column.
-    width = max(1, math.ceil(config.size[0] / res - 1e-9))
-    height = max(1, math.ceil(config.size[1] / res - 1e-9))
+    width = _cells_across(config.size[0], res)
+    height = _cells_across(config.size[1], res)
     _check_cells(width * height, config.max_cells, f"the fixed grid {config.size[0]} x {config.size[1]} m at "
                  f"{res} m")
     return GridSpec(float(config.origin[0]), float(config.origin[1]), res, width, height)
 
 
+def window_bounds(centre, config: GridConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Lattice indices ``[lo, hi)`` (x, y) of ``grid.window`` centred on ``centre`` (x, y), snapped to whole
+    ``grid.resolution`` cells from the map origin so a cell keeps its place as the window rolls."""
+    res = float(config.resolution)
+    size = np.array([_cells_across(v, res) for v in config.window], dtype=np.int64)
+    c = np.asarray(centre, dtype=np.float64)[:2]
+    lo = np.floor(c / res - size / 2.0 + 1e-9).astype(np.int64)
+    return lo, lo + size
+
+
+def spec_from_bounds(lo: np.ndarray, hi: np.ndarray, config: GridConfig, what: str) -> GridSpec:
+    """The grid of lattice indices ``[lo, hi)``, checked against ``grid.max_cells``."""
+    res = float(config.resolution)
+    width, height = (int(v) for v in (hi - lo))
+    _check_cells(width * height, config.max_cells, f"{what} {width} x {height} cells")
+    return GridSpec(float(lo[0] * res), float(lo[1] * res), res, width, height)
+
+
+# Coverage is kept in square tiles of COVERAGE_TILE x COVERAGE_TILE cells (one byte a cell), created where the
+# robot has been: memory follows the visited area, and the cells near a window are found without a scan.
+COVERAGE_TILE = 64
+
+
 class Coverage:
     """Visited cells (integer indices ``floor(xy / resolution)`` in the map frame): bounded by the area
-    visited, not by the number of samples."""
+    visited, not by the number of samples; stored in tiles (COVERAGE_TILE), so the known-cell mask of a window
+    reads only the tiles around it."""
 
     def __init__(self, resolution: float) -> None:
         if not (math.isfinite(resolution) and resolution > 0):
             raise GridError(f"coverage resolution must be a positive number, got {resolution}")
         self.resolution = float(resolution)
-        self._cells: set[tuple[int, int]] = set()
-        self._array: np.ndarray | None = None
+        self.clear()
 
     def __len__(self) -> int:
-        return len(self._cells)
+        return self._count
+
+    def clear(self) -> None:
+        self._tiles: dict[tuple[int, int], np.ndarray] = {}
+        self._count = 0
+        self._lo: np.ndarray | None = None  # smallest and largest visited (ix, iy)
+        self._hi: np.ndarray | None = None
+        self._array: np.ndarray | None = None
 
     def add(self, xy) -> None:
         """Mark the cells of positions ``(N, 2)`` (extra columns ignored) as visited."""
@@ -112,61 +167,117 @@ class Coverage:
         pts = pts[np.all(np.isfinite(pts[:, :2]), axis=1), :2]
         if pts.shape[0] == 0:
             return
-        idx = np.unique(np.floor(pts / self.resolution).astype(np.int64), axis=0)
-        before = len(self._cells)
-        self._cells.update(map(tuple, idx.tolist()))
-        if len(self._cells) != before:
-            self._array = None
+        self._mark(np.floor(pts / self.resolution).astype(np.int64))
+
+    def _mark(self, idx: np.ndarray) -> None:
+        if idx.shape[0] == 0:
+            return
+        tiles = idx // COVERAGE_TILE
+        local = idx - tiles * COVERAGE_TILE
+        keys, inverse, counts = np.unique(tiles, axis=0, return_inverse=True, return_counts=True)
+        order = np.argsort(inverse.reshape(-1), kind="stable")
+        local = local[order]
+        start = 0
+        for key, n in zip(map(tuple, keys.tolist()), counts.tolist()):
+            part = local[start:start + n]
+            start += n
+            tile = self._tiles.get(key)
+            if tile is None:
+                tile = self._tiles[key] = np.zeros((COVERAGE_TILE, COVERAGE_TILE), dtype=bool)
+            before = int(np.count_nonzero(tile))
+            tile[part[:, 0], part[:, 1]] = True
+            added = int(np.count_nonzero(tile)) - before
+            if added:
+                self._count += added
+                self._array = None
+        lo, hi = idx.min(axis=0), idx.max(axis=0)
+        self._lo = lo if self._lo is None else np.minimum(self._lo, lo)
+        self._hi = hi if self._hi is None else np.maximum(self._hi, hi)
+
+    def _cells_in(self, lo, hi) -> np.ndarray:
+        """``(K, 2)`` visited cell indices with ``lo <= (ix, iy) < hi`` (reads only the tiles that overlap)."""
+        if self._count == 0:
+            return np.zeros((0, 2), dtype=np.int64)
+        lo = np.maximum(np.asarray(lo, dtype=np.int64), self._lo)
+        hi = np.minimum(np.asarray(hi, dtype=np.int64), self._hi + 1)
+        if np.any(hi <= lo):
+            return np.zeros((0, 2), dtype=np.int64)
+        t_lo, t_hi = lo // COVERAGE_TILE, (hi - 1) // COVERAGE_TILE
+        if (t_hi[0] - t_lo[0] + 1) * (t_hi[1] - t_lo[1] + 1) > len(self._tiles):
+            keys = [k for k in self._tiles if t_lo[0] <= k[0] <= t_hi[0] and t_lo[1] <= k[1] <= t_hi[1]]
+        else:
+            keys = [(tx, ty) for tx in range(int(t_lo[0]), int(t_hi[0]) + 1)
+                    for ty in range(int(t_lo[1]), int(t_hi[1]) + 1) if (tx, ty) in self._tiles]
+        parts = [np.argwhere(self._tiles[k]) + np.array(k, dtype=np.int64) * COVERAGE_TILE for k in keys]
+        if not parts:
+            return np.zeros((0, 2), dtype=np.int64)
+        cells = np.concatenate(parts)
+        keep = np.all((cells >= lo) & (cells < hi), axis=1)
+        return cells[keep]
 
     @property
     def cells(self) -> np.ndarray:
-        """``(K, 2)`` int64 visited cell indices ``(ix, iy)``, sorted."""
+        """``(K, 2)`` int64 visited cell indices ``(ix, iy)``, sorted by ix, then iy."""
         if self._array is None:
-            arr = np.array(sorted(self._cells), dtype=np.int64).reshape(-1, 2)
-            self._array = arr
+            if self._count == 0:
+                self._array = np.zeros((0, 2), dtype=np.int64)
+            else:
+                arr = np.concatenate([np.argwhere(t) + np.array(k, dtype=np.int64) * COVERAGE_TILE
+                                      for k, t in self._tiles.items()])
+                self._array = arr[np.lexsort((arr[:, 1], arr[:, 0]))]
         return self._array
 
     def set_cells(self, cells) -> None:
         """Replace the visited cells (restoring a saved map)."""
-        arr = np.asarray(cells, dtype=np.int64).reshape(-1, 2)
-        self._cells = set(map(tuple, arr.tolist()))
-        self._array = None
+        self.clear()
+        self._mark(np.asarray(cells, dtype=np.int64).reshape(-1, 2))
 
-    def clear(self) -> None:
-        self._cells.clear()
-        self._array = None
+    def grow_bounds(self, config: GridConfig) -> tuple[np.ndarray, np.ndarray] | None:
+        """Lattice indices ``[lo, hi)`` (x, y) of the visited cells plus ``grid.margin``, rounded out to whole
+        ``grid.resolution`` cells from the map origin; None before any cell. Not checked against max_cells."""
+        if self._count == 0:
+            return None
+        res = float(config.resolution)
+        # Visited-cell extents in metres, then snapped outward to the grid lattice.
+        lo = self._lo * self.resolution
+        hi = (self._hi + 1) * self.resolution
+        i_lo = np.floor((lo - config.margin) / res + 1e-9).astype(np.int64)
+        i_hi = np.ceil((hi + config.margin) / res - 1e-9).astype(np.int64)
+        return i_lo, i_hi
 
     def grow_spec(self, config: GridConfig) -> GridSpec | None:
         """Grid covering the visited cells plus ``grid.margin`` (rounded up to whole cells), or None before any.
 
         The origin is a whole number of ``grid.resolution`` steps from the map origin, so a cell keeps its
-        place between publications as the grid grows.
+        place between publications as the grid grows. Raises GridTooLargeError beyond ``grid.max_cells``.
         """
-        if not self._cells:
+        bounds = self.grow_bounds(config)
+        if bounds is None:
             return None
-        res = float(config.resolution)
-        cells = self.cells
-        # Visited-cell extents in metres, then snapped outward to the grid lattice.
-        lo = cells.min(axis=0) * self.resolution
-        hi = (cells.max(axis=0) + 1) * self.resolution
-        i_lo = np.floor((lo - config.margin) / res + 1e-9).astype(np.int64)
-        i_hi = np.ceil((hi + config.margin) / res - 1e-9).astype(np.int64)
-        width, height = (int(v) for v in (i_hi - i_lo))
-        _check_cells(width * height, config.max_cells, f"the grown grid {width} x {height} cells")
-        return GridSpec(float(i_lo[0] * res), float(i_lo[1] * res), res, width, height)
+        return spec_from_bounds(*bounds, config, "the grown grid")
 
     def known_mask(self, spec: GridSpec, distance: float) -> np.ndarray:
         """``(height, width)`` bool: True where a cell centre lies within ``distance`` of a visited cell centre.
 
         Distances are measured between cell centres (an exact Euclidean distance transform on the grid
         lattice), so they differ from the distance to the nearest sample by at most half a cell diagonal
-        (``resolution / sqrt(2)``) when the coverage and the grid share their lattice, as in grow mode.
+        (``resolution / sqrt(2)``) when the coverage and the grid share their lattice, as in grow mode. Cost and
+        memory follow the grid padded by ``distance`` on every side (only the visited cells there are read), not
+        the visited area; ``check_grid_config`` bounds ``distance`` by the grid's size.
         """
         h, w = spec.shape
-        if not self._cells:
+        if not self._count:
             return np.zeros((h, w), dtype=bool)
         pad = int(math.ceil(distance / spec.resolution)) + 1
-        centres = (self.cells + 0.5) * self.resolution
+        # The visited cells whose centres can fall in the padded grid (one coverage cell of slack each side).
+        x0, y0 = spec.origin_x - pad * spec.resolution, spec.origin_y - pad * spec.resolution
+        x1, y1 = x0 + (w + 2 * pad) * spec.resolution, y0 + (h + 2 * pad) * spec.resolution
+        lo = np.floor(np.array([x0, y0]) / self.resolution).astype(np.int64) - 1
+        hi = np.ceil(np.array([x1, y1]) / self.resolution).astype(np.int64) + 1
+        cells = self._cells_in(lo, hi)
+        if cells.shape[0] == 0:
+            return np.zeros((h, w), dtype=bool)
+        centres = (cells + 0.5) * self.resolution
         j, i = spec.cell_index(centres)
         j, i = j + pad, i + pad
         inside = (j >= 0) & (j < h + 2 * pad) & (i >= 0) & (i < w + 2 * pad)
@@ -179,12 +290,13 @@ class Coverage:
 
 
 def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
-                 input_dims: int = 2) -> tuple[np.ndarray, np.ndarray]:
+                 input_dims: int = 2, only=None) -> tuple[np.ndarray, np.ndarray]:
     """Predict the latent mean and variance at every cell centre, ``tile_size`` cells at a time.
 
     Cell centres are built on ``model.device`` (no host-to-device copy of the inputs); with ``input_dims``
-    3 the cells sit at z = ``height``. Returns float64 ``mean (H, W, P)`` and ``var (H, W, P)``; variances
-    below zero from round-off are clipped to zero. Raises GridError if the model predicts non-finite values.
+    3 the cells sit at z = ``height``. ``only`` (H, W) bool: predict those cells alone (the known ones), NaN
+    elsewhere. Returns float64 ``mean (H, W, P)`` and ``var (H, W, P)``; variances below zero from round-off
+    are clipped to zero. Raises GridError if the model predicts non-finite values.
     """
     import torch
 
@@ -194,15 +306,27 @@ def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
         raise GridError(f"tile_size must be at least 1, got {tile_size}")
     device = torch.device(getattr(model, "device", "cpu"))
     h, w = spec.shape
-    n = spec.num_cells
+    cells = None
+    if only is not None:
+        only = np.asarray(only, dtype=bool)
+        if only.shape != (h, w):
+            raise GridError(f"predict_grid: 'only' has shape {only.shape}, expected {(h, w)}")
+        cells = torch.as_tensor(np.flatnonzero(only), device=device)
+    n = spec.num_cells if cells is None else int(cells.shape[0])
     xs = spec.origin_x + (torch.arange(w, dtype=torch.float64, device=device) + 0.5) * spec.resolution
     ys = spec.origin_y + (torch.arange(h, dtype=torch.float64, device=device) + 0.5) * spec.resolution
     mean_out: np.ndarray | None = None
     var_out: np.ndarray | None = None
+    if n == 0:  # nothing to predict: the output width comes from one point
+        mean, _ = model.predict(torch.stack([xs[:1], ys[:1]] + ([torch.full((1,), float(height), dtype=torch.float64,
+                                                                            device=device)] if input_dims == 3 else []),
+                                            dim=1))
+        p = int(mean.shape[1])
+        return np.full((h, w, p), np.nan), np.full((h, w, p), np.nan)
     with torch.no_grad():
         for start in range(0, n, tile_size):
             stop = min(n, start + tile_size)
-            idx = torch.arange(start, stop, device=device)
+            idx = torch.arange(start, stop, device=device) if cells is None else cells[start:stop]
             cols = [xs[idx % w], ys[idx // w]]
             if input_dims == 3:
                 cols.append(torch.full((stop - start,), float(height), dtype=torch.float64, device=device))
@@ -221,7 +345,12 @@ def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
             var_out[start:stop] = np.maximum(var, 0.0)
     assert mean_out is not None and var_out is not None
     p = mean_out.shape[1]
-    return mean_out.reshape(h, w, p), var_out.reshape(h, w, p)
+    if cells is None:
+        return mean_out.reshape(h, w, p), var_out.reshape(h, w, p)
+    flat = cells.to("cpu").numpy()
+    mean_full, var_full = np.full((h * w, p), np.nan), np.full((h * w, p), np.nan)
+    mean_full[flat], var_full[flat] = mean_out, var_out
+    return mean_full.reshape(h, w, p), var_full.reshape(h, w, p)
 
 
 def encode_occupancy(values, known, value_range=None) -> tuple[np.ndarray, float, float]:

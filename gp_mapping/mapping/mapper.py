@@ -13,12 +13,18 @@ returns to its state before the batch, the batch is dropped and counted (``faile
 exception from the model (a programming error) is rolled back and counted the same way, then propagates.
 Jitter escalations reported by the model are counted and logged. :meth:`checkpoint` writes the whole state
 atomically (see :mod:`gp_mapping.mapping.state`); :meth:`load` restores it.
+
+Rules every driver (the node, the replay) shares live here too: a pose in another frame than ``grid.frame_id``
+is refused and counted (:meth:`add_pose` with ``frame_id``; the Mapper does no tf lookup), and a map is
+published only when it changed since the last publication (:attr:`map_changed`, :meth:`mark_published`).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,18 +33,21 @@ from typing import Any
 import numpy as np
 
 from gp_mapping.config import ConfigError, MapperConfig, config_from_dict, to_dict
-from gp_mapping.mapping.grid import Coverage, GridSpec, fixed_grid_spec, predict_grid
+from gp_mapping.mapping.grid import (Coverage, GridSpec, GridTooLargeError, check_grid_config, fixed_grid_spec,
+                                     predict_grid, spec_from_bounds, window_bounds)
 from gp_mapping.mapping.state import MapState, MapStateError, read_state, write_state
 from gp_mapping.mapping.sync import REJECTION_REASONS, UNIT_SYMBOL, Measurements, MeasurementSync, output_dims
 
 # Config keys that decide what the saved model means; a state file refuses a config that changes them.
 STATE_DEFINING_KEYS = (("model", "engine"), ("model", "kernel"), ("model", "likelihood"), ("model", "ard"),
                        ("model", "constant_kernel"), ("sync", "target"), ("sync", "input_dims"),
-                       ("sync", "field_unit"))
+                       ("sync", "field_unit"), ("model", "tile_size"), ("model", "tile_overlap"),
+                       ("model", "tile_height"))
 TRAJECTORY_MAX_POINTS = 20_000
 PREDICTION_CHECK_POINTS = 64  # batch points predicted after each update to catch a non-finite model
 LOG = logging.getLogger("gp_mapping.mapper")
 UPDATE_TIMES_KEPT = 100
+MAX_REFUSED_FRAMES_KEPT = 16
 
 
 @dataclass
@@ -50,8 +59,11 @@ class MapGrid:
     'vector' gives ``'x'``, ``'y'``, ``'z'`` (map-frame components) and ``'norm'``, whose variance is the delta
     method's ``sum_i (m_i / |m|)^2 var_i`` (first order in the per-component uncertainty, components taken
     as independent; where ``|m|`` is 0 it falls back to ``sum_i var_i``). ``known`` (H, W) is False for cells
-    farther than ``grid.unknown_distance`` from every sample. ``stamp`` is the newest sample stamp in the
-    model; ``height`` the z of the cells when the inputs are 3-D (else 0).
+    farther than ``grid.unknown_distance`` from every sample (layers hold NaN there when the grid was predicted
+    on known cells only). ``stamp`` is the newest sample stamp in the
+    model; ``height`` the z of the cells when the inputs are 3-D (else 0). ``extent`` says what the grid covers:
+    ``"window"`` (what the node publishes: grow mode's ``grid.window`` around the robot, cut to the visited area
+    plus margin, or the fixed grid) or ``"full"`` (the whole visited area plus margin, for files).
     """
 
     spec: GridSpec
@@ -61,6 +73,7 @@ class MapGrid:
     known: np.ndarray
     stamp: float
     height: float = 0.0
+    extent: str = "window"  # "window": grow mode's published window (or the fixed grid); "full": the whole map
 
     @property
     def unit_symbol(self) -> str:
@@ -115,7 +128,9 @@ class Mapper:
         if cfg.batching.mode == "count" and cfg.batching.size > cfg.batching.max_pending:
             raise ConfigError(f"config key 'batching.size': {cfg.batching.size} is larger than batching.max_pending "
                               f"= {cfg.batching.max_pending}, so no batch could ever fill")
-        # A fixed grid is checked (max_cells) here, before any data, rather than at the first publication.
+        # A fixed grid and the window are checked (max_cells, unknown_distance) here, before any data, rather than at
+        # the first publication.
+        check_grid_config(cfg.grid)
         self._fixed_spec = fixed_grid_spec(cfg.grid) if cfg.grid.mode == "fixed" else None
         if model is None:
             from gp_mapping.gp import build_model
@@ -129,7 +144,21 @@ class Mapper:
         self._sync = MeasurementSync(cfg.sync, max_pending=cfg.batching.max_pending)
         self._coverage = Coverage(cfg.grid.resolution)
         self._trajectory = _Trajectory(spacing=cfg.grid.resolution / 2)
+        self._last_xy: np.ndarray | None = None  # newest accepted sensor position: the window's centre
         self._clear()
+        self._clear_pose_frames()
+        self.new_source()
+
+    def new_source(self) -> None:
+        """Give this map a fresh source id whose lineage is itself alone: the data it will see from now on are
+        nobody else's. A merge refuses two maps whose lineages share an id (the same data counted twice)."""
+        self.source_id = uuid.uuid4().hex
+        self.lineage = [self.source_id]
+
+    def set_lineage(self, source_id: str, lineage) -> None:
+        """This map holds the data of every id in ``lineage`` (a merged map: the union of its sources')."""
+        ids = sorted({str(i) for i in lineage} | {str(source_id)})
+        self.source_id, self.lineage = str(source_id), ids
 
     # ------------------------------------------------------------------------------------------------ input
 
@@ -147,10 +176,26 @@ class Mapper:
         self._jitter = None  # the model's jitter after the last update (escalations are logged)
         self._update_seconds: deque[float] = deque(maxlen=UPDATE_TIMES_KEPT)
         self.last_stamp = -math.inf  # newest sample stamp used in an update
+        # The map changed since the last publication while these differ (see map_changed).
+        self._map_version = 0
+        self._published_version = 0
 
-    def add_pose(self, stamp: float, position, orientation_xyzw, receive_time: float | None = None) -> bool:
+    def _clear_pose_frames(self) -> None:
+        self.pose_frame_mismatch = 0  # poses refused for their frame (add_pose with frame_id)
+        self.refused_pose_frames: set[str] = set()  # their frames (the first MAX_REFUSED_FRAMES_KEPT names)
+
+    def add_pose(self, stamp: float, position, orientation_xyzw, receive_time: float | None = None,
+                 frame_id: str | None = None) -> bool:
         """Body pose in the map frame (metres, quaternion [x, y, z, w]); False when rejected (counted).
-        ``receive_time``: when it arrived, on the stamps' clock (enables ``sync.max_stamp_skew``)."""
+        ``receive_time``: when it arrived, on the stamps' clock (enables ``sync.max_stamp_skew``). ``frame_id``:
+        the pose's frame (a message header's); a pose in another frame than ``grid.frame_id`` is refused and
+        counted in :attr:`pose_frame_mismatch` (no tf lookup here: a driver that looks up tf passes poses
+        already in the map frame, without ``frame_id``)."""
+        if frame_id is not None and frame_id != self.config.grid.frame_id:
+            self.pose_frame_mismatch += 1
+            if len(self.refused_pose_frames) < MAX_REFUSED_FRAMES_KEPT:
+                self.refused_pose_frames.add(frame_id)
+            return False
         return self._sync.add_pose(stamp, position, orientation_xyzw, receive_time=receive_time)
 
     def add_magnetic_field(self, stamp: float, field_tesla, frame_id: str = "",
@@ -172,6 +217,7 @@ class Mapper:
             self._pending.append(new)
             self._pending_count += len(new)
             self._trajectory.add(new.position)
+            self._last_xy = new.position[-1, :2].copy()
 
     def _enforce_bound(self) -> None:
         excess = self._pending_count - self.config.batching.max_pending
@@ -217,9 +263,13 @@ class Mapper:
             return min(n, b.max_pending)
         return b.max_pending if t.shape[0] >= b.max_pending else 0
 
-    def _fail(self, batch: Measurements, before: dict, why: str) -> None:
-        """Roll the model back to ``before``, count the batch as dropped and log why."""
-        self.model.load_state_dict(before)
+    def _fail(self, batch: Measurements, before: dict | None, why: str) -> None:
+        """Roll the model back to ``before`` (None: the model's own ``rollback``), count the batch as dropped
+        and log why."""
+        if before is None:
+            self.model.rollback()
+        else:
+            self.model.load_state_dict(before)
         self.failed_updates += 1
         self.dropped += len(batch)
         self.dropped_failed_update += len(batch)
@@ -234,7 +284,14 @@ class Mapper:
         from gp_mapping.gp import GPNumericalError, ModelInputError
 
         start = time.perf_counter()
-        before = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        # A model that records its own changes (begin_update / rollback: the tiled model, whose state grows with
+        # the area) is rolled back by itself; otherwise from a copy of its whole state.
+        begin = getattr(self.model, "begin_update", None)
+        if begin is not None and callable(getattr(self.model, "rollback", None)):
+            begin()
+            before = None
+        else:
+            before = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         try:
             stats = self.model.update(batch.x, batch.y)
             check = batch.x[:PREDICTION_CHECK_POINTS]
@@ -261,6 +318,7 @@ class Mapper:
             self._jitter = jitter
         self._coverage.add(batch.position)
         self.updates += 1
+        self._map_version += 1
         self._update_seconds.append(seconds)
         self.last_stamp = max(self.last_stamp, float(batch.t[-1]))
         out = dict(stats or {})
@@ -311,39 +369,91 @@ class Mapper:
 
     # ------------------------------------------------------------------------------------------------ outputs
 
-    def grid_spec(self) -> GridSpec | None:
-        """The grid the next map is predicted on (fixed, or grown over the visited area); None before data."""
+    def grid_spec(self, full: bool = False) -> GridSpec | None:
+        """The grid the next map is predicted on; None before data. Fixed mode: the fixed grid. Grow mode: the
+        visited area plus margin, cut to ``grid.window`` centred on the newest accepted position (``full``: not
+        cut). Raises GridTooLargeError when the full grid would exceed ``grid.max_cells`` (a window never does:
+        the config check refuses one that could)."""
         if self._fixed_spec is not None:
             return self._fixed_spec
         self._collect()  # the map covers every sample decided so far
-        return self._coverage.grow_spec(self.config.grid)
+        g = self.config.grid
+        bounds = self._coverage.grow_bounds(g)
+        if bounds is None:
+            return None
+        lo, hi = bounds
+        if full:
+            return spec_from_bounds(lo, hi, g, "the whole map")
+        centre = self._last_xy if self._last_xy is not None else (lo + hi) / 2.0 * g.resolution
+        w_lo, w_hi = window_bounds(centre, g)
+        c_lo, c_hi = np.maximum(lo, w_lo), np.minimum(hi, w_hi)
+        if np.any(c_hi <= c_lo):  # the robot is away from everything mapped (nothing accepted there yet)
+            c_lo, c_hi = w_lo, w_hi
+        return spec_from_bounds(c_lo, c_hi, g, "the window")
 
-    def grid(self) -> MapGrid | None:
+    @property
+    def map_changed(self) -> bool:
+        """Whether the map changed (an update ran, a state was loaded, :meth:`mark_changed`) since the last
+        :meth:`mark_published`: the node and the replay publish a map only then."""
+        return self._map_version != self._published_version
+
+    def mark_changed(self) -> None:
+        """A setting the prediction reads changed (``grid.unknown_distance`` ...): the next map is due."""
+        self._map_version += 1
+
+    def mark_published(self) -> None:
+        """The current map was published (or its publication attempted): no map is due until it changes."""
+        self._published_version = self._map_version
+
+    def grid(self, full: bool = False, predict_unknown: bool = True) -> MapGrid | None:
         """Predict the map (tiled, on the model's device); None before the first update.
 
-        Raises GridTooLargeError when a grown grid would exceed ``grid.max_cells``.
+        The grid is :meth:`grid_spec` (``full``: the whole visited area, which raises GridTooLargeError beyond
+        ``grid.max_cells``). ``model.predict`` is called on that grid's cells only, ``grid.tile_size`` at a time,
+        so the cost of a map follows the window, not the explored area. ``predict_unknown`` False: only the
+        known cells (within ``grid.unknown_distance`` of a sample) are predicted and the others hold NaN, which
+        is all a publication shows (the node and the replay's maps.mcap use it: same messages, a fraction of the
+        cost).
         """
         if int(self.model.num_seen) == 0:
             return None
-        spec = self.grid_spec()
+        spec = self.grid_spec(full=full)
         if spec is None:
             return None
         g = self.config.grid
-        mean, var = predict_grid(self.model, spec, g.tile_size, height=g.height, input_dims=self.input_dims)
+        known = self._coverage.known_mask(spec, g.unknown_distance)
+        mean, var = predict_grid(self.model, spec, g.tile_size, height=g.height, input_dims=self.input_dims,
+                                 only=None if predict_unknown else known)
         if self.output_dims == 1:
             layers = {"magnitude": (mean[..., 0], var[..., 0])}
         else:
             layers = vector_layers(mean, var)
         return MapGrid(spec=spec, frame_id=g.frame_id, field_unit=self.config.sync.field_unit, layers=layers,
-                       known=self._coverage.known_mask(spec, g.unknown_distance),
+                       known=known,
                        stamp=float(self.last_stamp) if math.isfinite(self.last_stamp) else 0.0,
-                       height=float(g.height) if self.input_dims == 3 else 0.0)
+                       height=float(g.height) if self.input_dims == 3 else 0.0,
+                       extent="full" if full or self._fixed_spec is not None else "window")
+
+    def export_grid(self) -> MapGrid | None:
+        """The map for a file (replay's map.npz, ``gp-mapping export``): the whole visited area when it fits
+        ``grid.max_cells``, else the window around the newest position (``extent`` says which; logged)."""
+        try:
+            return self.grid(full=True)
+        except GridTooLargeError as err:
+            LOG.warning("the whole map does not fit grid.max_cells (%s); the file holds the %s m window around "
+                        "the newest position instead (the model still holds everything)", err,
+                        self.config.grid.window)
+            return self.grid()
 
     @property
     def trajectory(self) -> np.ndarray:
         """``(K, 2)`` accepted sensor positions, decimated (bounded), for plots."""
         self._collect()
         return self._trajectory.array()
+
+    def add_trajectory(self, xy) -> None:
+        """Append positions ``(K, 2)`` to the plotted trajectory (a merged map takes its sources')."""
+        self._trajectory.add(np.asarray(xy, dtype=np.float64).reshape(-1, 2))
 
     @property
     def coverage(self) -> Coverage:
@@ -369,6 +479,9 @@ class Mapper:
             "pending": self.num_pending,
             "teleports": sync["teleports"],
             "reanchors": sync["reanchors"],
+            "pauses": sync["pauses"],
+            "field_frame": self._sync.field_frame,
+            "field_frame_relatches": sync["frame_relatches"],
             "updates": self.updates,
             "failed_updates": self.failed_updates,
             "jitter_escalations": self.jitter_escalations,
@@ -391,7 +504,10 @@ class Mapper:
         self._sync.reset_counters()
         self._coverage.clear()
         self._trajectory.clear()
+        self._last_xy = None
         self._clear()
+        self._clear_pose_frames()
+        self.new_source()
 
     def save(self, path: str | Path) -> None:
         """Write the model, coverage, trajectory, pending samples, the sync's pose buffer and samples waiting
@@ -432,6 +548,8 @@ class Mapper:
             "dropped_failed_update": self.dropped_failed_update,
             "teleports": self._sync.teleports,
             "reanchors": self._sync.reanchors,
+            "pauses": self._sync.pauses,
+            "frame_relatches": self._sync.frame_relatches,
             "updates": self.updates,
             "failed_updates": self.failed_updates,
             "jitter_escalations": self.jitter_escalations,
@@ -439,6 +557,9 @@ class Mapper:
             "last_stamp": self.last_stamp if math.isfinite(self.last_stamp) else None,
             "coverage_resolution": self._coverage.resolution,
             "trajectory_spacing": self._trajectory.spacing,
+            "last_position": None if self._last_xy is None else [float(v) for v in self._last_xy],
+            "source_id": self.source_id,
+            "lineage": list(self.lineage),
         }
         sync_arrays, sync_info = self._sync.export_state()
         arrays.update({f"sync_{k}": v for k, v in sync_arrays.items()})
@@ -482,6 +603,7 @@ class Mapper:
 
     def _restore(self, state: MapState) -> None:
         a, info = state.arrays, state.info
+        self.mark_changed()  # a loaded map is published at the first opportunity
         if float(info["coverage_resolution"]) == self._coverage.resolution:
             self._coverage.set_cells(a["coverage_cells"])
         else:
@@ -490,6 +612,11 @@ class Mapper:
             self._coverage.add((np.asarray(a["coverage_cells"], dtype=np.float64) + 0.5) * old)
         self._trajectory.points = [tuple(p) for p in np.asarray(a["trajectory"], dtype=np.float64).tolist()]
         self._trajectory.spacing = max(float(info["trajectory_spacing"]), self._trajectory.base_spacing)
+        last = info.get("last_position")
+        if last is not None:
+            self._last_xy = np.asarray(last, dtype=np.float64).reshape(2)
+        elif self._trajectory.points:  # files written before the position was saved
+            self._last_xy = np.asarray(self._trajectory.points[-1], dtype=np.float64)
         self._update_seconds.extend(np.asarray(a["update_seconds"], dtype=np.float64).tolist())
         pending = Measurements(*(np.asarray(a[k], dtype=np.float64) for k in
                                  ("pending_x", "pending_y", "pending_t", "pending_position")))
@@ -507,10 +634,20 @@ class Mapper:
         self.dropped_failed_update = int(info.get("dropped_failed_update", 0))
         self._sync.teleports = int(info.get("teleports", 0))
         self._sync.reanchors = int(info.get("reanchors", 0))
+        self._sync.pauses = int(info.get("pauses", 0))
+        self._sync.frame_relatches = int(info.get("frame_relatches", 0))
         self.updates = int(info["updates"])
         self.failed_updates = int(info.get("failed_updates", 0))
         self.jitter_escalations = int(info.get("jitter_escalations", 0))
         self.checkpoints = int(info.get("checkpoints", 0))
+        if "source_id" in info:
+            self.set_lineage(str(info["source_id"]), [str(i) for i in info.get("lineage", [])])
+        else:  # a file from before source ids: named by its model, so two copies of it are still one source
+            digest = hashlib.sha256()
+            for name in sorted(state.model_state):
+                digest.update(name.encode())
+                digest.update(state.model_state[name].detach().cpu().contiguous().numpy().tobytes())
+            self.set_lineage("legacy-" + digest.hexdigest()[:32], [])
         self.last_stamp = -math.inf if info["last_stamp"] is None else float(info["last_stamp"])
         if "sync" in info:  # files written before the sync state was saved start with empty buffers
             self._sync.import_state({k[len("sync_"):]: v for k, v in a.items() if k.startswith("sync_")},

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,21 +108,65 @@ def write_state(path: str | os.PathLike, state: MapState) -> None:
         raise MapStateError(f"cannot write map state to {path}: {err}") from err
 
 
-def _header_metadata(data: bytes, path: Path) -> dict[str, str]:
-    if len(data) < 8:
-        raise MapStateError(f"map state file {path} is truncated: {len(data)} bytes, not even a header length")
-    n = int.from_bytes(data[:8], "little")
-    if n <= 0 or 8 + n > len(data):
-        raise MapStateError(f"map state file {path} is truncated or not a safetensors file (header of {n} bytes, "
-                            f"file of {len(data)})")
+# Bounds checked before a byte of the payload is read (a map state is megabytes: a model of a few thousand
+# inducing points, the coverage cells, a bounded pending queue and trajectory).
+MAX_STATE_FILE_BYTES = 4 * 1024**3
+MAX_HEADER_BYTES = 100 * 1024**2  # safetensors' own limit on the JSON header
+
+
+def _read_checked(path: Path) -> tuple[dict[str, Any], bytes]:
+    """The metadata and the whole file, after checking (in this order, each refusal naming the problem) that
+    ``path`` is a regular file no larger than MAX_STATE_FILE_BYTES, that its header length fits the file and
+    MAX_HEADER_BYTES, that the header is JSON with gp_mapping metadata of this schema, and that the tensors it
+    declares fill the rest of the file exactly. Only then is the payload read."""
     try:
-        header = json.loads(data[8:8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise MapStateError(f"map state file {path} has a corrupt header: {err}") from err
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict):
-        raise MapStateError(f"{path} is a safetensors file without gp_mapping metadata; not a map state file")
-    return meta
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block the open
+    except OSError as err:
+        raise MapStateError(f"cannot read map state file {path}: {err}") from err
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise MapStateError(f"map state file {path} is not a regular file (a device, FIFO, socket or folder); "
+                            f"refused without reading it")
+    with os.fdopen(fd, "rb") as fh:
+        size = st.st_size
+        if size > MAX_STATE_FILE_BYTES:
+            raise MapStateError(f"map state file {path} is {size / 1024**3:.1f} GiB, larger than the "
+                                f"{MAX_STATE_FILE_BYTES / 1024**3:.0f} GiB any map state can be; refused without "
+                                f"reading it")
+        if size < 8:
+            raise MapStateError(f"map state file {path} is truncated: {size} bytes, not even a header length")
+        n = int.from_bytes(fh.read(8), "little")
+        if n <= 0 or 8 + n > size or n > MAX_HEADER_BYTES:
+            why = "header length 0" if n == 0 else f"header of {n} bytes"
+            raise MapStateError(f"map state file {path} is truncated or not a safetensors file ({why}, file of "
+                                f"{size} bytes)")
+        try:
+            header = json.loads(fh.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise MapStateError(f"map state file {path} has a corrupt header: {err}") from err
+        meta = header.get("__metadata__") if isinstance(header, dict) else None
+        if not isinstance(meta, dict):
+            raise MapStateError(f"{path} is a safetensors file without gp_mapping metadata; not a map state file")
+        if meta.get("format") != FORMAT:
+            raise MapStateError(f"{path} is not a gp_mapping map state file (format {meta.get('format')!r})")
+        if meta.get("schema_version") != str(SCHEMA_VERSION):
+            raise MapStateError(f"{path} has map state schema version {meta.get('schema_version')!r}; this "
+                                f"gp_mapping reads version {SCHEMA_VERSION}")
+        payload = size - 8 - n
+        try:
+            declared = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                           default=0)
+        except (TypeError, KeyError, IndexError, ValueError) as err:
+            raise MapStateError(f"map state file {path} has a corrupt header: bad tensor entry ({err})") from err
+        if declared != payload:
+            raise MapStateError(f"map state file {path} is truncated or corrupt: its header declares {declared} "
+                                f"bytes of tensors, the file holds {payload}")
+        fh.seek(0)
+        data = fh.read(size + 1)
+    if len(data) != size:
+        raise MapStateError(f"map state file {path} changed while it was read ({len(data)} bytes, {size} expected)")
+    return meta, data
 
 
 def read_state(path: str | os.PathLike) -> MapState:
@@ -129,16 +174,7 @@ def read_state(path: str | os.PathLike) -> MapState:
     from safetensors.torch import load
 
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise MapStateError(f"cannot read map state file {path}: {err}") from err
-    meta = _header_metadata(data, path)
-    if meta.get("format") != FORMAT:
-        raise MapStateError(f"{path} is not a gp_mapping map state file (format {meta.get('format')!r})")
-    if meta.get("schema_version") != str(SCHEMA_VERSION):
-        raise MapStateError(f"{path} has map state schema version {meta.get('schema_version')!r}; this gp_mapping "
-                            f"reads version {SCHEMA_VERSION}")
+    meta, data = _read_checked(path)
     try:
         tensors = load(data)
     except Exception as err:  # safetensors raises its own error type for every malformed payload

@@ -19,17 +19,23 @@ sample, a re-anchor, a timeout, the bound, the end of the stream). The outcome i
 sample on arrival; the cost per sample falls from a vectorised call each (~0.3 ms) to a share of one.
 
 Bad input (README, "Bad input and reliability"). Non-finite values and stamps, a zero reading, a reading above
-``sync.max_field``, a reading from a second magnetometer frame, a pose beyond ``sync.max_position`` or with an
+``sync.max_field``, a reading in another frame than the magnetometer's (``sync.field_frame``; when that is empty
+the first frame seen is held, and another frame that sends FRAME_RELATCH_AFTER readings in a row while the
+held one is silent takes over, so one stray message cannot lock the sensor out), a frame_id longer than
+FRAME_ID_MAX_LENGTH, a pose beyond ``sync.max_position`` or with an
 orientation whose norm is not 1 within ``sync.quaternion_tolerance``, stamps that go backwards or repeat, stamps
 more than ``sync.max_stamp_jump`` ahead of the newest accepted one and (when the caller gives the receive time)
 stamps more than ``sync.max_stamp_skew`` from it are refused and counted. A pose farther from the previous one
 than ``sync.max_speed`` allows is a teleport: it is kept (it starts a new trajectory segment) but no sample is
 interpolated across it. A stream whose stamps keep disagreeing with the accepted ones (a clock that really
 jumped, or a bad stamp accepted earlier) re-anchors after :data:`REANCHOR_AFTER` consistent messages: the
-buffers are cleared (waiting samples counted as ``stamp_reanchor``) and the new time base is accepted.
+buffers are cleared (waiting samples counted as ``stamp_reanchor``) and the new time base is accepted. A stamp
+jump that comes with an equal jump of the receive time (within PAUSE_SLACK_S, or PAUSE_SLACK_FRACTION of the
+jump) is a pause in the data, not a bad stamp: it is accepted at once and counted in ``pauses``.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -37,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from gp_mapping.config import SyncConfig
+from gp_mapping.config import FRAME_ID_MAX_LENGTH, SyncConfig
 from gp_mapping.mapping.frames import (MIN_QUATERNION_NORM, normalize_quaternion, quaternion_multiply, rotate_vectors,
                                        slerp)
 
@@ -62,7 +68,9 @@ REJECTION_REASONS: dict[str, str] = {
     "field_stamp_skew": "the field sample's stamp is more than sync.max_stamp_skew from its receive time",
     "field_zero": "the reading is exactly (0, 0, 0): an unset message or a dead sensor",
     "field_out_of_range": "|B| is above sync.max_field (saturated or absurd)",
-    "field_frame_mismatch": "the reading's frame_id differs from the first magnetometer frame seen",
+    "field_frame_mismatch": "the reading's frame_id differs from the magnetometer frame (sync.field_frame, or the "
+                            "one held)",
+    "field_frame_invalid": "the reading's frame_id is longer than FRAME_ID_MAX_LENGTH (256) characters",
     "pose_nonfinite": "a pose position or orientation entry is NaN or infinite",
     "pose_bad_quaternion": "the pose orientation has zero norm, or a norm off 1 by more than "
                            "sync.quaternion_tolerance",
@@ -89,8 +97,16 @@ SAMPLE_REJECTION_REASONS = tuple(r for r in REJECTION_REASONS if r not in POSE_R
 # Consecutive messages of one stream, refused for their stamps (backwards or jump) and consistent among
 # themselves, after which the sync takes them as the new time base.
 REANCHOR_AFTER = 20
+# Consecutive readings in one other frame, while the held frame is silent, after which a learned magnetometer
+# frame is re-latched to that one (a stray first frame cannot hold the lock).
+FRAME_RELATCH_AFTER = REANCHOR_AFTER
+# A stamp jump beyond sync.max_stamp_jump is a pause, not a bad stamp, when the receive time jumped by as much:
+# within PAUSE_SLACK_S, or PAUSE_SLACK_FRACTION of the jump for long ones (latency, clock rates).
+PAUSE_SLACK_S = 2.0
+PAUSE_SLACK_FRACTION = 0.05
 # A teleport must exceed sync.max_speed * dt by this much [m]: localisation noise between close poses is no jump.
 TELEPORT_SLACK_M = 0.05
+LOG = logging.getLogger("gp_mapping.sync")
 # Samples queued before they are decided in one vectorised batch (see "Cost" above).
 DECIDE_CHUNK = 256
 
@@ -144,6 +160,33 @@ class Measurements:
     def slice(self, start: int, stop: int | None = None) -> "Measurements":
         sl = slice(start, stop)
         return Measurements(self.x[sl], self.y[sl], self.t[sl], self.position[sl])
+
+
+def interpolate_poses(stamps: np.ndarray, positions: np.ndarray, orientations: np.ndarray, t: np.ndarray,
+                      max_gap: float) -> tuple[np.ndarray, ...]:
+    """The pose at each stamp ``t`` from time-ordered poses (``stamps`` (K,), ``positions`` (K, 3),
+    ``orientations`` (K, 4) [x, y, z, w]): linear interpolation of the positions and slerp of the orientations
+    between the last pose at or before ``t`` and the first at or after it, the matching rule of this module
+    (and of the replay's tf lookups). Returns (positions (N, 3), orientations (N, 4), has a pose before (N,),
+    both neighbours within ``max_gap`` (N,), and the indices (N,) of the two neighbours, clipped to the poses).
+    A stamp after the last pose takes the last one as both neighbours: callers decide only stamps up to it.
+    """
+    st = stamps
+    i1 = np.searchsorted(st, t, side="left")  # first pose at or after t
+    exact = (i1 < st.shape[0]) & (st[np.minimum(i1, st.shape[0] - 1)] == t)
+    i0 = np.where(exact, i1, i1 - 1)          # last pose at or before t
+    has_before = i0 >= 0
+    i0c = np.clip(i0, 0, st.shape[0] - 1)
+    i1c = np.clip(i1, 0, st.shape[0] - 1)
+    t0, t1 = st[i0c], st[i1c]
+    within = has_before & (t - t0 <= max_gap) & (t1 - t <= max_gap)
+    span = t1 - t0
+    alpha = np.where(span > 0, (t - t0) / np.where(span > 0, span, 1.0), 0.0)
+    p0, p1 = positions[i0c], positions[i1c]
+    q0, q1 = orientations[i0c], orientations[i1c]
+    pos = p0 + alpha[:, None] * (p1 - p0)
+    quat = slerp(q0, q1, alpha) if t.shape[0] else np.zeros((0, 4))
+    return pos, quat, has_before, within, i0c, i1c
 
 
 class _PoseBuffer:
@@ -200,22 +243,10 @@ class _PoseBuffer:
 
         Every ``t`` must be at or before the newest pose.
         """
-        st = self.stamps
-        i1 = np.searchsorted(st, t, side="left")  # first pose at or after t
-        exact = (i1 < st.shape[0]) & (st[np.minimum(i1, st.shape[0] - 1)] == t)
-        i0 = np.where(exact, i1, i1 - 1)          # last pose at or before t
-        has_before = i0 >= 0
-        i0c = np.clip(i0, 0, st.shape[0] - 1)
-        i1c = np.clip(i1, 0, st.shape[0] - 1)
-        t0, t1 = st[i0c], st[i1c]
-        within = has_before & (t - t0 <= max_gap) & (t1 - t <= max_gap)
-        span = t1 - t0
-        alpha = np.where(span > 0, (t - t0) / np.where(span > 0, span, 1.0), 0.0)
-        p0, p1 = self._p[self._lo + i0c], self._p[self._lo + i1c]
-        q0, q1 = self._q[self._lo + i0c], self._q[self._lo + i1c]
-        pos = p0 + alpha[:, None] * (p1 - p0)
-        quat = slerp(q0, q1, alpha) if t.shape[0] else np.zeros((0, 4))
-        across = self._jump[self._lo + i1c]
+        lo, hi = self._lo, self._hi
+        pos, quat, has_before, within, _, i1 = interpolate_poses(self._t[lo:hi], self._p[lo:hi], self._q[lo:hi], t,
+                                                                 max_gap)
+        across = self._jump[lo + i1]
         return pos, quat, has_before, within, across
 
 
@@ -245,6 +276,8 @@ class MeasurementSync:
         self.poses_accepted = 0
         self.teleports = 0   # accepted poses that jumped (events, not rejections)
         self.reanchors = 0   # times a stream's stamps were taken as a new time base
+        self.pauses = 0      # stamp jumps accepted because the receive time jumped with them
+        self.frame_relatches = 0  # times the learned magnetometer frame passed to another one
         self.reset()
 
     def reset(self) -> None:
@@ -257,7 +290,9 @@ class MeasurementSync:
         self._ready_count = 0
         self._last_field_stamp = -math.inf
         self._last_pose_stamp = -math.inf
-        self._field_frame = ""
+        self._field_frame = self.config.field_frame  # empty: learned from the readings
+        self._frame_candidate: tuple[str, int] = ("", 0)  # another frame and its readings in a row
+        self._anchor: tuple[float, float] | None = None  # (stamp, receive time) of the last accepted message
         # Per stream: (consecutive stamp refusals consistent among themselves, the last refused stamp).
         self._stale: dict[str, tuple[int, float]] = {"field": (0, -math.inf), "pose": (0, -math.inf)}
 
@@ -268,6 +303,13 @@ class MeasurementSync:
         self.poses_accepted = 0
         self.teleports = 0
         self.reanchors = 0
+        self.pauses = 0
+        self.frame_relatches = 0
+
+    @property
+    def field_frame(self) -> str:
+        """The magnetometer frame readings must be in ('' until one is seen when it is learned)."""
+        return self._field_frame
 
     @property
     def rejected(self) -> dict[str, int]:
@@ -330,6 +372,11 @@ class MeasurementSync:
         newest = max(self._last_field_stamp, self._last_pose_stamp)
         reason = None
         if cfg.max_stamp_jump > 0 and math.isfinite(newest) and stamp > newest + cfg.max_stamp_jump:
+            if self._is_pause(stamp, receive_time):
+                self.pauses += 1
+                LOG.info("a pause of %.1f s in the data (stamps and receive times jumped together)", stamp - newest)
+                self._stale[stream] = (0, -math.inf)
+                return None
             reason = f"{stream}_stamp_jump"
         elif stamp < last:
             reason = f"{stream}_stamp_backwards"
@@ -345,6 +392,42 @@ class MeasurementSync:
         self._reanchor()
         return None
 
+    def _is_pause(self, stamp: float, receive_time: float | None) -> bool:
+        """Whether a stamp jump came with an equal jump of the receive time since the last accepted message."""
+        if self._anchor is None or receive_time is None or not math.isfinite(receive_time):
+            return False
+        anchor_stamp, anchor_receive = self._anchor
+        waited = receive_time - anchor_receive
+        return abs((stamp - anchor_stamp) - waited) <= max(PAUSE_SLACK_S, PAUSE_SLACK_FRACTION * waited)
+
+    def _accepted_at(self, stamp: float, receive_time: float | None) -> None:
+        if receive_time is not None and math.isfinite(receive_time):
+            self._anchor = (stamp, receive_time)
+
+    def _frame_refusal(self, frame_id: str) -> str | None:
+        """Why a reading's ``frame_id`` is refused, or None; holds or re-latches the learned frame."""
+        if len(frame_id) > FRAME_ID_MAX_LENGTH:
+            return "field_frame_invalid"
+        if not frame_id or frame_id == self._field_frame:
+            if frame_id:
+                self._frame_candidate = ("", 0)  # the held frame spoke: a candidate starts over
+            return None
+        if not self._field_frame:
+            return None  # the first frame seen is latched once the reading is accepted
+        if self.config.field_frame:
+            return "field_frame_mismatch"
+        name, count = self._frame_candidate
+        count = count + 1 if name == frame_id else 1
+        if count < FRAME_RELATCH_AFTER:
+            self._frame_candidate = (frame_id, count)
+            return "field_frame_mismatch"
+        LOG.warning("magnetometer frame re-latched from '%s' to '%s': %d readings in a row in it while '%s' was "
+                    "silent", self._field_frame, frame_id, count, self._field_frame)
+        self._field_frame = frame_id
+        self._frame_candidate = ("", 0)
+        self.frame_relatches += 1
+        return None
+
     def _reanchor(self) -> None:
         """Take a new time base: forget poses, waiting samples (counted) and the stamp references."""
         self._decide_waiting()  # samples the old poses bracket are decided under them
@@ -353,6 +436,7 @@ class MeasurementSync:
         self._poses = _PoseBuffer()
         self._last_field_stamp = self._last_pose_stamp = -math.inf
         self._stale = {"field": (0, -math.inf), "pose": (0, -math.inf)}
+        self._anchor = None
         self.reanchors += 1
 
     def add_pose(self, stamp: float, position, orientation_xyzw, receive_time: float | None = None) -> bool:
@@ -388,6 +472,7 @@ class MeasurementSync:
             distance = math.dist(values[:3], self._poses.newest_position.tolist())
             jump = distance > self.config.max_speed * dt + TELEPORT_SLACK_M
             self.teleports += int(jump)
+        self._accepted_at(stamp, receive_time)
         self._last_pose_stamp = stamp
         self._poses.append(stamp, p, normalize_quaternion(q), jump)
         self.poses_accepted += 1
@@ -400,7 +485,8 @@ class MeasurementSync:
     def add_field(self, stamp: float, field_tesla, frame_id: str = "", receive_time: float | None = None) -> None:
         """Queue one magnetometer reading (sensor frame, tesla); decided now or when its next pose arrives.
 
-        ``frame_id`` (optional): the first non-empty one is the magnetometer's, readings in another are refused.
+        ``frame_id`` (optional): readings in another frame than ``sync.field_frame`` are refused; with that
+        empty, the first non-empty frame is held, and re-latched as FRAME_RELATCH_AFTER says.
         ``receive_time`` (optional) enables the ``sync.max_stamp_skew`` check.
         """
         b = np.asarray(field_tesla, dtype=np.float64)
@@ -418,15 +504,17 @@ class MeasurementSync:
             reason = "field_zero"
         elif self.config.max_field > 0 and magnitude > self.config.max_field:
             reason = "field_out_of_range"
-        elif frame_id and self._field_frame and frame_id != self._field_frame:
-            reason = "field_frame_mismatch"
         else:
-            reason = self._stamp_refusal("field", stamp, receive_time)
+            reason = self._frame_refusal(frame_id)
+            if reason is None:
+                reason = self._stamp_refusal("field", stamp, receive_time)
         if reason is not None:
             self._reject(reason)
             return
         if frame_id and not self._field_frame:
             self._field_frame = frame_id
+            LOG.info("magnetometer frame '%s' held: readings in another frame are refused", frame_id)
+        self._accepted_at(stamp, receive_time)
         self._last_field_stamp = stamp
         self._waiting.append((stamp, b))
         # A pose stream that stopped long ago (in field time) will not bracket the oldest samples any more.
@@ -508,7 +596,7 @@ class MeasurementSync:
                   "waiting_t": waiting_t, "waiting_b": waiting_b}
         finite = lambda v: v if math.isfinite(v) else None  # noqa: E731 - JSON has no infinity
         info = {"last_field_stamp": finite(self._last_field_stamp), "last_pose_stamp": finite(self._last_pose_stamp),
-                "field_frame": self._field_frame}
+                "field_frame": self._field_frame, "anchor": list(self._anchor) if self._anchor else None}
         return arrays, info
 
     def import_state(self, arrays: dict[str, np.ndarray], info: dict[str, Any]) -> None:
@@ -527,7 +615,10 @@ class MeasurementSync:
         self._waiting = deque((float(wt[k]), wb[k].copy()) for k in range(wt.shape[0]))
         self._last_field_stamp = -math.inf if info["last_field_stamp"] is None else float(info["last_field_stamp"])
         self._last_pose_stamp = -math.inf if info["last_pose_stamp"] is None else float(info["last_pose_stamp"])
-        self._field_frame = str(info["field_frame"])
+        if not self.config.field_frame:  # a configured frame wins over the saved one
+            self._field_frame = str(info["field_frame"])[:FRAME_ID_MAX_LENGTH]
+        anchor = info.get("anchor")
+        self._anchor = (float(anchor[0]), float(anchor[1])) if anchor else None
 
     def pop_ready(self) -> Measurements:
         """Every accepted sample not returned before, oldest first (possibly empty)."""
@@ -556,5 +647,7 @@ class MeasurementSync:
             "ready": self._ready_count,
             "teleports": self.teleports,
             "reanchors": self.reanchors,
+            "pauses": self.pauses,
+            "frame_relatches": self.frame_relatches,
             "rejected": dict(self._rejected),
         }

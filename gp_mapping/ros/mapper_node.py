@@ -1,7 +1,10 @@
 """The ROS 2 mapping node: magnetometer + pose in, Gaussian-process map of the magnetic field out.
 
 Run it with ``ros2 run gp_mapping mapper --ros-args --params-file config/mapper.yaml`` or
-``gp-mapping node --config config/mapper.yaml`` (any ``--ros-args ...`` after it are passed to ROS).
+``gp-mapping node --config config/mapper.yaml`` (any ``--ros-args ...`` after it are passed to ROS): the plain
+node, mapping from the start. ``ros2 run gp_mapping lifecycle_mapper`` runs the same node as an rclpy lifecycle
+(managed) node: configure (parameters, model, publishers), activate (subscriptions, timers, services),
+deactivate (keeps the map), cleanup (drops it); ``--autostart`` configures and activates it without a manager.
 The node is thin: it converts messages to arrays, feeds a :class:`gp_mapping.mapping.mapper.Mapper`, and
 converts the Mapper's grids back to messages. The offline replay drives the same Mapper the same way.
 
@@ -10,7 +13,11 @@ Subscriptions (sensor-data QoS: best effort, keep last ``node.queue_depth``)
               ``sync.sensor_translation`` / ``sync.sensor_rotation``).
     ``pose``  geometry_msgs/PoseStamped, nav_msgs/Odometry or geometry_msgs/PoseWithCovarianceStamped as
               ``node.pose_type`` says; the body pose in ``grid.frame_id`` (a pose in another frame is
-              rejected and counted as ``pose_frame_mismatch``; there is no tf lookup).
+              rejected and counted as ``pose_frame_mismatch``).
+    ``/tf``, ``/tf_static``  tf2_msgs/TFMessage, instead of ``pose`` when ``node.pose_source`` is ``tf``: each
+              reading gets the pose of ``grid.frame_id`` -> its frame (mount from /tf_static), or ->
+              ``node.base_frame`` with the configured extrinsic (:class:`gp_mapping.mapping.transforms.TfPoseMatcher`;
+              refusals ``tf_missing``, ``tf_stale``).
     Stamps come from the message headers; a header left at zero gets the receive time on the node's clock
     (the offline replay uses the bag's receive time for such messages).
 
@@ -39,14 +46,18 @@ A published cell value ``c`` in 0..100 decodes to ``mean = mean_offset + mean_sc
 ``variance = variance_offset + variance_scale * c`` (unit squared), exact within half a step; -1 is unknown.
 ``gp_mapping.ros.conversions.scale_from_msg`` parses it.
 
-Services (std_srvs/Trigger)
+Services (std_srvs/Trigger; a service type taking a file path, as nav2's and slam_toolbox's, needs a generated
+interface package, which cannot be built from this package's wheels: the paths are parameters instead)
     ``~/save_map``   feeds every message received so far, runs the pending updates and the last partial batch
-                     (samples still waiting for a following pose keep waiting), then writes the map state to
-                     ``$ROS_HOME/gp_mapping/<node name>_map.safetensors``
-                     (``ROS_HOME`` defaults to ``~/.ros``); the response message is the absolute path. Start from
-                     it again with the parameter ``node.initial_map``.
+                     (samples still waiting for a following pose keep waiting), then writes the map state to a new
+                     file ``<node.map_directory>/<node name>_<UTC time>.safetensors`` (``node.map_directory``
+                     empty: ``$ROS_HOME/gp_mapping``, ``ROS_HOME`` defaulting to ``~/.ros``); never overwrites. The
+                     response message is the absolute path. Start from it with the parameter ``node.initial_map``.
+    ``~/load_map``   replaces the map by the state file named by ``node.initial_map`` (settable while running),
+                     with the start-up checks: an unreadable or incompatible file is refused with the reason and
+                     the current map stays. Buffered messages are dropped; the loaded map is published at once.
     ``~/reset``      forgets the map and the buffered messages; publishes all-unknown grids of the last geometry.
-    Both run on the update thread between two updates; they are served by a hidden helper node
+    They run on the update thread between two updates; they are served by a hidden helper node
     (``_<node name>_services``) with its own executor thread, so the node keeps taking messages meanwhile.
 
 Checkpoints and resume. With ``node.checkpoint_interval_s`` > 0 a timer (node clock) has the Mapper write its
@@ -95,6 +106,7 @@ from nav_msgs.msg import OccupancyGrid
 from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType,
                                 SetParametersResult)
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import MagneticField, PointCloud2
@@ -104,17 +116,20 @@ from std_srvs.srv import Trigger
 from gp_mapping.config import (ROS_RESERVED_KEYS, ConfigError, MapperConfig, describe_allowed, config_from_dict,
                                field_specs, to_flat_parameters, validate_value)
 from gp_mapping.gp import warm_up as warm_up_engines
+from gp_mapping.mapping import publication
+from gp_mapping.mapping.grid import check_grid_config
 from gp_mapping.mapping.mapper import Mapper
+from gp_mapping.mapping.publication import NODE_NAME
+from gp_mapping.mapping.transforms import TfPoseMatcher
 from gp_mapping.ros import conversions
 
-NODE_NAME = "mapper"
 DIAGNOSTICS_PERIOD = 1.0  # seconds (node clock), the usual rate of /diagnostics
-VECTOR_LAYERS = ("x", "y", "z", "norm")
 # Parameters the running node applies when they change (the Mapper reads them at every prediction); every
 # other one is declared read-only because the model, the sync, the grid lattice or the subscriptions are built
 # from it at start.
 LIVE_PARAMETERS = frozenset({"node.publish_period", "grid.unknown_distance", "grid.tile_size", "grid.margin",
-                             "grid.mean_range", "grid.variance_range"})
+                             "grid.window", "grid.height",
+                             "grid.mean_range", "grid.variance_range", "node.initial_map", "node.map_directory"})
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_CONFIG = 0, 1, 2
 LOG_THROTTLE_S = 5.0  # seconds between two log lines about refused input, failed updates or dropped backlog
 MAX_TRACKED_PUBLISHERS = 64  # per input topic, for counting messages lost in transport
@@ -137,21 +152,17 @@ class NodeStartError(RuntimeError):
 
 def layer_names(config: MapperConfig) -> tuple[str, ...]:
     """Layers of the published map for the configured ``sync.target``."""
-    return ("magnitude",) if config.sync.target == "magnitude" else VECTOR_LAYERS
+    return publication.layer_names(config.sync.target)
 
 
 def map_topics(config: MapperConfig) -> dict[str, tuple[str, str]]:
     """Layer -> (mean topic, variance topic), relative to the node (``~/...``)."""
-    if config.sync.target == "magnitude":
-        return {"magnitude": ("~/mean", "~/variance")}
-    return {name: (f"~/mean/{name}", f"~/variance/{name}") for name in VECTOR_LAYERS}
+    return publication.map_topics(layer_names(config))
 
 
 def published_topics(config: MapperConfig) -> dict[str, str]:
     """Every topic the node publishes (node-relative or absolute) -> its message type."""
-    topics = {t: "nav_msgs/msg/OccupancyGrid" for pair in map_topics(config).values() for t in pair}
-    topics["~/cloud"] = "sensor_msgs/msg/PointCloud2"
-    topics["~/scale"] = "std_msgs/msg/Float64MultiArray"
+    topics = publication.map_topic_types(layer_names(config))
     topics["/diagnostics"] = "diagnostic_msgs/msg/DiagnosticArray"
     return topics
 
@@ -177,10 +188,25 @@ def parameter_descriptor(name: str, spec: dataclasses.Field) -> ParameterDescrip
 
 
 def default_map_path(node_name: str = NODE_NAME, kind: str = "map") -> Path:
-    """Where ``~/save_map`` writes: ``$ROS_HOME/gp_mapping/<node name>_map.safetensors`` (ROS_HOME: ~/.ros);
-    ``kind="checkpoint"``: the default checkpoint file ``<node name>_checkpoint.safetensors`` beside it."""
+    """``$ROS_HOME/gp_mapping/<node name>_<kind>.safetensors`` (ROS_HOME: ~/.ros); ``kind="checkpoint"``: the
+    default checkpoint file."""
     ros_home = os.environ.get("ROS_HOME") or os.path.join(os.path.expanduser("~"), ".ros")
     return Path(ros_home) / "gp_mapping" / f"{node_name}_{kind}.safetensors"
+
+
+def saved_map_path(directory: str, node_name: str, now: float | None = None) -> Path:
+    """Where ``~/save_map`` writes: ``<directory>/<node name>_<UTC time>.safetensors`` (``directory`` empty:
+    ``$ROS_HOME/gp_mapping``); the time has milliseconds, and a name already taken gets a counter, so a save
+    never overwrites an earlier one."""
+    folder = Path(directory).expanduser() if directory else default_map_path(node_name).parent
+    now = time.time() if now is None else now
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
+    path = folder / f"{node_name}_{stamp}.safetensors"
+    counter = 1
+    while path.exists():
+        path = folder / f"{node_name}_{stamp}_{counter}.safetensors"
+        counter += 1
+    return path
 
 
 def _plain(value: Any) -> Any:
@@ -193,34 +219,55 @@ def _plain(value: Any) -> Any:
 # -------------------------------------------------------------------------------------------------- the node
 
 
-class MapperNode(Node):
-    """Declares and validates the parameters, feeds the Mapper from a worker thread, publishes on a timer."""
+class _MapperCore:
+    """The mapping node's work, shared by the plain node (:class:`MapperNode`, running from construction) and
+    the lifecycle node (:class:`LifecycleMapperNode`). Its stages follow the lifecycle:
 
-    def __init__(self, **node_kwargs: Any) -> None:
-        super().__init__(NODE_NAME, **node_kwargs)
-        try:
-            self.config = self._declare_parameters()
-            self.mapper = self._build_mapper()
-        except BaseException:
-            self.destroy_node()
-            raise
+    - :meth:`_configure`: parameters read and validated, the Mapper built (from a checkpoint or
+      ``node.initial_map`` when set), publishers made;
+    - :meth:`_activate`: subscriptions, timers, services and the update thread: mapping and publishing;
+    - :meth:`_deactivate`: all of those stopped; the map, the publishers (latched maps) and the parameters stay;
+    - :meth:`_cleanup`: the map and the publishers dropped.
+
+    It feeds the Mapper from a worker thread and publishes on a timer."""
+
+    _active = False
+
+    def _init_core(self) -> None:
+        """Declare and validate the parameters (a bad one raises NodeStartError) and the live-change hooks."""
+        self.config = self._declare_parameters()
         self._specs = field_specs()
+        self.mapper: Mapper | None = None
+        self._map_pubs: dict = {}
+        self.add_pre_set_parameters_callback(self._coerce_parameter_types)
+        self.add_on_set_parameters_callback(self._validate_parameter_change)
+        self.add_post_set_parameters_callback(self._apply_parameter_change)
+
+    def _configure(self) -> None:
+        """Parameters (their current values) and the model; publishers. NodeStartError when either is bad."""
+        if self.mapper is None and getattr(self, "_configured_once", False):  # after a cleanup: re-read
+            values = {name: _plain(self.get_parameter(name).value) for name in field_specs()}
+            try:
+                self.config = config_from_dict(values)
+            except ConfigError as err:
+                raise NodeStartError(f"bad parameter: {err}") from err
+        self._configured_once = True
+        self.mapper = self._build_mapper()
         # The update thread is the only user of the mapper: the executor's callbacks never wait for an update.
         # They queue messages (inbox) and jobs (publish, checkpoint, services, parameter changes) that the thread
         # runs between two updates, so the subscriptions keep up with a flood while a long update runs. The lock
         # only makes it safe for tests to look inside while the thread runs.
         self._lock = threading.Lock()
         self._inbox_cond = threading.Condition()  # guards _inbox, _jobs, _queued and _stopping
-        # (kind, stamp, values, orientation or frame_id, receive time or None)
+        # (kind, stamp, values, (orientation, frame_id) or frame_id, receive time or None)
         self._inbox: deque[tuple[str, float, Any, Any, float | None]] = deque()
         self._jobs: deque[tuple[str, Callable[[], Any], Future]] = deque()
         self._queued: set[str] = set()  # names of the periodic jobs waiting in _jobs (one of each at most)
         self._updates_waiting = False  # the last update step ran an update: more full batches may be ready
         self._stopping = False
         self._mapper_diagnostics: dict[str, Any] = self.mapper.diagnostics()  # the update thread refreshes it
-        self._dirty = True  # a map loaded from node.initial_map is published on the first tick
-        self._counts: dict[str, int] = {"mag_messages": 0, "pose_messages": 0, "updates": 0, "maps_published": 0,
-                                        "errors": 0, "stamps_from_clock": 0}
+        self._counts: dict[str, int] = {"mag_messages": 0, "pose_messages": 0, "tf_messages": 0, "updates": 0,
+                                        "maps_published": 0, "errors": 0, "stamps_from_clock": 0}
         self._node_rejected: dict[str, int] = {"pose_frame_mismatch": 0, "inbox_overflow": 0,
                                                "transport_lost_mag": 0, "transport_lost_pose": 0}
         self._latency = {"last": math.nan, "max": 0.0, "sum": 0.0, "count": 0}
@@ -228,38 +275,45 @@ class MapperNode(Node):
         self._publish_due = False  # the publish timer ticked since the last map
         self._updating = False  # the update thread is feeding the mapper or updating the model
         self._logged_counts: dict[str, int] = {}  # refusal counts at the last log line about them
+        self._logged_field_frame = ""
         self._checkpoint = {"written": 0, "failed": 0, "seconds": math.nan, "error": ""}
         self._last_error = ""
         self._last_grid = None  # the last published MapGrid (geometry for the cleared map after a reset)
+        self._last_sequence: dict[str, dict[bytes, int]] = {"mag": {}, "pose": {}}
+        self._tf: TfPoseMatcher | None = None
+        self._map_pubs = {layer: (self.create_publisher(OccupancyGrid, mean, MAP_QOS),
+                                  self.create_publisher(OccupancyGrid, var, MAP_QOS))
+                          for layer, (mean, var) in map_topics(self.config).items()}
+        self._cloud_pub = self.create_publisher(PointCloud2, publication.cloud_topic(), MAP_QOS)
+        self._scale_pub = self.create_publisher(Float64MultiArray, publication.scale_topic(), MAP_QOS)
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
 
+    def _activate(self) -> None:
+        """Subscriptions, timers, services and the update thread: the node maps and publishes."""
         depth = self.config.node.queue_depth
         sensor_qos = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=depth,
                                 reliability=ReliabilityPolicy.BEST_EFFORT, durability=DurabilityPolicy.VOLATILE)
         # The two-argument callbacks get the message info: its sequence numbers reveal messages that the
         # transport dropped before the node could take them (a full subscription queue under load).
-        self._last_sequence: dict[str, dict[bytes, int]] = {"mag": {}, "pose": {}}
-        self.create_subscription(MagneticField, "mag", lambda msg, info: self._receive("mag", msg, info),
-                                 sensor_qos)
-        self.create_subscription(conversions.POSE_TYPES[self.config.node.pose_type], "pose",
-                                 lambda msg, info: self._receive("pose", msg, info), sensor_qos)
-
-        self._map_pubs = {layer: (self.create_publisher(OccupancyGrid, mean, MAP_QOS),
-                                  self.create_publisher(OccupancyGrid, var, MAP_QOS))
-                          for layer, (mean, var) in map_topics(self.config).items()}
-        self._cloud_pub = self.create_publisher(PointCloud2, "~/cloud", MAP_QOS)
-        self._scale_pub = self.create_publisher(Float64MultiArray, "~/scale", MAP_QOS)
-        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-
+        self._active_entities: list = [
+            self.create_subscription(MagneticField, "mag", lambda msg, info: self._receive("mag", msg, info),
+                                     sensor_qos)]
+        if self.config.node.pose_source == "tf":
+            self._subscribe_tf()
+        else:
+            self._active_entities.append(
+                self.create_subscription(conversions.POSE_TYPES[self.config.node.pose_type], "pose",
+                                         lambda msg, info: self._receive("pose", msg, info), sensor_qos))
         self._publish_timer = self.create_timer(self.config.node.publish_period, self._on_publish_timer)
-        self.create_timer(DIAGNOSTICS_PERIOD, self._publish_diagnostics)
+        self._active_entities += [self._publish_timer,
+                                  self.create_timer(DIAGNOSTICS_PERIOD, self._publish_diagnostics)]
         if self.config.node.checkpoint_interval_s > 0:
-            self.create_timer(self.config.node.checkpoint_interval_s, self._on_checkpoint_timer)
-        self.add_on_set_parameters_callback(self._validate_parameter_change)
-        self.add_post_set_parameters_callback(self._apply_parameter_change)
+            self._active_entities.append(self.create_timer(self.config.node.checkpoint_interval_s,
+                                                           self._on_checkpoint_timer))
 
         # The services wait for the update thread (a save first runs the backlog), so they live on a hidden
         # helper node with its own executor thread: while one runs, this node keeps taking messages. Their
-        # names are this node's (~/save_map, ~/reset).
+        # names are this node's (~/save_map, ~/load_map, ~/reset).
         # Global ROS arguments stay off it: `-r __node:=name` would give it this node's name.
         self._service_node = rclpy.create_node(f"_{self.get_name()}_services", namespace=self.get_namespace(),
                                                context=self.context, use_global_arguments=False,
@@ -267,18 +321,88 @@ class MapperNode(Node):
         own_name = self.get_fully_qualified_name()
         self._service_node.create_service(Trigger, f"{own_name}/save_map", self.on_save_map)
         self._service_node.create_service(Trigger, f"{own_name}/reset", self.on_reset)
+        self._service_node.create_service(Trigger, f"{own_name}/load_map", self.on_load_map)
         self._service_executor = SingleThreadedExecutor(context=self.context)
         self._service_executor.add_node(self._service_node)
         self._service_thread = threading.Thread(target=self._spin_services, name="gp_mapping_services",
                                                 daemon=True)
-
+        with self._inbox_cond:
+            self._stopping = False
         self._worker = threading.Thread(target=self._worker_loop, name="gp_mapping_updates", daemon=True)
         self._worker.start()
         self._service_thread.start()
-        self.get_logger().info(
-            f"mapping {self.config.sync.target} of the field in {self.config.sync.field_unit} on frame "
-            f"'{self.config.grid.frame_id}' with {self.config.model.engine} (M={self.config.model.num_inducing}); "
-            f"pose type {self.config.node.pose_type}; publishing every {self.config.node.publish_period} s")
+        self._active = True
+        self.get_logger().info(self.describe())
+
+    def _deactivate(self) -> None:
+        """Stop taking messages, publishing and serving; the update thread finishes its step and stops. The map
+        (with the messages already received, fed to it) and the latched maps stay."""
+        self._active = False
+        with self._inbox_cond:
+            self._stopping = True
+            self._inbox_cond.notify_all()
+        for entity in self._active_entities:
+            if hasattr(entity, "cancel"):  # a timer
+                self.destroy_timer(entity)
+            else:
+                self.destroy_subscription(entity)
+        self._active_entities = []
+        self._worker.join(timeout=30.0)
+        self._service_executor.shutdown()
+        self._service_thread.join(timeout=10.0)
+        self._service_node.destroy_node()
+        with self._inbox_cond:  # jobs that will never run: their callers get an answer now
+            for name, _, future in self._jobs:
+                future.set_exception(RuntimeError(f"{name}: the node stopped before it ran"))
+            self._jobs.clear()
+            self._queued.clear()
+        with self._lock:
+            try:
+                self._feed_inbox()  # what was received is kept (no update runs: batches stay as cut)
+            except Exception as err:
+                self._report(f"feeding the mapper failed: {type(err).__name__}: {err}")
+
+    def _cleanup(self) -> None:
+        """Drop the map and the publishers (back to unconfigured)."""
+        for pub in [p for pair in self._map_pubs.values() for p in pair] + [self._cloud_pub, self._scale_pub,
+                                                                              self._diag_pub]:
+            self.destroy_publisher(pub)
+        self._map_pubs = {}
+        self.mapper = None
+
+    def describe(self) -> str:
+        """The start-up line: what is mapped, from which topics and frames, with which engine on which device."""
+        c = self.config
+        resolve = self.resolve_topic_name
+        if self._tf is not None:
+            pose = (f"pose from tf ({resolve('/tf')}, {resolve('/tf_static')}): {c.grid.frame_id} -> the "
+                    f"magnetometer frame, or -> {c.node.base_frame} with the configured sensor extrinsic")
+        else:
+            pose = f"pose {c.node.pose_type} on {resolve('pose')} in frame '{c.grid.frame_id}'"
+        device = getattr(getattr(self.mapper, "model", None), "device", c.model.device)
+        return (f"mapping {c.sync.target} of the field in {c.sync.field_unit}: magnetometer on {resolve('mag')}, "
+                f"{pose}; map frame '{c.grid.frame_id}'; {c.model.engine} (M={c.model.num_inducing}) on {device}; "
+                f"publishing under {self.get_fully_qualified_name()}/ every {c.node.publish_period} s")
+
+    def _subscribe_tf(self) -> None:
+        """``node.pose_source: tf``: /tf and /tf_static (the QoS of tf2_ros's listener) feed the transform
+        buffer that places each reading (mapping/transforms.py, shared with the replay)."""
+        try:
+            from tf2_msgs.msg import TFMessage
+        except ImportError as err:
+            raise NodeStartError("node.pose_source is 'tf' but the tf2_msgs Python package is not installed (it "
+                                 "comes with ROS; in this repository's venv `make venv` builds it)") from err
+        c = self.config
+        self._tf = TfPoseMatcher(c.grid.frame_id, c.node.base_frame,
+                                 (c.sync.sensor_translation, c.sync.sensor_rotation), c.sync.max_pose_gap,
+                                 c.node.tf_timeout, cache_seconds=max(c.sync.pose_buffer_seconds, 10.0))
+        dynamic = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=100, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.VOLATILE)
+        static = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=100, reliability=ReliabilityPolicy.RELIABLE,
+                            durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self._active_entities += [
+            self.create_subscription(TFMessage, "/tf", lambda msg: self.on_tf(msg, static=False), dynamic),
+            self.create_subscription(TFMessage, "/tf_static", lambda msg: self.on_tf(msg, static=True), static)]
 
     # ------------------------------------------------------------------------------------------ parameters
 
@@ -329,13 +453,47 @@ class MapperNode(Node):
         except Exception as err:
             raise NodeStartError(f"cannot build the mapper from the parameters: {err}") from err
 
+    def _coerce_parameter_types(self, params: list) -> list:
+        """Before ROS checks the types of a live change: an integer for a float parameter (``3`` for 3.0) becomes
+        that float, and a whole float for an integer parameter that integer, as at start (the config
+        validation converts them there); anything else is left for the validation to refuse by name."""
+        from rclpy.parameter import Parameter
+
+        out = []
+        for param in params:
+            spec = self._specs.get(param.name) if hasattr(self, "_specs") else None
+            ftype = None if spec is None else (spec.type if isinstance(spec.type, str) else spec.type.__name__)
+            value = param.value
+            if ftype == "float" and param.type_ == Parameter.Type.INTEGER:
+                param = Parameter(param.name, Parameter.Type.DOUBLE, float(value))
+            elif ftype == "int" and param.type_ == Parameter.Type.DOUBLE and math.isfinite(value) \
+                    and float(value).is_integer():
+                param = Parameter(param.name, Parameter.Type.INTEGER, int(value))
+            elif ftype == "list" and param.type_ == Parameter.Type.INTEGER_ARRAY:
+                param = Parameter(param.name, Parameter.Type.DOUBLE_ARRAY, [float(v) for v in value])
+            out.append(param)
+        return out
+
     def _validate_parameter_change(self, params: list) -> SetParametersResult:
+        grid_changes = {}
         for param in params:
             spec = self._specs.get(param.name)
             if spec is None:
                 continue
             try:
-                validate_value(param.name, _plain(param.value), spec)
+                value = validate_value(param.name, _plain(param.value), spec)
+            except ConfigError as err:
+                return SetParametersResult(successful=False, reason=str(err))
+            section, _, key = param.name.partition(".")
+            if section == "grid":
+                grid_changes[key] = value
+        if grid_changes:  # the rules between grid keys (window cells, unknown_distance within the window)
+            # The parameters hold the values accepted so far (the shared config follows on the update thread).
+            current = {name.split(".", 1)[1]: validate_value(name, _plain(self.get_parameter(name).value),
+                                                             self._specs[name])
+                       for name in LIVE_PARAMETERS if name.startswith("grid.")}
+            try:
+                check_grid_config(dataclasses.replace(self.config.grid, **{**current, **grid_changes}))
             except ConfigError as err:
                 return SetParametersResult(successful=False, reason=str(err))
         return SetParametersResult(successful=True)
@@ -347,9 +505,14 @@ class MapperNode(Node):
             section, key = param.name.split(".")
             value = validate_value(param.name, _plain(param.value), self._specs[param.name])
             # The Mapper holds this same config object and reads it when predicting, on the update thread.
-            self._submit(f"set {param.name}", lambda s=section, k=key, v=value: self._set_config(s, k, v),
-                         periodic=False)
-            if param.name == "node.publish_period":
+            if self._active:
+                self._submit(f"set {param.name}", lambda s=section, k=key, v=value: self._set_config(s, k, v),
+                             periodic=False)
+            else:  # no update thread (a lifecycle node not active): the config takes it now
+                setattr(getattr(self.config, section), key, value)
+                if self.mapper is not None:
+                    self.mapper.mark_changed()
+            if param.name == "node.publish_period" and self._active:
                 self._publish_timer.timer_period_ns = int(round(value * 1e9))
                 self._publish_timer.reset()
             self.get_logger().info(f"parameter {param.name} = {value!r} applied")
@@ -412,22 +575,44 @@ class MapperNode(Node):
         now = self._now()
         stamp = self._receive_stamp(stamp, now)
         self._counts["pose_messages"] += 1
-        if frame != self.config.grid.frame_id:
-            self._node_rejected["pose_frame_mismatch"] += 1
-            self.get_logger().warning(f"pose in frame '{frame}', expected grid.frame_id '{self.config.grid.frame_id}'"
-                                      f"; rejected (no tf lookup in this node)", throttle_duration_sec=5.0)
-            return
-        self._push(("pose", stamp, position, orientation, now))
+        self._push(("pose", stamp, position, (orientation, frame), now))
+
+    def on_tf(self, msg: Any, static: bool = False) -> None:
+        """Subscription callback of ``/tf`` and ``/tf_static`` (``node.pose_source: tf``)."""
+        samples = conversions.transforms_from_msg(msg)
+        self._counts["tf_messages"] += 1
+        self._push(("tf", 0.0, samples, static, self._now()))
 
     def _feed_inbox(self) -> None:
         """Hand every buffered message to the mapper in arrival order (caller holds ``_lock``)."""
         with self._inbox_cond:
             items, self._inbox = self._inbox, deque()
+        tf = self._tf
         for kind, stamp, a, b, now in items:
             if kind == "pose":
-                self.mapper.add_pose(stamp, a, b, receive_time=now)
+                self.mapper.add_pose(stamp, a, b[0], receive_time=now, frame_id=b[1])
+            elif kind == "tf":
+                for sample in a:
+                    tf.add_transform(sample, static=b)
+            elif tf is not None:
+                tf.add_field(stamp, a, b, receive_time=now)
             else:
                 self.mapper.add_magnetic_field(stamp, a, frame_id=b, receive_time=now)
+        if tf is not None:  # readings whose transforms have come, in arrival order, each with its pose
+            for stamp, position, orientation, reading in tf.ready():
+                self.mapper.add_pose(stamp, position, orientation, receive_time=reading.receive_time,
+                                     frame_id=self.config.grid.frame_id)
+                self.mapper.add_magnetic_field(stamp, reading.field, frame_id=reading.frame_id,
+                                               receive_time=reading.receive_time)
+        refused = self.mapper.pose_frame_mismatch  # the Mapper's rule: a pose must be in grid.frame_id
+        if refused != self._node_rejected["pose_frame_mismatch"]:
+            if refused > self._node_rejected["pose_frame_mismatch"]:
+                frames = ", ".join(repr(f) for f in sorted(self.mapper.refused_pose_frames))
+                self.get_logger().warning(f"poses in frame(s) {frames}, expected grid.frame_id "
+                                          f"'{self.config.grid.frame_id}'; rejected (node.pose_source topic: the "
+                                          "pose topic must be in the map frame; node.pose_source tf looks frames "
+                                          "up in /tf)", throttle_duration_sec=5.0)
+            self._node_rejected["pose_frame_mismatch"] = refused
 
     def _run_updates(self, flush: bool = False, max_updates: int | None = None) -> int:
         """Run the model updates the mapper has full batches for (``flush``: and the partial one, keeping samples
@@ -447,7 +632,6 @@ class MapperNode(Node):
             self._latency["max"] = max(self._latency["max"], seconds)
             self._latency["sum"] += seconds
             self._latency["count"] += 1
-            self._dirty = True
         return n
 
     # ---------------------------------------------------------------------------------- the update thread
@@ -499,7 +683,7 @@ class MapperNode(Node):
     def _set_config(self, section: str, key: str, value: Any) -> None:
         with self._lock:
             setattr(getattr(self.config, section), key, value)
-            self._dirty = True
+            self.mapper.mark_changed()
 
     def _report(self, message: str) -> None:
         """An error that the node survives: logged (throttled) and shown as ERROR in the diagnostics."""
@@ -516,15 +700,17 @@ class MapperNode(Node):
         return self.get_clock().now().to_msg()
 
     def _on_publish_timer(self) -> None:
-        # At most one map per tick (node clock, so sim time too). A tick during an update is served right after
-        # it (the map is dirty by then); otherwise a dirty map goes out through a job at once.
-        if self._dirty or self._updating:
+        # At most one map per tick (node clock, so sim time too), and only a map that changed since the last one
+        # (the Mapper's rule). A tick during an update is served right after it (the map has changed by then);
+        # otherwise a changed map goes out through a job at once.
+        changed = self.mapper.map_changed
+        if changed or self._updating:
             self._publish_due = True
-        if self._dirty:
+        if changed:
             self._submit("publish", self._publish_if_due)
 
     def _publish_if_due(self) -> None:
-        if self._publish_due and self._dirty:
+        if self._publish_due and self.mapper.map_changed:
             self.publish_map()
 
     def publish_map(self) -> None:
@@ -532,47 +718,49 @@ class MapperNode(Node):
         start = time.perf_counter()
         self._publish_due = False
         with self._lock:
-            self._dirty = False
+            self.mapper.mark_published()
             try:
-                grid = self.mapper.grid()
+                grid = self.mapper.grid(predict_unknown=False)  # a map shows known cells only
             except Exception as err:
                 self._report(f"map prediction failed: {type(err).__name__}: {err}")
                 return
         if grid is None:
             return
-        self._publish_grid(grid)
+        try:
+            self._publish_grid(grid)
+        except Exception as err:
+            if not self.context.ok() or self._stopping:  # shut down (SIGTERM, Ctrl-C) during the prediction
+                return
+            self._report(f"map publication failed: {type(err).__name__}: {err}")
+            return
         self._publish_seconds = time.perf_counter() - start
 
     def _publish_grid(self, grid: Any) -> None:
         stamp = self._stamp_of(grid)
         try:
-            layers = conversions.encode_layers(grid, self.config.grid.mean_range, self.config.grid.variance_range)
+            layout = publication.publication(grid, self.config.sync.field_unit, self.config.grid.mean_range,
+                                             self.config.grid.variance_range)
         except Exception as err:
             self._report(f"map encoding failed: {type(err).__name__}: {err}")
             return
         # The scale first, so a subscriber that decodes a grid already has the scale that matches it.
-        self._scale_pub.publish(conversions.scale_to_msg(layers, self.config.sync.field_unit))
-        for layer in layers:
+        self._scale_pub.publish(conversions.scale_to_msg(layout.layers, self.config.sync.field_unit))
+        for layer in layout.layers:
             mean_pub, var_pub = self._map_pubs[layer.name]
             mean_pub.publish(conversions.occupancy_msg(grid, layer.mean_data, stamp))
             var_pub.publish(conversions.occupancy_msg(grid, layer.variance_data, stamp))
-        self._cloud_pub.publish(conversions.cloud_msg(grid, stamp, z=grid.height))
+        self._cloud_pub.publish(conversions.cloud_msg(grid, stamp, points=layout.cloud))
         self._last_grid = grid
         self._counts["maps_published"] += 1
         self._last_error = ""  # the diagnostics show ERROR until the next good map
 
     def _publish_cleared(self) -> None:
-        """After a reset: every map topic gets the last geometry with all cells unknown, the cloud no points."""
+        """After a reset: the last geometry with every cell unknown, published as any map is (the scale that goes
+        with it first, the cloud without points), stamped on the maps' clock (the last map's data time)."""
         grid = self._last_grid
         if grid is None:
             return
-        stamp = self.get_clock().now().to_msg()
-        unknown = np.full(grid.spec.width * grid.spec.height, -1, dtype=np.int8)
-        for mean_pub, var_pub in self._map_pubs.values():
-            for pub in (mean_pub, var_pub):
-                msg = conversions.occupancy_msg(grid, unknown, stamp)
-                pub.publish(msg)
-        self._cloud_pub.publish(conversions.cloud_msg(grid, stamp, z=grid.height, empty=True))
+        self._publish_grid(dataclasses.replace(grid, known=np.zeros(grid.spec.shape, dtype=bool)))
 
     def _on_checkpoint_timer(self) -> None:
         self._submit("checkpoint", self.write_checkpoint)
@@ -599,7 +787,7 @@ class MapperNode(Node):
     def _log_refusals(self, values: dict[str, Any]) -> None:
         """One throttled warning naming every refusal / drop / failure counter that grew since the last one."""
         keys = [k for k in values if k.startswith(("rejected/", "node/rejected/"))]
-        keys += ["dropped_overflow", "failed_updates", "reanchors", "teleports"]
+        keys += ["dropped_overflow", "failed_updates", "reanchors", "teleports", "pauses", "field_frame_relatches"]
         grown = {k: int(values[k]) - self._logged_counts.get(k, 0) for k in keys if k in values}
         grown = {k: v for k, v in grown.items() if v > 0}
         if not grown:
@@ -612,6 +800,16 @@ class MapperNode(Node):
         if logged:  # rclpy returns whether the line was emitted; counts stay until one is
             self._logged_counts.update({k: int(values[k]) for k in keys if k in values})
 
+    def _log_field_frame(self, frame: str) -> None:
+        """Log the magnetometer frame the mapper holds whenever it changes (learned, re-latched, reset)."""
+        if frame == self._logged_field_frame:
+            return
+        self._logged_field_frame = frame
+        if frame:
+            how = "configured" if self.config.sync.field_frame else "learned; sync.field_frame fixes it"
+            self.get_logger().info(f"magnetometer frame '{frame}' held ({how}): readings in another frame are "
+                                   "refused as field_frame_mismatch")
+
     def _publish_diagnostics(self) -> None:
         mapper_diag = self._mapper_diagnostics  # as of the update thread's last step: never waits for an update
         with self._inbox_cond:
@@ -620,6 +818,12 @@ class MapperNode(Node):
         _flatten("", mapper_diag, values)
         values.update({f"node/{k}": v for k, v in self._counts.items()})
         values.update({f"node/rejected/{k}": v for k, v in self._node_rejected.items()})
+        if self._tf is not None:  # read without a lock: counters only grow, a stale value is one second old
+            values.update({f"node/rejected/{k}": v for k, v in self._tf.rejected.items()})
+            values["node/tf_waiting"] = self._tf.waiting
+            values["node/tf_from_sensor_frame"] = self._tf.from_sensor_frame
+            values["node/tf_from_base_frame"] = self._tf.from_base_frame
+            values["node/tf_rejected_transforms"] = self._tf.buffer.rejected
         values["node/inbox"] = inbox
         lat = self._latency
         values["node/update_latency_last_s"] = lat["last"]
@@ -632,6 +836,7 @@ class MapperNode(Node):
             values["node/checkpoints_failed"] = self._checkpoint["failed"]
             values["node/checkpoint_seconds_last"] = self._checkpoint["seconds"]
         self._log_refusals(values)
+        self._log_field_frame(str(mapper_diag.get("field_frame", "")))
         status = DiagnosticStatus(name=f"{self.get_name()}: gp_mapping", hardware_id="gp_mapping")
         if self._last_error:
             status.level, status.message = DiagnosticStatus.ERROR, self._last_error
@@ -673,17 +878,39 @@ class MapperNode(Node):
         return response
 
     def on_save_map(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
-        path = default_map_path(self.get_name())
-
         def save() -> str:
             with self._lock:
                 self._feed_inbox()
                 self._run_updates(flush=True)
+                path = saved_map_path(self.config.node.map_directory, self.get_name())
+                path.parent.mkdir(parents=True, exist_ok=True)
                 self.mapper.save(path)
                 self._mapper_diagnostics = self.mapper.diagnostics()
             return str(path.resolve())
 
         return self._call_on_update_thread("save_map", save, response)
+
+    def on_load_map(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        """Replace the map by the state file ``node.initial_map`` (set it first, e.g. with ``ros2 param set``),
+        with the start-up checks: a file that cannot be read, or that was made with an incompatible config,
+        is refused with the reason and the current map stays."""
+        def load() -> str:
+            path = self.config.node.initial_map
+            if not path:
+                raise ValueError("node.initial_map is empty; set it to the state file to load")
+            mapper = Mapper.load(path, config=self.config)  # raises before anything changes
+            with self._lock:
+                with self._inbox_cond:
+                    dropped = len(self._inbox)
+                    self._inbox.clear()
+                self.mapper = mapper
+                self._mapper_diagnostics = self.mapper.diagnostics()
+                self._publish_due = True  # the loaded map (changed, for the Mapper) goes out at once
+                self._last_error = ""
+            return (f"loaded {Path(path).resolve()} ({self._mapper_diagnostics.get('num_seen', 0)} samples in the "
+                    f"model; {dropped} buffered messages dropped)")
+
+        return self._call_on_update_thread("load_map", load, response)
 
     def on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         def reset() -> str:
@@ -692,8 +919,10 @@ class MapperNode(Node):
                     dropped = len(self._inbox)
                     self._inbox.clear()
                 self.mapper.reset()
+                if self._tf is not None:
+                    self._tf.clear()
                 self._mapper_diagnostics = self.mapper.diagnostics()
-                self._dirty = False
+                self.mapper.mark_published()  # the cleared map below
                 self._last_error = ""
                 self._publish_cleared()
             return f"map reset ({dropped} buffered messages dropped)"
@@ -704,23 +933,80 @@ class MapperNode(Node):
 
     def close(self) -> None:
         """Stop the update thread, write a last checkpoint (when they are on) and destroy the node."""
-        with self._inbox_cond:
-            self._stopping = True
-            self._inbox_cond.notify_all()
-        self._worker.join(timeout=30.0)
-        self._service_executor.shutdown()
-        self._service_thread.join(timeout=10.0)
-        self._service_node.destroy_node()
-        with self._inbox_cond:  # jobs that will never run: their callers get an answer now
-            for name, _, future in self._jobs:
-                future.set_exception(RuntimeError(f"{name}: the node stopped before it ran"))
-            self._jobs.clear()
-        if self.config.node.checkpoint_interval_s > 0:
-            with self._lock:
-                try:
-                    self._feed_inbox()  # what was received is kept (no update runs: batches stay as cut)
-                except Exception as err:
-                    self._report(f"feeding the mapper failed: {type(err).__name__}: {err}")
+        if self._active:
+            self._deactivate()
+        if self.mapper is not None and self.config.node.checkpoint_interval_s > 0:
+            self.write_checkpoint()
+        self.destroy_node()
+
+
+class MapperNode(_MapperCore, Node):
+    """The plain node: configured and active from construction until :meth:`close` (``ros2 run gp_mapping
+    mapper``)."""
+
+    def __init__(self, **node_kwargs: Any) -> None:
+        Node.__init__(self, NODE_NAME, **node_kwargs)
+        try:
+            self._init_core()
+            self._configure()
+        except BaseException:
+            self.destroy_node()
+            raise
+        self._activate()
+
+
+class LifecycleMapperNode(_MapperCore, LifecycleNode):
+    """The managed node (``ros2 run gp_mapping lifecycle_mapper``), brought up as nav2's lifecycle manager does:
+    ``configure`` reads the parameters and builds the model (a bad parameter or an unreadable initial map fails
+    the transition with the reason), ``activate`` subscribes and publishes, ``deactivate`` stops both and keeps
+    the map, ``cleanup`` drops it, ``shutdown`` writes the last checkpoint (when they are on)."""
+
+    def __init__(self, **node_kwargs: Any) -> None:
+        LifecycleNode.__init__(self, NODE_NAME, **node_kwargs)
+        try:
+            self._init_core()
+        except BaseException:
+            self.destroy_node()
+            raise
+
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        try:
+            self._configure()
+        except NodeStartError as err:
+            self.get_logger().error(f"configure failed: {err}")
+            self.mapper = None
+            return TransitionCallbackReturn.FAILURE
+        self.get_logger().info("configured")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._activate()
+        if self.mapper.diagnostics()["num_seen"]:
+            self.mapper.mark_changed()  # the map kept through a deactivate is published again at once
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._deactivate()
+        self.get_logger().info("deactivated: not mapping; the map is kept")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._cleanup()
+        self.get_logger().info("cleaned up: the map is dropped")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        if self._active:
+            self._deactivate()
+        if self.mapper is not None and self.config.node.checkpoint_interval_s > 0:
+            self.write_checkpoint()
+        return TransitionCallbackReturn.SUCCESS
+
+    def close(self) -> None:
+        """Shut down from whatever state the node is in, then destroy it."""
+        if self._active:
+            self._deactivate()
+        if self.mapper is not None and self.config.node.checkpoint_interval_s > 0:
             self.write_checkpoint()
         self.destroy_node()
 
@@ -760,36 +1046,55 @@ def run(args: argparse.Namespace) -> int:
     return spin(_with_config(["gp-mapping node"], args.config, ros_args))
 
 
-def spin(argv: list[str]) -> int:
-    """Start ROS with ``argv``, run the node until shutdown, and return the exit status."""
+def spin(argv: list[str], lifecycle: bool = False, autostart: bool = False) -> int:
+    """Start ROS with ``argv``, run the node until shutdown, and return the exit status. ``lifecycle``: the
+    managed node, waiting for configure and activate (``autostart``: it does both itself)."""
     try:
         rclpy.init(args=argv)
     except Exception as err:  # rcl refuses malformed --ros-args or an unparsable params file
         print(f"gp_mapping mapper: cannot start ROS: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    # Before the node exists (so before any message or /clock arrives): the first update must not stall on
-    # the imports torch makes on first use.
-    warm_up_engines()
     try:
         try:
-            node = MapperNode()
-        except NodeStartError as err:
+            node = LifecycleMapperNode() if lifecycle else MapperNode()
+        except NodeStartError as err:  # at once: a bad parameter does not wait for the warm-up below
             rclpy.logging.get_logger(NODE_NAME).fatal(str(err))
             return EXIT_BAD_CONFIG
+        # Before the executor takes any message (or /clock): the first update must not stall on the imports
+        # torch makes on first use.
+        warm_up_engines()
+        if lifecycle and autostart:
+            if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
+                node.destroy_node()
+                return EXIT_BAD_CONFIG
+            node.trigger_activate()
         # Single-threaded: every callback is short (the updates run on the node's own thread). rclpy's
         # MultiThreadedExecutor took about 400 of 30 000 messages under a 1 kHz flood on two cores.
         executor = SingleThreadedExecutor()
         executor.add_node(node)
+        sys.unraisablehook = quiet_interrupts_in_finalizers
         try:
             executor.spin()
         except (KeyboardInterrupt, ExternalShutdownException):
             pass
+        except RuntimeError:  # rclpy's SIGINT handler can invalidate the context under the executor's wait
+            if rclpy.ok():
+                raise
         finally:
             executor.shutdown()
             node.close()
         return EXIT_OK
     finally:
         rclpy.try_shutdown()
+
+
+def quiet_interrupts_in_finalizers(unraisable: Any) -> None:
+    """``sys.unraisablehook`` of the node's process: a Ctrl-C that lands while Python runs a finalizer (an rclpy
+    Future's ``__del__``) cannot be raised there and was printed as a traceback on a clean stop; the node is
+    stopping anyway, so it is dropped. Anything else is reported as usual."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -801,6 +1106,21 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(remove_ros_args(argv)[1:])
     return spin(_with_config(argv[:1], args.config, argv[1:]))
+
+
+def lifecycle_main(argv: list[str] | None = None) -> int:
+    """``ros2 run gp_mapping lifecycle_mapper [--config FILE] [--autostart] [--ros-args ...]``: the managed
+    node; a lifecycle manager (the launch files, nav2's lifecycle_manager) configures and activates it."""
+    from rclpy.utilities import remove_ros_args
+
+    argv = list(sys.argv if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="lifecycle_mapper",
+                                     description="Gaussian-process magnetic-field mapping node (managed, "
+                                                 "rclpy lifecycle).")
+    add_arguments(parser)
+    parser.add_argument("--autostart", action="store_true", help="configure and activate without a manager")
+    args = parser.parse_args(remove_ros_args(argv)[1:])
+    return spin(_with_config(argv[:1], args.config, argv[1:]), lifecycle=True, autostart=args.autostart)
 
 
 def _with_config(program: list[str], config: str | None, rest: list[str]) -> list[str]:

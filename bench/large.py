@@ -1,0 +1,231 @@
+"""Large areas: a long simulated drive over a building-sized world, tiled (local submaps) against one global engine.
+
+World: ``large_area`` (100 m x 60 m in the full plan) with ``large_dipoles`` steel objects (gp_mapping.sim). The
+robot drives a lawnmower over it (rows ``large_line_spacing`` apart at ``large_speed``) for ``large_seconds``
+(30 minutes), sampled at ``large_rate``; when the lawnmower ends, the path is driven again from its start, so
+the last part of the drive revisits mapped ground (samples grow, the area does not). 2-D inputs (x, y) and 3-D
+inputs (x, y, z, the sensor's height wobbling by ``large_height_amplitude``).
+
+Every pose and reading goes through a ``Mapper`` (config/mapper.yaml, batches of ``large_batch``) twice: with
+tiles (``model.tile_size`` = ``large_tile``, ``tile_overlap`` = ``large_overlap``, ``num_inducing`` =
+``large_m`` per tile) and without (one engine, ``num_inducing`` = ``large_untiled_m``). Recorded per update: wall
+and CPU time, the number of tiles; every ``large_sample_every`` samples the process RSS and the bytes of the
+model state. Accuracy: RMSE of |B| (uT) at test points beside the path (every ``large_test_every``-th sample,
+moved sideways by up to 0.3 m; truth from the simulated world), for both online maps and:
+
+* ``exact_gp``: the offline reference. An offline SVGP with as many inducing points as all tiles together
+  (thousands) is out of reach on a CPU, so, as the issue allows, an exact GP on a seeded subsample of
+  ``large_exact_points`` samples: hyperparameters by marginal likelihood on ``large_exact_hyper_points`` of
+  them (``large_exact_iterations`` Adam steps, GPyTorch), then exact conditioning on the whole subsample.
+* ``nearest_neighbour`` on every sample.
+
+Cost against growth: latency and CPU time of the last tenth of the updates over the first tenth (after the
+first ``large_warmup_seconds`` of data); memory at the end of the first pass (all ground covered once) against the
+end of the drive (ground revisited) and against the number of tiles.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from bench.common import percentiles
+from bench.growth import _decile_ratio, feed
+
+
+def _world_and_drive(plan: dict, dims: int, seed: int):
+    from gp_mapping.sim import SensorConfig, TrajectoryConfig, WorldConfig, simulate
+
+    w, h = plan["large_area"]
+    area = (0.0, 0.0, float(w), float(h))
+    traj = TrajectoryConfig(patterns=("lawnmower",), area=area, inset=1.0, speed=plan["large_speed"],
+                            duration=float(plan["large_seconds"]), rate=float(plan["large_rate"]),
+                            line_spacing=plan["large_line_spacing"], min_turn_radius=1.0, lookahead=1.0,
+                            height_amplitude=plan["large_height_amplitude"] if dims == 3 else 0.0,
+                            wobble_frequency=0.2)
+    world = WorldConfig(area=area, n_dipoles=int(plan["large_dipoles"]), margin=2.0)
+    return simulate(world, traj, SensorConfig(), seed=seed)
+
+
+def _test_points(rec, plan: dict, dims: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.arange(0, len(rec.t), int(plan["large_test_every"]))
+    pos = rec.sensor_position[idx].copy()
+    d = np.gradient(rec.sensor_position[:, :2], axis=0)[idx]
+    normal = np.column_stack([-d[:, 1], d[:, 0]]) / np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-12)
+    pos[:, :2] += normal * rng.uniform(-0.3, 0.3, size=(len(idx), 1))
+    truth = rec.world.magnitude(pos) * 1e6
+    return pos[:, :dims], truth
+
+
+def _config(plan: dict, dims: int, tiled: bool):
+    from bench.speed import shipped_config
+    import dataclasses
+
+    cfg = shipped_config()
+    model = dataclasses.replace(cfg.model, device="cpu", num_inducing=int(plan["large_m"] if tiled else
+                                                                          plan["large_untiled_m"]),
+                                memory_size=int(plan["large_memory"]),
+                                tile_size=float(plan["large_tile"]) if tiled else 0.0,
+                                tile_overlap=float(plan["large_overlap"]))
+    return dataclasses.replace(cfg, model=model, sync=dataclasses.replace(cfg.sync, input_dims=dims),
+                               batching=dataclasses.replace(cfg.batching, mode="count", size=int(plan["large_batch"])),
+                               grid=dataclasses.replace(cfg.grid, resolution=0.25, max_cells=10_000_000))
+
+
+def _stream(rec, plan: dict, dims: int, tiled: bool, test_x: np.ndarray, truth: np.ndarray,
+            log: Callable[[str], None], label: str) -> dict[str, Any]:
+    import torch
+
+    from gp_mapping.mapping.mapper import Mapper
+
+    mapper = Mapper(_config(plan, dims, tiled))
+    n = len(rec.t)
+    fed = feed(mapper, rec, int(plan["large_sample_every"]), log, label, log_parts=5)
+    seen, ms, cpu_ms = fed["updates"]["num_seen"], fed["updates"]["ms"], fed["updates"]["cpu_ms"]
+    mapper.flush()
+    processing = fed["processing_s"]
+    with torch.no_grad():
+        mean, var = mapper.model.predict(test_x)
+    mean = mean.numpy()[:, 0]
+    grid_start = time.perf_counter()
+    window = mapper.grid()  # what the node publishes: the window around the robot
+    window_seconds = time.perf_counter() - grid_start
+    grid_start = time.perf_counter()
+    grid = mapper.grid(full=True)  # the whole map (files)
+    grid_seconds = time.perf_counter() - grid_start
+    lo = min(plan["large_warmup_seconds"] * plan["large_rate"], 0.5 * n)
+    s, m = np.asarray(seen, float), np.asarray(ms, float)
+    out = {"processing_s": processing, "updates": len(ms), "update_latency": percentiles(m / 1e3),
+           "rmse": float(np.sqrt(np.mean((mean - truth) ** 2))),
+           "grid": {"cells": int(grid.spec.num_cells), "seconds": grid_seconds,
+                    "known_cells": int(grid.known.sum()), "window_cells": int(window.spec.num_cells),
+                    "window_seconds": window_seconds},
+           "curve": fed["updates"], "memory": fed["memory"]}
+    a, b, r = _decile_ratio(s, m, lo, float(n))
+    out.update(latency_first_decile_ms=a, latency_last_decile_ms=b, latency_ratio=r)
+    a, b, r = _decile_ratio(s, np.asarray(cpu_ms, float), lo, float(n))
+    out.update(cpu_first_decile_ms=a, cpu_last_decile_ms=b, cpu_ratio=r)
+    after = s >= lo
+    if after.sum() >= 2:
+        out["latency_slope_ms_per_10k_samples"] = float(np.polyfit(s[after], m[after], 1)[0] * 1e4)
+    out["tiles"] = int(getattr(mapper.model, "num_tiles", 1))
+    return out
+
+
+def _first_pass_end(rec) -> int:
+    """Index of the sample where the path starts again (the first pass over the area ends): the first sample
+    after the middle of the drive that comes back within 1 m of the start."""
+    p = rec.position[:, :2]
+    d = np.linalg.norm(p - p[0], axis=1)
+    half = len(p) // 2
+    back = np.nonzero(d[half:] < 1.0)[0]
+    return int(half + back[0]) if back.size else len(p)
+
+
+def _memory_summary(run: dict, first_pass: int) -> dict[str, float]:
+    mem = run["memory"]
+    samples = np.asarray(mem["samples"])
+    k = int(np.searchsorted(samples, first_pass))
+    k = min(max(k, 0), len(samples) - 1)
+    out = {"first_pass_samples": int(samples[k]), "end_samples": int(samples[-1])}
+    for key in ("rss_bytes", "state_bytes", "tiles"):
+        a, b = float(mem[key][k]), float(mem[key][-1])
+        out[f"{key}_first_pass"], out[f"{key}_end"] = a, b
+    out["state_bytes_per_tile_end"] = out["state_bytes_end"] / max(out["tiles_end"], 1.0)
+    out["state_ratio_end_over_first_pass"] = out["state_bytes_end"] / max(out["state_bytes_first_pass"], 1.0)
+    out["samples_ratio_end_over_first_pass"] = out["end_samples"] / max(out["first_pass_samples"], 1.0)
+    # Growth with the area: RSS against the tiles made, by least squares over the drive.
+    tiles = np.asarray(mem["tiles"], float)
+    rss = np.asarray(mem["rss_bytes"], float)
+    if np.ptp(tiles) > 0:
+        slope, icpt = np.polyfit(tiles, rss, 1)
+        out["rss_mib_per_tile"] = float(slope / 2 ** 20)
+        out["rss_fit_residual_mib"] = float(np.sqrt(np.mean((rss - (slope * tiles + icpt)) ** 2)) / 2 ** 20)
+    return out
+
+
+def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
+    from gp_mapping.baselines import ExactGPBaseline, KernelSpec, NearestNeighbour
+
+    results: dict[str, Any] = {"area_m": list(plan["large_area"]), "seconds": None}
+    for dims in plan["large_dims"]:
+        t0 = time.perf_counter()
+        rec = _world_and_drive(plan, dims, seed=int(plan["large_seed"]))
+        rng = np.random.default_rng(1)
+        test_x, truth = _test_points(rec, plan, dims, rng)
+        x = rec.sensor_position[:, :dims]
+        y = np.linalg.norm(rec.field_sensor_tesla, axis=1)[:, None] * 1e6
+        path = float(np.sum(np.linalg.norm(np.diff(rec.position[:, :2], axis=0), axis=1)))
+        log(f"[large {dims}-D] {len(rec.t)} samples, path {path:.0f} m, {len(test_x)} test points "
+            f"({time.perf_counter() - t0:.0f} s to simulate)")
+        entry: dict[str, Any] = {"samples": len(rec.t), "duration_s": float(rec.t[-1] - rec.t[0]),
+                                 "rate_hz": plan["large_rate"], "path_m": path, "test_points": len(test_x),
+                                 "dipoles": int(plan["large_dipoles"]),
+                                 "extent_m": (np.ptp(rec.position[:, :2], axis=0)).tolist()}
+        entry["tiled"] = _stream(rec, plan, dims, True, test_x, truth, log, f"tiled {dims}-D")
+        entry["untiled"] = _stream(rec, plan, dims, False, test_x, truth, log, f"untiled {dims}-D")
+        first_pass = _first_pass_end(rec)
+        entry["tiled"]["memory_summary"] = _memory_summary(entry["tiled"], first_pass)
+        entry["untiled"]["memory_summary"] = _memory_summary(entry["untiled"], first_pass)
+        nn = NearestNeighbour(x, y)
+        entry["nearest_neighbour"] = {"rmse": float(np.sqrt(np.mean((nn.predict(test_x)[:, 0] - truth) ** 2)))}
+        # Offline reference: exact GP on a subsample (hyperparameters learned on a part of it).
+        cfg = _config(plan, dims, True).model
+        start = time.perf_counter()
+        hyper = ExactGPBaseline(KernelSpec.from_model_config(cfg), max_points=int(plan["large_exact_hyper_points"]),
+                                iterations=int(plan["large_exact_iterations"]), seed=0).fit(x, y)
+        h = hyper.hyperparameters()[0]
+        lengthscale = float(np.exp(np.mean(np.log(np.asarray(h["lengthscale"], float)))))
+        spec = KernelSpec(kernel=cfg.kernel, ard=cfg.ard, constant_kernel=cfg.constant_kernel, lengthscale=lengthscale,
+                          signal_variance=float(h["signal_variance"]),
+                          constant_variance=float(h.get("constant_variance", 1.0)),
+                          noise_variance=float(h["noise_variance"]) / float(np.var(y)))  # standardised units
+        exact = ExactGPBaseline(spec, max_points=int(plan["large_exact_points"]), iterations=0, seed=1).fit(x, y)
+        em, _ = exact.predict(test_x)
+        entry["exact_gp"] = {"rmse": float(np.sqrt(np.mean((em[:, 0] - truth) ** 2))), "n_used": exact.n_used,
+                             "hyper_points": hyper.n_used, "hyperparameters": h,
+                             "seconds": time.perf_counter() - start}
+        ref = entry["exact_gp"]["rmse"]
+        entry["tiled"]["rmse_ratio"] = entry["tiled"]["rmse"] / ref
+        entry["untiled"]["rmse_ratio"] = entry["untiled"]["rmse"] / ref
+        entry["nearest_neighbour"]["rmse_ratio"] = entry["nearest_neighbour"]["rmse"] / ref
+        log(f"[large {dims}-D] RMSE uT: tiled {entry['tiled']['rmse']:.3f}, untiled {entry['untiled']['rmse']:.3f}, "
+            f"exact GP {ref:.3f}, nearest neighbour {entry['nearest_neighbour']['rmse']:.3f}; latency ratio "
+            f"tiled {entry['tiled']['latency_ratio']:.2f} (CPU {entry['tiled']['cpu_ratio']:.2f})")
+        results[f"{dims}d"] = entry
+    return results
+
+
+def markdown(sec: dict[str, Any]) -> list[str]:
+    lines = ["## Large area: local submaps (tiles) against one global engine", ""]
+    if "error" in sec:
+        return lines + [f"Failed: {sec['error']}", ""]
+    for key in ("2d", "3d"):
+        e = sec.get(key)
+        if not e:
+            continue
+        t, u = e["tiled"], e["untiled"]
+        ms_t, ms_u = t["memory_summary"], u["memory_summary"]
+        lines += [f"### {key[0]}-D inputs: {e['extent_m'][0]:.0f} m x {e['extent_m'][1]:.0f} m driven, "
+                  f"{e['duration_s'] / 60:.0f} min at {e['rate_hz']:g} Hz ({e['samples']} samples, path "
+                  f"{e['path_m']:.0f} m, {e['dipoles']} dipoles); {e['test_points']} test points beside the path", "",
+                  "| map | RMSE uT | / exact GP | update median ms | latency last/first decile | CPU last/first | "
+                  "tiles | state MiB (first pass -> end) | RSS MiB (first pass -> end) | window / full map s |",
+                  "|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, r, m in (("tiled", t, ms_t), ("untiled (one engine)", u, ms_u)):
+            lines.append(f"| {name} | {r['rmse']:.3f} | {r['rmse_ratio']:.2f} | "
+                         f"{r['update_latency']['median_ms']:.0f} | {r['latency_ratio']:.2f} | {r['cpu_ratio']:.2f} | "
+                         f"{r['tiles']} | {m['state_bytes_first_pass'] / 2 ** 20:.1f} -> "
+                         f"{m['state_bytes_end'] / 2 ** 20:.1f} | {m['rss_bytes_first_pass'] / 2 ** 20:.0f} -> "
+                         f"{m['rss_bytes_end'] / 2 ** 20:.0f} | {r['grid']['window_seconds']:.1f} / "
+                         f"{r['grid']['seconds']:.1f} |")
+        lines += [f"| exact GP ({e['exact_gp']['n_used']}-sample subsample) | {e['exact_gp']['rmse']:.3f} | 1.00 | "
+                  f"- | - | - | - | - | - | - |",
+                  f"| nearest neighbour (all samples) | {e['nearest_neighbour']['rmse']:.3f} | "
+                  f"{e['nearest_neighbour']['rmse_ratio']:.2f} | - | - | - | - | - | - | - |", "",
+                  f"First pass: the first {ms_t['first_pass_samples']} samples (every part of the area driven once); "
+                  f"the rest revisits it ({ms_t['samples_ratio_end_over_first_pass']:.2f} x the samples). Tiled state "
+                  f"per tile at the end {ms_t['state_bytes_per_tile_end'] / 2 ** 10:.0f} KiB; RSS against tiles: "
+                  f"{ms_t.get('rss_mib_per_tile', float('nan')):.2f} MiB per tile.", ""]
+    return lines

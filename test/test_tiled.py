@@ -1,0 +1,347 @@
+"""Local submaps (gp/tiled.py): tile geometry, tiles against one global engine, seams, state round trips,
+bad input, both engines, 3-D tiles.
+
+Data: a simulated 8 m x 8 m world with 20 dipoles (gp_mapping.sim), a lawnmower 0.8 m between lanes at 1 m/s,
+|B| in microtesla (std about 3.4 uT over the path). Measured when written: one global dual SVGP (M = 128) scores
+0.075 uT RMSE on held-out points along the path, 12 tiles of 4 m (overlap 2 m, M = 64 each) 0.071 uT, and
+the two maps differ by 0.025 uT RMS. The bounds below leave a factor of about 3.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from gp_mapping.config import ConfigError, ModelConfig, config_from_dict
+from gp_mapping.gp import GPNumericalError, ModelInputError, TiledModel, build_model
+from gp_mapping.gp.tiled import TileLayout, smootherstep
+from gp_mapping.mapping.mapper import Mapper
+from gp_mapping.mapping.state import MapStateError
+from gp_mapping.sim import SensorConfig, TrajectoryConfig, WorldConfig, simulate
+
+torch.set_num_threads(1)
+AREA = (0.0, 0.0, 8.0, 8.0)
+
+
+@pytest.fixture(scope="module")
+def drive():
+    rec = simulate(WorldConfig(area=AREA, n_dipoles=20),
+                   TrajectoryConfig(patterns=("lawnmower",), area=AREA, line_spacing=0.8, speed=1.0, duration=90.0,
+                                    rate=10.0), SensorConfig(), seed=1)
+    return rec
+
+
+def samples(rec, dims=2):
+    x = rec.sensor_position[:, :dims]
+    y = np.linalg.norm(rec.field_sensor_tesla, axis=1)[:, None] * 1e6
+    return x, y
+
+
+def held_out(rec, dims=2):
+    pts = rec.sensor_position[::7].copy()
+    pts[:, :2] += 0.05
+    truth = rec.world.magnitude(pts) * 1e6
+    return pts[:, :dims], truth
+
+
+def model_config(**kw) -> ModelConfig:
+    base = dict(num_inducing=64, memory_size=200, hyper_steps=10, device="cpu", lengthscale=1.0, tile_size=4.0,
+                tile_overlap=2.0)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def stream(model, x, y, batch=50):
+    for i in range(0, len(x), batch):
+        model.update(x[i:i + batch], y[i:i + batch])
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- geometry
+
+@pytest.mark.parametrize("sizes", [(4.0, 4.0), (4.0, 4.0, 2.5)])
+def test_weights_are_a_partition_of_unity_on_the_tiles_that_hold_the_point(sizes):
+    layout = TileLayout(sizes, 2.0)
+    x = torch.as_tensor(np.random.default_rng(0).uniform(-13, 13, (5000, len(sizes))))
+    pts, tiles, w = layout.blend(x)
+    total = torch.zeros(len(x), dtype=torch.float64).index_add_(0, pts, w)
+    assert torch.allclose(total, torch.ones_like(total), atol=1e-12)
+    mp, mt = layout.memberships(x)
+    members = {(int(p), tuple(t.tolist())) for p, t in zip(mp, mt)}
+    assert {(int(p), tuple(t.tolist())) for p, t in zip(pts, tiles)} <= members
+    for p, t in list(members)[:500]:  # membership = the point lies in the tile's span
+        for (lo, hi), v in zip(layout.span(t), x[p].tolist()):
+            assert lo <= v < hi
+
+
+def test_a_point_goes_to_one_tile_in_a_core_two_in_a_band_four_at_a_corner_eight_in_3d():
+    layout = TileLayout((4.0, 4.0), 2.0)
+    x = torch.tensor([[2.0, 2.0], [4.5, 2.0], [3.5, 4.2]], dtype=torch.float64)
+    pts, _ = layout.memberships(x)
+    assert torch.bincount(pts).tolist() == [1, 2, 4]
+    pts, _ = TileLayout((4.0, 4.0, 3.0), 2.0).memberships(torch.tensor([[3.5, 4.2, 3.1]], dtype=torch.float64))
+    assert len(pts) == 8
+
+
+def test_blending_weight_is_smooth_across_a_border():
+    layout = TileLayout((4.0, 4.0), 2.0)
+    xs = torch.linspace(2.0, 6.0, 4001, dtype=torch.float64)
+    x = torch.stack([xs, torch.full_like(xs, 2.0)], 1)
+    pts, tiles, w = layout.blend(x)
+    w0 = torch.zeros(len(xs), dtype=torch.float64).index_add_(0, pts[tiles[:, 0] == 0], w[tiles[:, 0] == 0])
+    assert float(w0[xs <= 3.0].min()) == 1.0 and float(w0[xs >= 5.0].max()) == 0.0
+    assert float(torch.diff(w0).abs().max()) < 2e-3  # max slope 15/8 per m of smootherstep over 2 m: 1.9e-3
+    u = torch.linspace(0, 1, 101, dtype=torch.float64)
+    assert torch.allclose(smootherstep(u) + smootherstep(1 - u), torch.ones_like(u), atol=1e-14)
+
+
+def test_overlap_wider_than_a_tile_is_refused_by_name():
+    with pytest.raises(ConfigError, match="tile_overlap"):
+        build_model(model_config(tile_overlap=5.0), 2, 1)
+    with pytest.raises(ConfigError, match="tile_overlap"):
+        config_from_dict({"model": {"tile_overlap": 0.0}})
+    with pytest.raises(ConfigError, match="tile_size"):
+        config_from_dict({"model": {"tile_size": -1.0}})
+
+
+# ----------------------------------------------------------------------------------------------- accuracy
+
+def test_tiles_match_one_global_model_on_a_small_area(drive):
+    """12 tiles of M = 64 against one engine with M = 128 over 8 m x 8 m: the same map within 0.1 uT RMS
+    (3 % of the field's spread over the path), and the tiled map no worse than 1.2 x the global one's RMSE."""
+    x, y = samples(drive)
+    test_x, truth = held_out(drive)
+    glob = stream(build_model(dataclasses.replace(model_config(), tile_size=0.0, num_inducing=128), 2, 1), x, y)
+    tiled = stream(build_model(model_config(), 2, 1), x, y)
+    assert isinstance(tiled, TiledModel) and tiled.num_tiles >= 9
+    mg = glob.predict(test_x)[0].numpy()[:, 0]
+    mt, vt = (t.numpy()[:, 0] for t in tiled.predict(test_x))
+    rmse_g = float(np.sqrt(np.mean((mg - truth) ** 2)))
+    rmse_t = float(np.sqrt(np.mean((mt - truth) ** 2)))
+    assert float(np.sqrt(np.mean((mt - mg) ** 2))) < 0.1
+    assert rmse_t < 1.2 * rmse_g, (rmse_t, rmse_g)
+    assert np.all(vt > 0) and np.all(np.isfinite(vt))
+    lpd = tiled.log_predictive_density(test_x, truth[:, None]).numpy()
+    assert np.all(np.isfinite(lpd))
+    assert tiled.num_seen == len(x)
+
+
+def _tile_mean(tiled, index, pts):
+    with tiled._hyperparameters(tiled.tiles["_".join(map(str, index))].theta):
+        return tiled.tile(index).predict(pts)[0].numpy()[:, 0]
+
+
+def test_no_seam_across_tile_borders(drive):
+    """Grid lines (0.1 m cells) across the borders x = 4 and y = 4, over the driven area. (1) The mean's jump
+    between the two cells either side of a border is no larger than the largest jump between neighbouring
+    cells inside the tiles' cores. (2) No step: a step shows as a jump that differs from the mean of its two
+    neighbours' jumps; in the border bands that deviation stays within its largest value in the cores. The
+    two tiles' own maps do differ at the borders (by up to ~0.4 uT here): switching from one to the other at
+    the border instead of blending fails (2) by a factor > 5."""
+    x, y = samples(drive)
+    tiled = stream(build_model(model_config(), 2, 1), x, y)
+    res = 0.1
+    ts = np.arange(0.55, 7.45, res)
+    mid = 0.5 * (ts[1:] + ts[:-1])
+    border_pair = int(np.argmin(np.abs(mid - 4.0)))
+    band = np.abs(mid[1:-1] - 4.0) <= 1.0
+    core = (np.abs(mid[1:-1] - 2.0) <= 1.0) | (np.abs(mid[1:-1] - 6.0) <= 1.0)
+
+    def step(m):
+        d = np.diff(m)
+        return d, np.abs(d[1:-1] - 0.5 * (d[:-2] + d[2:]))
+
+    border_jumps, core_jumps, band_steps, core_steps, hard_steps = [], [], [], [], []
+    for axis in (0, 1):
+        for c in np.arange(1.0, 7.5, 0.8):  # along the lanes (y = const) and across them
+            line = np.zeros((len(ts), 2))
+            line[:, axis] = ts
+            line[:, 1 - axis] = c
+            d, s = step(tiled.predict(line)[0].numpy()[:, 0])
+            border_jumps.append(abs(d[border_pair]))
+            core_jumps.append(np.abs(d[1:-1][core]).max())
+            band_steps.append(s[band].max())
+            core_steps.append(s[core].max())
+            other = 0 if c < 4 else 1
+            a, b = [(0, other), (1, other)] if axis == 0 else [(other, 0), (other, 1)]
+            hard = np.where(ts < 4.0, _tile_mean(tiled, a, line), _tile_mean(tiled, b, line))
+            hard_steps.append(step(hard)[1][band].max())
+    assert max(border_jumps) <= max(core_jumps)
+    assert max(band_steps) <= max(core_steps)
+    assert max(hard_steps) > 5 * max(core_steps)
+
+
+# ----------------------------------------------------------------------------------------------- state
+
+def test_state_dict_round_trip_with_any_number_of_tiles(drive):
+    x, y = (a[::2] for a in samples(drive))
+    cfg = model_config()
+    a = stream(build_model(cfg, 2, 1), x[:150], y[:150])
+    few = {k: v.clone() for k, v in a.state_dict().items()}
+    stream(a, x[150:], y[150:])
+    b = build_model(cfg, 2, 1)
+    b.load_state_dict(a.state_dict())  # an empty model takes every tile
+    assert b.tile_indices() == a.tile_indices()
+    test_x, truth = held_out(drive)
+    for ta, tb in zip(a.predict(test_x), b.predict(test_x)):
+        assert torch.equal(ta, tb)
+    # Continuing from the copy gives bit-identical maps (stale tiles carry their own hyperparameters).
+    more_x, more_y = x[::3] + 0.02, y[::3]
+    stream(a, more_x, more_y)
+    stream(b, more_x, more_y)
+    for ta, tb in zip(a.predict(test_x), b.predict(test_x)):
+        assert torch.equal(ta, tb)
+    # A state with fewer tiles loaded into a model with more: the extra tiles go.
+    b.load_state_dict(few)
+    assert b.num_tiles < a.num_tiles and b.num_seen == 150
+    c = build_model(cfg, 2, 1)
+    c.load_state_dict(few)
+    for tb, tc in zip(b.predict(test_x), c.predict(test_x)):
+        assert torch.equal(tb, tc)
+
+
+def test_mapper_checkpoint_round_trip_and_grid_with_tiles(drive, tmp_path):
+    cfg = config_from_dict({"model": dataclasses.asdict(model_config(hyper_steps=5)),
+                            "batching": {"size": 50},
+                            "grid": {"resolution": 0.2, "margin": 0.5, "unknown_distance": 0.3}})
+    rec = drive
+    n = len(rec.t)
+    mapper = Mapper(cfg)
+    for i in range(n // 2):
+        mapper.add_pose(float(rec.t[i]), rec.position[i], rec.orientation_xyzw[i])
+        mapper.add_magnetic_field(float(rec.t[i]), rec.field_sensor_tesla[i])
+        mapper.process()
+    path = tmp_path / "tiles.safetensors"
+    mapper.save(path)
+    loaded = Mapper.load(path, cfg)
+    assert loaded.model.num_tiles == mapper.model.num_tiles > 1
+    for m in (mapper, loaded):
+        for i in range(n // 2, n):
+            m.add_pose(float(rec.t[i]), rec.position[i], rec.orientation_xyzw[i])
+            m.add_magnetic_field(float(rec.t[i]), rec.field_sensor_tesla[i])
+            m.process()
+        m.flush()
+    # Another tile geometry would put the saved tiles in the wrong places: refused by name.
+    other = config_from_dict({"model": dataclasses.asdict(model_config(hyper_steps=5, tile_size=5.0))})
+    with pytest.raises(MapStateError, match="tile_size"):
+        Mapper.load(path, other)
+    ga, gb = mapper.grid(full=True), loaded.grid(full=True)
+    for name in ga.layers:
+        np.testing.assert_array_equal(ga.layers[name][0], gb.layers[name][0])
+        np.testing.assert_array_equal(ga.layers[name][1], gb.layers[name][1])
+    mean, var = ga.layers["magnitude"]
+    assert np.all(np.isfinite(mean)) and np.all(var >= 0)
+    truth = rec.world.magnitude(np.column_stack([*(a.ravel() for a in np.meshgrid(
+        ga.spec.column_centres(), ga.spec.row_centres())), np.zeros(mean.size)])).reshape(mean.shape) * 1e6
+    known = ga.known
+    rmse = float(np.sqrt(np.mean((mean[known] - truth[known]) ** 2)))
+    assert rmse < 0.5, rmse  # |B| spreads ~3.4 uT over the area
+    assert mapper.diagnostics()["num_seen"] == mapper.diagnostics()["accepted"]
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+def test_bad_input_is_refused_and_leaves_the_model_unchanged(drive):
+    x, y = samples(drive)
+    model = stream(build_model(model_config(), 2, 1), x[:200], y[:200])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad_x = x[200:250].copy()
+    bad_x[7, 0] = np.nan
+    with pytest.raises(ModelInputError):
+        model.update(bad_x, y[200:250])
+    bad_y = y[200:250].copy()
+    bad_y[3, 0] = np.inf
+    with pytest.raises(ModelInputError):
+        model.update(x[200:250], bad_y)
+    with pytest.raises(ModelInputError):
+        model.update(x[200:250], y[200:249])
+    with pytest.raises(ModelInputError):
+        model.predict(np.array([[np.inf, 1.0]]))
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_tile_that_fails_numerically_is_rolled_back_and_counted_by_the_mapper(drive, monkeypatch):
+    """A batch over a border whose second tile fails: the Mapper counts the failure and drops the batch, the
+    first tile's update and any tile created by the batch are undone, later batches map on."""
+    cfg = config_from_dict({"model": dataclasses.asdict(model_config(hyper_steps=3)), "batching": {"size": 50}})
+    mapper = Mapper(cfg)
+    x, y = samples(drive)
+    model = mapper.model
+    stream(model, x[:100], y[:100])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tiles_before = model.tile_indices()
+    calls = {"n": 0}
+    original = type(model.prior).update
+
+    def flaky(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise GPNumericalError("simulated Cholesky failure")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model.prior), "update", flaky)
+    far = np.column_stack([np.linspace(3.0, 5.0, 50), np.full(50, 20.0)])  # two new tiles across x = 4
+    from gp_mapping.mapping.sync import Measurements
+    batch = Measurements(far, y[:50], np.arange(50.0), np.column_stack([far, np.zeros(50)]))
+    assert mapper._update(batch) is None
+    assert mapper.failed_updates == 1 and mapper.dropped_failed_update == 50
+    assert model.tile_indices() == tiles_before
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    monkeypatch.setattr(type(model.prior), "update", original)
+    assert mapper._update(batch) is not None and model.num_tiles > len(tiles_before)
+
+
+# ----------------------------------------------------------------------------------------------- engines, 3-D
+
+def test_continual_mogp_tiles_map_the_vector_field(drive):
+    x = drive.sensor_position[:, :2]
+    y = drive.field_map_tesla_true * 1e6 + np.random.default_rng(0).normal(0, 0.1, (len(x), 3))
+    cfg = model_config(engine="continual_mogp", num_inducing=24, hyper_steps=5, vem_iterations=1,
+                       full_update_every=4)
+    model = stream(build_model(cfg, 2, 3), x[:500], y[:500], batch=100)
+    assert model.num_tiles > 1 and not model.prior.mixing_raw.requires_grad
+    test_x = x[:500:9] + 0.03
+    truth = drive.world.field(np.column_stack([test_x, np.zeros(len(test_x))])) * 1e6
+    mean, var = model.predict(test_x)
+    assert np.sqrt(np.mean((mean.numpy() - truth) ** 2)) < 1.5  # per-component spread ~3 uT
+    copy = build_model(cfg, 2, 3)
+    copy.load_state_dict(model.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(model.predict(test_x), copy.predict(test_x)))
+
+
+def test_3d_inputs_tiled_in_height(drive):
+    """Two storeys 3 m apart (tile_height 3): samples of each storey go to its own tiles; the upper storey's
+    map is not pulled towards the lower one's."""
+    x2, y = samples(drive)
+    lower = np.column_stack([x2, np.zeros(len(x2))])
+    upper = np.column_stack([x2, np.full(len(x2), 3.2)])
+    cfg = model_config(tile_height=3.0, tile_overlap=1.0, num_inducing=40, hyper_steps=5)
+    model = build_model(cfg, 3, 1)
+    assert model.layout.dims == 3
+    both_x = np.vstack([lower[::3], upper[1::3]])
+    both_y = np.vstack([y[::3], y[1::3] + 10.0])  # the upper storey reads 10 uT more
+    order = np.random.default_rng(0).permutation(len(both_x))
+    stream(model, both_x[order], both_y[order], batch=100)
+    assert {i[2] for i in model.tile_indices()} == {-1, 0, 1}
+    test_x, truth = held_out(drive)
+    lo = model.predict(np.column_stack([test_x, np.zeros(len(test_x))]))[0].numpy()[:, 0]
+    hi = model.predict(np.column_stack([test_x, np.full(len(test_x), 3.2)]))[0].numpy()[:, 0]
+    assert np.sqrt(np.mean((lo - truth) ** 2)) < 0.5
+    assert np.sqrt(np.mean((hi - truth - 10.0) ** 2)) < 0.5
+
+
+@pytest.mark.gpu
+def test_tiles_on_cuda_match_the_cpu(drive):
+    """The same stream on the GPU (float64) and the CPU: the same tiles and maps within 1e-6 uT."""
+    x, y = (a[:300] for a in samples(drive))
+    cpu = stream(build_model(model_config(hyper_steps=3), 2, 1), x, y)
+    gpu = stream(build_model(model_config(hyper_steps=3, device="cuda"), 2, 1), x, y)
+    assert gpu.device.type == "cuda" and gpu.tile_indices() == cpu.tile_indices()
+    test_x, _ = held_out(drive)
+    for a, b in zip(cpu.predict(test_x), gpu.predict(test_x)):
+        assert b.device.type == "cuda"
+        np.testing.assert_allclose(b.cpu().numpy(), a.numpy(), atol=1e-6, rtol=1e-6)
