@@ -104,6 +104,9 @@ DEFAULT_MAX_PENDING = 8192
 #: moves by more than RESCALE_SHIFT current stds.
 RESCALE_FACTOR = 2.0
 RESCALE_SHIFT = 0.5
+#: A scheduled fast update becomes full when a batch input keeps more than this fraction of its prior variance
+#: given a full Z (see DualSVGP._leaves_the_cover).
+COVER_LOST = 0.5
 
 
 def _sym(W: torch.Tensor) -> torch.Tensor:
@@ -678,6 +681,8 @@ class DualSVGP(Engine):
             raise ValueError(f"update mode must be 'fast', 'full' or None, got {mode!r}")
         if mode is None:
             mode = "full" if int(self.num_updates_t) % self.config.full_update_every == 0 else "fast"
+            if mode == "fast" and self._leaves_the_cover(xt):
+                mode = "full"
         stats: dict = {"mode": mode, "n_batch": int(xt.shape[0]), "z_moved": 0, "hyper_steps": 0,
                        "objective": 0.0, "folded": 0}
         if xt.shape[0] > 0:
@@ -697,6 +702,20 @@ class DualSVGP(Engine):
                       "memory_size": self.memory_size, "pending": int(self.pend_x.shape[0]),
                       "num_inducing": self.num_inducing, "jitter": self.jitter})
         return stats
+
+    def _leaves_the_cover(self, x: torch.Tensor) -> bool:
+        """Whether a batch reaches where a full Z no longer covers it: some input keeps more than COVER_LOST of
+        its prior variance given Z. Conditioning such data with frozen hyperparameters overfits (the noise was
+        learned where Z covered the data, and the missing variance is nobody's), so the scheduler promotes that
+        update to a full one, which exchanges inducing points and re-learns. Z that can still grow, or a fixed
+        Z, never promotes (growth is done in fast mode)."""
+        if bool(self.z_fixed) or self.num_inducing < self.config.num_inducing or x.shape[0] == 0:
+            return False
+        with torch.no_grad():
+            kxx = self.kernel.diag(x)
+            V = self._features(self._chol_K(), x)
+            lost = (kxx - (V * V).sum(0)) / kxx
+            return bool(lost.max() > COVER_LOST)
 
     def _fast_update(self, x: torch.Tensor, ys: torch.Tensor) -> dict:
         z_moved = 0
