@@ -67,9 +67,9 @@ class ModelConfig:
     rho: float = option(0.9, doc="natural-gradient damping step", low=0.0, low_open=True, high=1.0)
     n_steps: int = option(2, doc="natural-gradient steps per update", low=1, high=1000)
     learn_hyperparameters: bool = option(True, doc="learn kernel and noise hyperparameters online (full mode)")
-    hyper_steps: int = option(20, doc="most Adam steps on the hyperparameters per full update (dual_svgp stops "
-                                      "earlier once a step gains less than hyper_tol per datum; Adam's moments carry "
-                                      "over between updates)", low=0, high=100_000)
+    hyper_steps: int = option(20, doc="most Adam steps on the hyperparameters per full update (fewer by "
+                                      "hyper_batch after the warm-up, or once a step gains less than hyper_tol; "
+                                      "Adam's moments carry over between updates)", low=0, high=100_000)
     hyper_warmup: int = option(200, doc="dual_svgp: a full update may take up to hyper_steps hyperparameter steps until "
                                         "the optimiser has taken this many in all (the map is small and the "
                                         "hyperparameters far off then); after that hyper_batch rules",
