@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("gpytorch")
 
-from gp_mapping.baselines import (BaselineError, ExactGPBaseline, KernelSpec, OfflineSVGP,  # noqa: E402
+from gp_mapping.evaluation.baselines import (BaselineError, ExactGPBaseline, KernelSpec, OfflineSVGP,  # noqa: E402
                                   StreamingSparseGP, gaussian_log_density, nlpd)
 
 
@@ -249,7 +249,7 @@ def test_reduced_rank_gp_converges_to_the_exact_gp_and_learns_from_sufficient_st
     """Solin & Särkkä (2020): with enough Laplacian eigenfunctions on a box with margin, the reduced-rank GP's
     posterior is the exact GP's (same kernel and hyperparameters); fed in batches it is the same as in one go
     (sufficient statistics), and refitting raises the exact log marginal likelihood."""
-    from gp_mapping.baselines import ReducedRankGP
+    from gp_mapping.evaluation.baselines import ReducedRankGP
 
     rng = np.random.default_rng(0)
     x = rng.uniform(0, 4, (300, 2))

@@ -91,7 +91,7 @@ def test_installed_tool_replays_a_bag(workspace, tmp_path):
     import yaml
 
     from gp_mapping import sim
-    from gp_mapping.demo_bag import write_demo_bag
+    from gp_mapping.sim.demo_bag import write_demo_bag
 
     area = (-1.5, -1.5, 1.5, 1.5)
     rec = sim.simulate(sim.WorldConfig(area=area, n_dipoles=2),

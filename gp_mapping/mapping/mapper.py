@@ -293,7 +293,10 @@ class Mapper:
         else:
             before = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         try:
-            stats = self.model.update(batch.x, batch.y)
+            if getattr(self.model, "wants_stamps", False):  # engines that gate on time take the stamps
+                stats = self.model.update(batch.x, batch.y, t=batch.t)
+            else:
+                stats = self.model.update(batch.x, batch.y)
             check = batch.x[:PREDICTION_CHECK_POINTS]
             mean, var = self.model.predict(check)
             finite = bool(torch.isfinite(torch.as_tensor(mean)).all() and torch.isfinite(torch.as_tensor(var)).all())

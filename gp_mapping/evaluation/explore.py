@@ -28,8 +28,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench.common import percentiles, rss_bytes
-from bench.speed import shipped_config
+from gp_mapping.evaluation.common import percentiles, rss_bytes
+from gp_mapping.evaluation.speed import shipped_config
 
 RSS_EVERY_S = 10.0  # emulated seconds between two samples of the resident memory (less in a short run)
 Q = np.array([0.0, 0.0, 0.0, 1.0])

@@ -26,11 +26,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from bench.bench_engine import _summary
-from gp_mapping.baselines import (ConstantMean, ExactGPBaseline, KernelSpec, NearestNeighbour, OfflineSVGP,
-                                  ReducedRankGP, StreamingSparseGP, gaussian_log_density, nlpd, rmse)
+from gp_mapping.evaluation.baselines import (ConstantMean, ExactGPBaseline, KernelSpec, NearestNeighbour,
+                                             OfflineSVGP, ReducedRankGP, StreamingSparseGP, gaussian_log_density,
+                                             nlpd, rmse)
+from gp_mapping.evaluation.bench_engine import _summary
 from gp_mapping.config import ModelConfig
-from gp_mapping.datasets import load_solin2018
+from gp_mapping.evaluation.datasets import load_solin2018
 from gp_mapping.gp import ENGINES, build_model
 
 HSGP_BASIS = (256, 1024)  # the reduced-rank GP's basis sizes (magnetic SLAM uses m = 256-1024)
