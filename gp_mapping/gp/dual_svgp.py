@@ -878,4 +878,14 @@ class DualSVGP(Engine):
             self.y_std.copy_(torch.as_tensor(target_scale, dtype=torch.float64).reshape(p))
             self.standardised.fill_(True)
             self.num_seen_t.fill_(int(num_seen))
+            # The merged sites are a pseudo-likelihood on u: a shift of the targets' origin moves them along
+            # B K^{-1} 1 (whitened: W L^{-1} 1), and the running statistics start at the merged scale.
+            self._drop_caches()
+            e_w = torch.linalg.solve_triangular(self._chol_K(), torch.ones(m, 1, dtype=torch.float64, device=dev),
+                                                upper=False)[:, 0]
+            self.b_w_old = (self.W_old @ e_w).T.clone()
+            self.y_count.fill_(float(num_seen))
+            self.y_run_mean.copy_(self.y_mean)
+            self.y_run_m2.copy_(self.y_std ** 2 * float(num_seen))
+            self.hyper_learned.fill_(True)
         self._refresh_cache()
