@@ -17,6 +17,7 @@ torch.set_num_threads(1)
 
 def make(d: int = 2, p: int = 1, **kw) -> DualSVGP:
     kw.setdefault("device", "cpu")
+    kw.setdefault("full_update_every", 1)  # these tests call update() expecting full updates unless they say
     return build_model(ModelConfig(**kw), d, p)
 
 

@@ -56,7 +56,7 @@ class ModelConfig:
     noise_variance: float = option(0.01, doc="initial noise variance (standardised)", low=0.0, low_open=True,
                                  high=1e2)
     student_t_dof: float = option(4.0, doc="Student-t degrees of freedom", low=0.0, low_open=True, high=1e3)
-    num_inducing: int = option(128, doc="number of inducing points M", low=1, high=8192)
+    num_inducing: int = option(256, doc="number of inducing points M", low=1, high=8192)
     inducing: str = option("pivoted_cholesky", doc="inducing-point policy: re-selected by pivoted Cholesky "
                          "over [Z; X_new], or a fixed grid over inducing_bounds",
                          choices=("pivoted_cholesky", "grid"))
@@ -72,14 +72,18 @@ class ModelConfig:
     hyper_steps: int = option(20, doc="most Adam steps on the hyperparameters per full update (fewer by "
                                       "hyper_batch after the warm-up, or once a step gains less than hyper_tol; "
                                       "Adam's moments carry over between updates)", low=0, high=100_000)
-    hyper_warmup: int = option(200, doc="dual_svgp: a full update may take up to hyper_steps hyperparameter steps until "
+    hyper_warmup: int = option(100, doc="dual_svgp: a full update may take up to hyper_steps hyperparameter steps until "
                                         "the optimiser has taken this many in all (the map is small and the "
                                         "hyperparameters far off then); after that hyper_batch rules",
                                low=0, high=10_000_000)
-    hyper_batch: int = option(25, doc="after the warm-up a full update takes one hyperparameter step per this "
+    hyper_batch: int = option(50, doc="after the warm-up a full update takes one hyperparameter step per this "
                                       "many new samples (at least one, at most hyper_steps), so learning keeps "
                                       "pace with the data whatever full_update_every is, and a 1-second batch "
                                       "costs a step or two", low=1, high=1_000_000)
+    hyper_points: int = option(256, doc="dual_svgp: hyperparameter steps see at most this many held samples "
+                                        "(a uniform sample of the memory and of the batch, weighted to stand for "
+                                        "the rest, whose information stays in q), so a step costs the same "
+                                        "however large the batch", low=1, high=1_000_000)
     hyper_tol: float = option(1e-4, doc="stop a full update's hyperparameter steps when the objective per "
                                         "datum rose by less than this in the last step; 0: always hyper_steps",
                               low=0.0, high=1.0)
@@ -90,8 +94,9 @@ class ModelConfig:
                                 "recording and hurts on the demo bag (bench/README.md)")
     inducing_lr: float = option(0.01, doc="Adam learning rate for the inducing inputs [m per step]", low=0.0,
                               low_open=True, high=100.0)
-    full_update_every: int = option(1, doc="every n-th update is a full update (memory, hyperparameters, "
-                                  "inducing re-selection); the others are fast conditioning", low=1, high=1_000_000)
+    full_update_every: int = option(10, doc="every n-th update is a full update (memory, hyperparameters, "
+                                  "inducing re-selection); the others are fast conditioning (dual_svgp: Z still "
+                                  "grows, and a batch that leaves a full Z's cover gets a full update)", low=1, high=1_000_000)
     jitter: float = option(1e-6, doc="initial diagonal jitter added to K before Cholesky", low=0.0, high=1.0)
     device: str = option("auto", doc="torch device for the model: 'auto' (CUDA when available), 'cpu', 'cuda' or "
                          "'cuda:N' (GPU N)", choices=("auto", "cpu", "cuda"), pattern=r"cuda:[0-9]+",
@@ -102,7 +107,7 @@ class ModelConfig:
     latent_lengthscale_ratio: float = option(2.0, doc="continual_mogp: latent q starts at lengthscale * ratio ** "
                                            "(q - (Q - 1) / 2), so the latents cover several scales (1: all equal)",
                                            low=1.0, high=100.0)
-    vem_iterations: int = option(4, doc="continual_mogp: variational EM iterations (M-step of hyper_steps Adam "
+    vem_iterations: int = option(2, doc="continual_mogp: variational EM iterations (M-step of hyper_steps Adam "
                                "steps, inducing inputs re-placed, E-step) per full update", low=1, high=1000)
     mixing_learning: str = option("first", doc="continual_mogp: when the mixing weights are learned: only while a "
                                 "channel is first seen (no forgetting through them), in every full update (as "

@@ -226,6 +226,7 @@ class ContinualMOGP(Engine):
         self.register_buffer("rescalings_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("hyper_learned", torch.tensor(False))  # learned from a batch that spans space
         self.register_buffer("rows_fitted", torch.zeros(p, dtype=torch.bool))  # mixing rows learned (see 'first')
+        self.register_buffer("rows_since_learning", torch.tensor(0, dtype=torch.int64))
         self._register_adam_state()
         self.register_buffer("num_observed_t", torch.zeros(p, dtype=torch.int64))
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
@@ -806,7 +807,8 @@ class ContinualMOGP(Engine):
                 hyper, masks = self._hyper_parameters()
                 # No warm-up here: with its own E-step re-run after every M-step, the measured warm-up of many
                 # steps per batch made the rest-then-drive map worse (0.95 against 0.58 uT).
-                budget = self._hyper_budget(xt.shape[0], warmup=False)
+                # the rows conditioned on since the last M-step (fast updates learn nothing)
+                budget = self._hyper_budget(int(self.rows_since_learning) + xt.shape[0], warmup=False)
 
                 if self._uses_analytic_e_step():
                     # q(u) at its exact optimum for the current hyperparameters (differentiable): the M-step
@@ -834,6 +836,7 @@ class ContinualMOGP(Engine):
                 self.num_seen_t += int(xt.shape[0])
                 self.num_observed_t += mask.sum(0)
                 self.num_updates_t += 1
+                self.rows_since_learning.fill_(0 if learn else int(self.rows_since_learning) + int(xt.shape[0]))
             stats["continual"] = not first
             self._refresh_cache()
         stats.update({"seconds": time.perf_counter() - start, "num_seen": self.num_seen,

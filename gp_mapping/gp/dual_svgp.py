@@ -526,7 +526,8 @@ class DualSVGP(Engine):
     def _hyper_parameters(self) -> list[nn.Parameter]:
         return list(self.kernel.parameters()) + list(self.likelihood.parameters())
 
-    def _hyper_objective(self, L0, z0, z, hx, hy, lam1, lam2, weights, with_old_part: bool = False
+    def _hyper_objective(self, L0, z0, z, hx, hy, lam1, lam2, weights, with_old_part: bool = False,
+                         fixed: tuple[torch.Tensor, torch.Tensor] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Dual-fixed objectives at (theta, Z); held sites fixed, the old part fixed as a pseudo-likelihood
         t_old on v0 = L0^{-1} f(Z0), carried to u = f(Z) by A_p (whitened: G = L0^{-1} Cov(u0, u) L^{-T}).
@@ -547,8 +548,9 @@ class DualSVGP(Engine):
             G = torch.linalg.solve_triangular(L0, L, upper=False)
         V = torch.linalg.solve_triangular(L, self.kernel(z, hx), upper=False)
         a_h, W_h = _site_sums(V, lam1, lam2)
-        a_old = G.T @ self.a_w_old
-        W_old = _sym(G.T @ self.W_old @ G)
+        a_fixed, W_fixed = fixed if fixed is not None else (self.a_w_old, self.W_old)
+        a_old = G.T @ a_fixed
+        W_old = _sym(G.T @ W_fixed @ G)
         R, c = self._posterior(a_old + a_h, W_old + W_h)
         mean, var, _ = self._marginals(V, R, c, self.kernel.diag(hx))
         ell = self.likelihood.expected_log_lik(hy, mean, var)
@@ -570,10 +572,11 @@ class DualSVGP(Engine):
                              + torch.einsum("pm,pmn,pn->", mean_w, W_old, mean_w)))
         return l_theta, ell.sum() + old_term - kl
 
-    def _learn_hyperparameters(self, hx, hy, lam1, lam2, weights, budget: int) -> tuple[int, float]:
+    def _learn_hyperparameters(self, hx, hy, lam1, lam2, weights, budget: int,
+                               fixed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[int, float]:
         """Adam steps on theta (l_theta) and, if configured, on Z (l_Z); returns (steps, final l_theta per
-        datum). At the end the old part is carried to the new prior and Z; held contributions are the
-        caller's."""
+        datum). ``fixed``: the whitened pseudo-likelihood held fixed during the steps (default the old part).
+        At the end the old part is carried to the new prior and Z; held contributions are the caller's."""
         cfg = self.config
         params = self._hyper_parameters() if cfg.learn_hyperparameters else []
         learn_z = cfg.learn_inducing and not bool(self.z_fixed) and self.num_inducing > 1
@@ -595,7 +598,7 @@ class DualSVGP(Engine):
             for _ in range(budget):
                 optimiser.zero_grad()
                 try:
-                    l_theta, l_z = self._hyper_objective(L0, z0, z, hx, hy, lam1, lam2, weights, learn_z)
+                    l_theta, l_z = self._hyper_objective(L0, z0, z, hx, hy, lam1, lam2, weights, learn_z, fixed)
                     finite = bool(torch.isfinite(l_theta)) and (l_z is None or bool(torch.isfinite(l_z)))
                     # Converged: the last step gained less than hyper_tol per datum, so stop where this value
                     # was measured (with learned Z, l_theta alone does not tell convergence).
@@ -642,6 +645,32 @@ class DualSVGP(Engine):
             self.Z = z_new
             self._transport_old_part(L0, self._cross(z0, z_new), L_new)
         return steps, value
+
+    def _hyper_sample(self, V, hx, hy, lam1, lam2, weights, n_mem: int) -> tuple:
+        """What the hyperparameter steps see: at most model.hyper_points held samples, drawn uniformly within
+        the memory and within the batch and weighted to stand for their group (an unbiased estimate of the
+        data term, as minibatches are in SVGP training); the others' sites join the old part as the fixed
+        pseudo-likelihood on u, so q keeps their information. Each step then costs O(hyper_points M^2)
+        however many samples a full update holds. With learned Z (l_Z needs the old part alone) everything is
+        seen. Returns the arguments (hx, hy, lam1, lam2, weights, fixed) of _learn_hyperparameters."""
+        n = hx.shape[0]
+        cap = self.config.hyper_points
+        if n <= cap or self.config.learn_inducing:
+            return hx, hy, lam1, lam2, weights, None
+        groups = [torch.arange(0, n_mem, device=self.device), torch.arange(n_mem, n, device=self.device)]
+        quota = [round(cap * len(g) / n) for g in groups]
+        chosen, w = [], weights.clone()
+        for g, k in zip(groups, quota):
+            if len(g) == 0 or k == 0:
+                continue
+            pick = g[torch.randperm(len(g), generator=self._generator)[:k].to(self.device)]
+            w[pick] = w[pick] * (len(g) / k)
+            chosen.append(pick)
+        keep = torch.zeros(n, dtype=torch.bool, device=self.device)
+        keep[torch.cat(chosen)] = True
+        a_r, W_r = _site_sums(V[:, ~keep], lam1[~keep], lam2[~keep])
+        return (hx[keep], hy[keep], lam1[keep], lam2[keep], w[keep],
+                (self.a_w_old + a_r, self.W_old + W_r))
 
     # ------------------------------------------------------------------ memory
     def _draw_candidates(self, scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -784,7 +813,8 @@ class DualSVGP(Engine):
             if n_mem:
                 weights[:n_mem] = n_old / n_mem
             budget = self._hyper_budget(n_b)
-            steps, objective = self._learn_hyperparameters(hx, hy, lam1, lam2, weights, budget)
+            *seen, fixed = self._hyper_sample(V, hx, hy, lam1, lam2, weights, n_mem)
+            steps, objective = self._learn_hyperparameters(*seen, budget, fixed=fixed)
             if steps:
                 self.hyper_learned.fill_(True)
                 kxx = self.kernel.diag(hx)
