@@ -114,13 +114,13 @@ def _stream(rec, plan: dict, dims: int, tiled: bool, test_x: np.ndarray, truth: 
 
 
 def _first_pass_end(rec) -> int:
-    """Index of the sample where the path starts again (the first pass over the area ends): the first sample
-    after the middle of the drive that comes back within 1 m of the start."""
+    """Index of the sample where the path starts again (the first pass over the area ends): the closest
+    approach to the start in the second half of the drive (the robot cuts the corner there), if within 5 m."""
     p = rec.position[:, :2]
     d = np.linalg.norm(p - p[0], axis=1)
     half = len(p) // 2
-    back = np.nonzero(d[half:] < 1.0)[0]
-    return int(half + back[0]) if back.size else len(p)
+    k = int(np.argmin(d[half:]))
+    return half + k if d[half + k] < 5.0 else len(p)
 
 
 def _memory_summary(run: dict, first_pass: int) -> dict[str, float]:
