@@ -113,14 +113,24 @@ def _stream(rec, plan: dict, dims: int, tiled: bool, test_x: np.ndarray, truth: 
     return out
 
 
-def _first_pass_end(rec) -> int:
-    """Index of the sample where the path starts again (the first pass over the area ends): the closest
-    approach to the start in the second half of the drive (the robot cuts the corner there), if within 5 m."""
+def _first_pass_end(rec, sustain_seconds: float = 10.0) -> int:
+    """Index of the sample where the first pass over the area ends: the first sample from which the robot drives
+    for ``sustain_seconds`` within 1 m of ground it drove over more than a minute before (crossing an old lane
+    on the way back to the start is brief; re-driving a lane is not). The drive's length if that never happens."""
+    from scipy.spatial import cKDTree
+
     p = rec.position[:, :2]
-    d = np.linalg.norm(p - p[0], axis=1)
-    half = len(p) // 2
-    k = int(np.argmin(d[half:]))
-    return half + k if d[half + k] < 5.0 else len(p)
+    rate = 1.0 / float(np.median(np.diff(rec.t)))
+    old = int(60.0 * rate)
+    tree = cKDTree(p)
+    revisit = np.array([bool(nb) and min(nb) < i - old for i, nb in enumerate(tree.query_ball_point(p, r=1.0))])
+    run = int(sustain_seconds * rate)
+    count = 0
+    for i, r in enumerate(revisit):
+        count = count + 1 if r else 0
+        if count >= run:
+            return i - run + 1
+    return len(p)
 
 
 def _memory_summary(run: dict, first_pass: int) -> dict[str, float]:
