@@ -27,7 +27,7 @@ setup(
         "safetensors>=0.4",
         "torch>=2.2",
     ],
-    extras_require={"test": ["pytest>=7", "gpytorch>=1.11"]},
+    extras_require={"test": ["pytest>=7", "gpytorch>=1.11"], "bench": ["gpytorch>=1.11"]},
     zip_safe=True,
     maintainer="gp_mapping team",
     maintainer_email="team@gp-mapping.dev",
@@ -41,6 +41,8 @@ setup(
         "console_scripts": [
             "gp-mapping = gp_mapping.cli:main",
             "mapper = gp_mapping.ros.mapper_node:main",
+            "lifecycle_mapper = gp_mapping.ros.mapper_node:lifecycle_main",
+            "merger = gp_mapping.ros.merger_node:main",
         ],
     },
 )

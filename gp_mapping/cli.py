@@ -11,13 +11,17 @@ import sys
 
 # subcommand -> (module, one-line help). Each module exposes add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
-    "demo-bag": ("gp_mapping.demo_bag", "write a simulated ROS 2 bag (MCAP) with ground truth"),
+    "demo-bag": ("gp_mapping.sim.demo_bag", "write a simulated ROS 2 bag (MCAP) with ground truth"),
     "replay": ("gp_mapping.replay", "map a recorded bag offline and write map.npz, map.png, maps.mcap "
                "(--save-state: the state the node starts from)"),
     "export": ("gp_mapping.export", "write a map state or map.npz as nav2 map_server files (PGM + YAML per layer), "
                "map.npz and map.png"),
+    "merge": ("gp_mapping.merge_cli", "merge saved maps (several robots or sessions) into one without their data; "
+              "writes merged.safetensors, map.npz, map.png"),
     "node": ("gp_mapping.ros.mapper_node", "run the ROS 2 mapping node (same as `ros2 run gp_mapping mapper`)"),
-    "bench": ("gp_mapping.bench_cli", "benchmarks: engines vs baselines (accuracy, latency, growth); source tree only"),
+    "merge-node": ("gp_mapping.ros.merger_node", "run the merger node: merges the maps of mapping nodes from their "
+                   "~/model summaries (same as `ros2 run gp_mapping merger`)"),
+    "bench": ("gp_mapping.bench_cli", "benchmarks: engines vs baselines (accuracy, latency, growth)"),
 }
 
 
@@ -38,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     command_parser = argparse.ArgumentParser(prog=f"gp-mapping {name}", description=SUBCOMMANDS[name][1])
     module.add_arguments(command_parser)
     args, ros_args = command_parser.parse_known_args(argv[1:])
-    if ros_args and name != "node":
+    if ros_args and name not in ("node", "merge-node"):
         command_parser.error(f"unrecognised arguments: {' '.join(ros_args)}")
     args.ros_args = ros_args
     return int(module.run(args) or 0)

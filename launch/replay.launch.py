@@ -29,6 +29,8 @@ def generate_launch_description() -> LaunchDescription:
                               description="topic: the pose topic; tf: the bag's /tf and /tf_static"),
         DeclareLaunchArgument("base_frame", default_value="base_link",
                               description="pose_source tf: the body frame (used when tf lacks the magnetometer frame)"),
+        DeclareLaunchArgument("use_lifecycle", default_value="true",
+                              description="true: the managed node, configured and activated; false: the plain node"),
         IncludeLaunchDescription(
             PythonLaunchDescriptionSource(PathJoinSubstitution([share, "launch", "mapper.launch.py"])),
             launch_arguments={
@@ -38,6 +40,7 @@ def generate_launch_description() -> LaunchDescription:
                 "pose_topic": LaunchConfiguration("pose_topic"),
                 "pose_source": LaunchConfiguration("pose_source"),
                 "base_frame": LaunchConfiguration("base_frame"),
+                "use_lifecycle": LaunchConfiguration("use_lifecycle"),
             }.items(),
         ),
         ExecuteProcess(

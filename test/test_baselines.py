@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("gpytorch")
 
-from gp_mapping.baselines import (BaselineError, ExactGPBaseline, KernelSpec, OfflineSVGP,  # noqa: E402
+from gp_mapping.evaluation.baselines import (BaselineError, ExactGPBaseline, KernelSpec, OfflineSVGP,  # noqa: E402
                                   StreamingSparseGP, gaussian_log_density, nlpd)
 
 

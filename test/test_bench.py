@@ -11,7 +11,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT, SHARED_DATA, shared_data
@@ -19,7 +18,7 @@ from conftest import REPO_ROOT, SHARED_DATA, shared_data
 pytest.importorskip("gpytorch")
 pytestmark = pytest.mark.slow
 
-SECTIONS = ("accuracy", "speed", "growth", "cuda", "large")
+SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore", "merge")
 STREAMING = ("dual_svgp_full", "dual_svgp_fast", "dual_svgp_fast_only", "bui2017_osgpr", "nearest_neighbour",
              "constant_mean")
 OFFLINE = ("offline_svgp", "exact_gp")
@@ -67,7 +66,7 @@ def test_quick_bench_writes_every_section_and_finite_ratios(quick_run):
         values = value if isinstance(value, list) else [value]
         assert values and all(_finite(v) and v > 0 for v in values), f"{path} holds a non-finite ratio: {value}"
     md = quick_run["md"]
-    for heading in ("## Speed", "## Cost as the stream grows", "## CUDA", "## Large area"):
+    for heading in ("## Speed", "## Cost as the stream grows", "## CUDA", "## Large area", "## Merging maps"):
         assert heading in md
     assert (quick_run["out"] / "growth.png").stat().st_size > 1000
 
@@ -142,15 +141,54 @@ def test_quick_bench_accuracy_protocols(quick_run):
     assert "## Accuracy" in quick_run["md"] and "Protocol 2" in quick_run["md"]
 
 
-def test_bench_command_outside_the_source_tree_says_so(tmp_path, monkeypatch, capsys):
-    from gp_mapping import bench_cli
-
+def test_bench_runs_without_the_source_tree(tmp_path, monkeypatch, capsys):
+    """An installed package (no bench/, config/, bags/ beside it): the results go to ./bench-results, the shipped
+    config is the installed copy or the defaults it equals, and the command runs."""
     import argparse
+    import dataclasses
 
-    monkeypatch.setattr(bench_cli, "SOURCE_ROOT", Path(tmp_path))
-    assert bench_cli.run(object()) == 2
-    assert "needs the gp_mapping source tree" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit_info:  # the command line stops before parsing options it lacks
-        bench_cli.add_arguments(argparse.ArgumentParser(prog="gp-mapping bench"))
-    assert exit_info.value.code == 2
-    assert "needs the gp_mapping source tree" in capsys.readouterr().err
+    from gp_mapping import bench_cli
+    from gp_mapping.config import MapperConfig, load_config
+    from gp_mapping.evaluation import common, speed
+
+    monkeypatch.setattr(common, "SOURCE_ROOT", None)
+    monkeypatch.setattr(common.sys, "prefix", str(tmp_path))  # no installed share/gp_mapping either
+    monkeypatch.chdir(tmp_path)
+    assert common.default_results_dir() == tmp_path / "bench-results"
+    assert common.shipped_config_path() is None
+    assert speed.shipped_config() == dataclasses.replace(MapperConfig(), model=dataclasses.replace(
+        MapperConfig().model, device="cpu"))
+    assert load_config(REPO_ROOT / "config" / "mapper.yaml") == MapperConfig()  # what the fallback relies on
+    parser = argparse.ArgumentParser(prog="gp-mapping bench")
+    bench_cli.add_arguments(parser)
+    args = parser.parse_args(["--only", "cuda", "--data", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert args.data == tmp_path
+    assert bench_cli.run(args) == 0
+    res = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert set(res["sections"]) == {"cuda"}
+
+
+def test_quick_bench_explore_section(quick_run):
+    """The exploration row: every message fed, maps published, memory sampled, the summary's goals evaluated."""
+    e = quick_run["json"]["sections"]["explore"]
+    plan = quick_run["json"]["plan"]
+    assert e["samples"] == int(plan["explore_seconds"] * plan["explore_rate"])
+    assert e["num_seen"] > 0.9 * e["samples"] and e["updates"] > 0
+    s = e["summary"]
+    assert s["maps"] > 0 and 0 < s["map_rate_hz_mean"] <= 1.0 / e["publish_period_s"] + 1e-9
+    assert _finite(s["rss_ratio"]) and set(s["pass"]) == {"maps_at_least_0.5_hz", "rss_flat", "at_most_one_batch_behind"}
+    assert "Long exploration" in quick_run["md"]
+
+
+def test_quick_bench_merge_section(quick_run):
+    """Two robots' maps merged against one mapper, and merge times for 1..K sources (the quick world is tiny:
+    structure and sanity only; the full run's numbers are in README)."""
+    sec = quick_run["json"]["sections"]["merge"]
+    h = sec["halves"]
+    assert all(_finite(h[k]) and h[k] > 0 for k in ("merged_rmse", "single_rmse", "ratio", "merge_seconds"))
+    assert h["global_m"] > 0
+    counts = [r["sources"] for r in sec["timing"]]
+    assert counts == list(quick_run["json"]["plan"]["merge_sources"])
+    assert all(r["closed_form_seconds"] > 0 and r["learned_seconds"] > 0 and _finite(r["rmse_covered"])
+               for r in sec["timing"])
+    assert "## Merging maps" in quick_run["md"]

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import shared_data
 
-from gp_mapping.baselines import BaselineError, ConstantMean, NearestNeighbour, rmse
-from gp_mapping.datasets import (DatasetError, DatasetNotFoundError, load_osman2021, load_solin2018,
+from gp_mapping.evaluation.baselines import BaselineError, ConstantMean, NearestNeighbour, rmse
+from gp_mapping.evaluation.datasets import (DatasetError, DatasetNotFoundError, load_osman2021, load_solin2018,
                                  shared_data_root)
 
 

@@ -17,7 +17,7 @@ from rosbags.interfaces import QosDurability, QosReliability
 from rosbags.rosbag2 import Reader
 
 from gp_mapping import cli
-from gp_mapping.demo_bag import (
+from gp_mapping.sim.demo_bag import (
     GROUND_TRUTH_FILE,
     DemoBagError,
     add_arguments,

@@ -31,7 +31,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def replayed(tmp_path_factory):
     """A 12 s simulated bag replayed by the CLI with --save-state."""
     from gp_mapping import sim
-    from gp_mapping.demo_bag import write_demo_bag
+    from gp_mapping.sim.demo_bag import write_demo_bag
 
     tmp = tmp_path_factory.mktemp("export")
     area = (-2.0, -2.0, 2.0, 2.0)

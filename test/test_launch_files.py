@@ -88,7 +88,7 @@ def _parse(path: Path) -> ast.Module:
 
 
 def test_both_launch_files_are_shipped():
-    assert {p.name for p in LAUNCH_FILES} == {"mapper.launch.py", "replay.launch.py"}
+    assert {p.name for p in LAUNCH_FILES} == {"mapper.launch.py", "replay.launch.py", "multi_robot.launch.py"}
     installed = _installed_share_files()
     for path in LAUNCH_FILES:
         assert str(path.relative_to(REPO_ROOT)) in installed, f"{path.name} is not installed by setup.py"
@@ -110,23 +110,62 @@ def test_launch_file_structure(path):
         assert rel in installed, f"{path.name} references {rel}, which setup.py does not install"
 
 
+def _resolve(tree: ast.AST, node: ast.AST | None) -> ast.AST | None:
+    """A name bound earlier in the file (``parameters = [...]``) -> the expression bound to it."""
+    if isinstance(node, ast.Name):
+        return next(a.value for a in ast.walk(tree) if isinstance(a, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == node.id for t in a.targets))
+    return node
+
+
 @pytest.mark.parametrize("path", LAUNCH_FILES, ids=lambda p: p.name)
 def test_launched_nodes_exist_and_take_declared_parameters(path):
     tree = _parse(path)
     scripts = _console_scripts()
     known_parameters = set(field_specs()) | {"use_sim_time"}
-    for call in _calls(tree, "Node"):
-        assert _literal(_kw(call, "package")) == "gp_mapping"
-        executable = _literal(_kw(call, "executable"))
-        assert executable in scripts, f"{path.name} starts '{executable}', not a console script of setup.py"
-        assert scripts[executable] == "gp_mapping.ros.mapper_node:main"
-        assert _literal(_kw(call, "name")) == NODE_NAME
-        for item in _kw(call, "parameters").elts:
-            if isinstance(item, ast.Dict):
-                names = {_literal(k) for k in item.keys}
-                assert names <= known_parameters, f"{path.name} passes undeclared parameters {names - known_parameters}"
-        remapped = {_literal(pair.elts[0]) for pair in _kw(call, "remappings").elts}
-        assert remapped == {"mag", "pose"}, "the remappings must target the node's input topics"
+    entry = {"Node": "gp_mapping.ros.mapper_node:main", "LifecycleNode": "gp_mapping.ros.mapper_node:lifecycle_main"}
+    for kind, target in entry.items():
+        for call in _calls(tree, kind):
+            assert _literal(_kw(call, "package")) == "gp_mapping"
+            executable = _literal(_kw(call, "executable"))
+            assert executable in scripts, f"{path.name} starts '{executable}', not a console script of setup.py"
+            if executable == "merger":  # the merger node (multi_robot.launch.py): its own parameters, no inputs
+                from gp_mapping.ros.merger_node import _PARAMETERS, MERGER_NAME
+
+                assert scripts[executable] == "gp_mapping.ros.merger_node:main"
+                assert _literal(_kw(call, "name")) == MERGER_NAME
+                for item in _resolve(tree, _kw(call, "parameters")).elts:
+                    names = {_literal(k) for k in item.keys}
+                    assert names <= set(_PARAMETERS) | {"use_sim_time"}, f"undeclared merger parameters {names}"
+                continue
+            assert scripts[executable] == target
+            assert _literal(_kw(call, "name")) == NODE_NAME
+            for item in _resolve(tree, _kw(call, "parameters")).elts:
+                if isinstance(item, ast.Dict):
+                    names = {_literal(k) for k in item.keys}
+                    assert names <= known_parameters, \
+                        f"{path.name} passes undeclared parameters {names - known_parameters}"
+            remapped = {_literal(pair.elts[0]) for pair in _resolve(tree, _kw(call, "remappings")).elts}
+            assert remapped == {"mag", "pose"}, "the remappings must target the node's input topics"
+
+
+def test_mapper_launch_brings_the_managed_node_up_like_a_lifecycle_manager():
+    """use_lifecycle (default true) starts lifecycle_mapper, the plain node otherwise (one of the two); with
+    autostart a configure is emitted, and activate only on the configure's own configuring -> inactive
+    transition (a later deactivate by a manager must not be undone)."""
+    tree = _parse(REPO_ROOT / "launch" / "mapper.launch.py")
+    args = {_literal(_arg_or_kw(c, 0, "name")): c for c in _calls(tree, "DeclareLaunchArgument")}
+    assert _literal(_kw(args["use_lifecycle"], "default_value")) == "true"
+    assert _literal(_kw(args["autostart"], "default_value")) == "true"
+    (managed,), (plain,) = _calls(tree, "LifecycleNode"), _calls(tree, "Node")
+    assert _call_name(_kw(managed, "condition")) == "IfCondition"
+    assert _call_name(_kw(plain, "condition")) == "UnlessCondition"
+    transitions = [ast.unparse(_kw(c, "transition_id")) for c in _calls(tree, "ChangeState")]
+    assert sorted(transitions) == ["Transition.TRANSITION_ACTIVATE", "Transition.TRANSITION_CONFIGURE"]
+    (handler,) = _calls(tree, "OnStateTransition")
+    assert _literal(_kw(handler, "start_state")) == "configuring" and _literal(_kw(handler, "goal_state")) == "inactive"
+    replay = _parse(REPO_ROOT / "launch" / "replay.launch.py")
+    assert "use_lifecycle" in {_literal(_arg_or_kw(c, 0, "name")) for c in _calls(replay, "DeclareLaunchArgument")}
 
 
 def test_mapper_launch_defaults():

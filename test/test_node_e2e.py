@@ -242,7 +242,7 @@ def truth_on_grid(rec, msg) -> np.ndarray:
 
 def check_accuracy(rec, view: MapView) -> dict[str, float]:
     """RMSE of the decoded mean against the true field on known cells, next to two baselines on the same cells."""
-    from gp_mapping.baselines import ConstantMean, NearestNeighbour
+    from gp_mapping.evaluation.baselines import ConstantMean, NearestNeighbour
 
     mean, _, _, unit = decode(view)
     assert unit == "microtesla"
@@ -537,7 +537,7 @@ def test_vector_target_maps_each_component_in_the_map_frame(tmp_path, ros_env):
     """sync.target vector: one grid pair per layer (x, y, z, norm). The readings are in the sensor frame of a robot
     that turns, so each component is right only if the pose quaternion reaches the mapper in [x, y, z, w] order
     and the reading is rotated into the map frame."""
-    from gp_mapping.baselines import NearestNeighbour
+    from gp_mapping.evaluation.baselines import NearestNeighbour
     from gp_mapping.ros.conversions import cloud_to_array
 
     params = write_params(tmp_path / "params.yaml", sync={"target": "vector"})

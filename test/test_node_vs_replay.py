@@ -128,7 +128,7 @@ def test_node_callbacks_reproduce_the_replay_of_the_demo_bag(tmp_path):
 def _short_bag(tmp: Path) -> Path:
     """A 30 s demo bag (same writer and world model as bags/demo): 600 readings and poses."""
     from gp_mapping import sim
-    from gp_mapping.demo_bag import write_demo_bag
+    from gp_mapping.sim.demo_bag import write_demo_bag
 
     area = (-3.0, -3.0, 3.0, 3.0)
     rec = sim.simulate(sim.WorldConfig(area=area, n_dipoles=6),

@@ -38,10 +38,10 @@ from conftest import shared_data
 
 pytest.importorskip("gpytorch")
 
-from gp_mapping.baselines import (ConstantMean, NearestNeighbour, OfflineSVGP,  # noqa: E402
+from gp_mapping.evaluation.baselines import (ConstantMean, NearestNeighbour, OfflineSVGP,  # noqa: E402
                                   gaussian_log_density, nlpd, rmse)
 from gp_mapping.config import ModelConfig  # noqa: E402
-from gp_mapping.datasets import load_solin2018  # noqa: E402
+from gp_mapping.evaluation.datasets import load_solin2018  # noqa: E402
 from gp_mapping.gp import build_model  # noqa: E402
 
 pytestmark = pytest.mark.slow

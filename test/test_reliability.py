@@ -192,7 +192,7 @@ def test_a_stamp_that_jumps_alone_is_still_refused():
 from test_bad_input import _wait_idle, node_factory  # noqa: E402,F401  (the in-process node fixture)
 
 
-def _feed_node(node, n, t0=100.0):
+def _feed_node(node, n, t0=100.0, x0=0.0, y0=0.0):
     from geometry_msgs.msg import PoseStamped
     from sensor_msgs.msg import MagneticField
 
@@ -202,7 +202,7 @@ def _feed_node(node, n, t0=100.0):
         t = t0 + 0.1 * k
         pose = PoseStamped()
         pose.header.stamp, pose.header.frame_id = seconds_to_stamp(t), "map"
-        pose.pose.position.x, pose.pose.orientation.w = 0.1 * k, 1.0
+        pose.pose.position.x, pose.pose.position.y, pose.pose.orientation.w = x0 + 0.1 * k, y0, 1.0
         mag = MagneticField()
         mag.header.stamp, mag.header.frame_id = seconds_to_stamp(t), "magnetometer"
         mag.magnetic_field.x = 50e-6 + 1e-7 * k
@@ -268,8 +268,8 @@ def test_a_shutdown_during_a_publication_stops_the_update_thread_cleanly(monkeyp
         _wait_idle(node)
         real_grid = node.mapper.grid
 
-        def slow_grid():
-            grid = real_grid()
+        def slow_grid(*args, **kwargs):
+            grid = real_grid(*args, **kwargs)
             context.shutdown()  # what rclpy's SIGTERM handler does while the prediction runs
             return grid
 
@@ -360,6 +360,13 @@ def test_publication_cost_is_bounded_by_the_window_not_the_explored_area():
     mapper.model = counting
     grid = mapper.grid()
     assert sum(counting.calls) == grid.spec.num_cells <= 40 * 40
+    counting.calls.clear()
+    published = mapper.grid(predict_unknown=False)         # what the node publishes: the known cells alone
+    assert sum(counting.calls) == int(published.known.sum()) < grid.spec.num_cells
+    known = published.known
+    for name, (mean, var) in grid.layers.items():
+        np.testing.assert_allclose(published.layers[name][0][known], mean[known], rtol=1e-9, atol=1e-9)
+        assert np.all(np.isnan(published.layers[name][0][~known]))
     # The full map is still there for saving and export: the visited extent, predicted in bounded tiles.
     full = mapper.grid(full=True)
     assert full.extent == "full" and full.spec.num_cells > grid.spec.num_cells
@@ -415,3 +422,27 @@ def test_node_refuses_an_unknown_distance_beyond_the_window_live_and_keeps_publi
     _wait_idle(node)
     node.publish_map()
     assert node._counts["maps_published"] == 1 and node._last_error == ""
+
+
+def test_node_diagnostics_show_the_held_magnetometer_frame_and_the_new_counters(node_factory):
+    node = node_factory(**NODE_PARAMS)
+    _feed_node(node, 41)
+    _wait_idle(node)
+    diag = node._mapper_diagnostics
+    assert diag["field_frame"] == "magnetometer"
+    assert diag["pauses"] == 0 and diag["field_frame_relatches"] == 0
+    assert diag["rejected"]["field_frame_invalid"] == 0
+
+
+def test_node_keeps_publishing_after_a_50_km_teleport(node_factory):
+    node = node_factory(**NODE_PARAMS, **{"grid.window": [20.0, 20.0]})
+    _feed_node(node, 41)
+    _wait_idle(node)
+    node.publish_map()
+    far = 50_000.0 / math.sqrt(2.0)
+    _feed_node(node, 41, t0=110.0, x0=far, y0=far)
+    _wait_idle(node)
+    node.publish_map()
+    assert node._counts["maps_published"] == 2 and node._last_error == "", node._last_error
+    spec = node._last_grid.spec
+    assert spec.num_cells <= 40 * 40 and spec.origin_x <= far + 4.0 <= spec.origin_x + spec.width * spec.resolution

@@ -267,7 +267,7 @@ def test_demo_map_matches_the_ground_truth(demo):
     """
     from scipy.spatial import cKDTree
 
-    from gp_mapping.demo_bag import load_ground_truth
+    from gp_mapping.sim.demo_bag import load_ground_truth
 
     _, _, npz = demo
     gt = load_ground_truth(DEMO_BAG)
@@ -367,7 +367,7 @@ EXTRINSIC_Q = tuple(float(v) for v in Rotation.from_euler("zyx", [50.0, 10.0, -5
 def short_bag(tmp_path_factory):
     """20 s of lawnmower at 20 Hz with the magnetometer mounted off-centre and rotated on the body."""
     from gp_mapping import sim
-    from gp_mapping.demo_bag import write_demo_bag
+    from gp_mapping.sim.demo_bag import write_demo_bag
 
     area = (-2.0, -2.0, 2.0, 2.0)
     rec = sim.simulate(sim.WorldConfig(area=area, n_dipoles=5),

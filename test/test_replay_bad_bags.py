@@ -21,7 +21,7 @@ START = 1_700_000_000.0  # the bag's first stamp (write_demo_bag's default start
 def bags(tmp_path_factory):
     """A 60 s simulated bag (MCAP, and the same as sqlite3), a fast config, and the recording."""
     from gp_mapping import sim
-    from gp_mapping.demo_bag import write_demo_bag
+    from gp_mapping.sim.demo_bag import write_demo_bag
 
     root = tmp_path_factory.mktemp("bad_bags")
     area = (-2.0, -2.0, 2.0, 2.0)

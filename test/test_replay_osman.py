@@ -55,15 +55,15 @@ def write_osman_bag(path: Path, t: np.ndarray, position: np.ndarray, q_xyzw: np.
 
 
 def _load():
-    """(t, position, q_xyzw, field_sensor_nT) from the .mat file, via gp_mapping.datasets."""
-    from gp_mapping.datasets import load_osman2021
+    """(t, position, q_xyzw, field_sensor_nT) from the .mat file, via gp_mapping.evaluation.datasets."""
+    from gp_mapping.evaluation.datasets import load_osman2021
 
     rec = load_osman2021(shared_data("osman2021_optitrack"))
     return rec.t, rec.position, rec.orientation_xyzw, rec.field_sensor_nT
 
 
 # Fixed hyperparameters: the isotropic lengthscale 0.5 m is the geometric mean of the ARD lengthscales
-# (0.72, 0.83, 0.21 m) that an exact GP (gp_mapping.baselines.ExactGPBaseline, 3000 training points, type-II
+# (0.72, 0.83, 0.21 m) that an exact GP (gp_mapping.evaluation.baselines.ExactGPBaseline, 3000 training points, type-II
 # maximum likelihood on the first 70 % only) learns; the rest are the config defaults. The engine's online
 # hyperparameter learning is left off: on this recording it made the map worse (1.3 uT with 10 Adam steps per
 # batch of 400), which is the engine's business, not the replay's.
@@ -84,7 +84,7 @@ def osman(tmp_path_factory):
 
 
 def test_osman_magnitude_map_beats_nearest_neighbour(osman):
-    from gp_mapping.datasets import load_osman2021
+    from gp_mapping.evaluation.datasets import load_osman2021
 
     bag, n_train = osman
     rec = load_osman2021(shared_data("osman2021_optitrack"))
@@ -111,7 +111,7 @@ def test_osman_vector_map_rotates_readings_into_the_world(osman):
     quaternion written [x y z w] from the file's [w x y z]); it must beat the README's nearest neighbour on
     world-frame components (0.65 uT per axis). Taking the orientation the wrong way round (its inverse)
     scrambles the components by tens of uT."""
-    from gp_mapping.datasets import load_osman2021
+    from gp_mapping.evaluation.datasets import load_osman2021
 
     bag, n_train = osman
     rec = load_osman2021(shared_data("osman2021_optitrack"))

@@ -13,15 +13,17 @@ from gp_mapping.bag.decode import (MAGNETIC_FIELD, ODOMETRY, POSE_STAMPED, POSE_
                                    TF_STATIC_TOPIC, TF_TYPES, MagSample, PoseSample, TransformSample,
                                    decode_magnetic_field, decode_pose, decode_tf)
 from gp_mapping.bag.errors import (BagError, BagNotFoundError, CorruptBagError, MapBagError, NoMagneticFieldError,
-                                   NoPoseSourceError, NotABagError, TopicError, TransformError)
+                                   NoPoseSourceError, NotABagError, NoTransformChainError, TopicError,
+                                   TransformError)
 from gp_mapping.bag.reader import Bag, MagneticFieldSeries, PoseSource, choose_pose_source, read_magnetic_field
 from gp_mapping.bag.tf import TransformBuffer, compose, invert, is_identity_extrinsic
 from gp_mapping.bag.writer import MapBagWriter
 
 __all__ = [
     "Bag", "BagError", "BagNotFoundError", "CorruptBagError", "MAGNETIC_FIELD", "MagSample", "MagneticFieldSeries",
-    "MapBagError", "MapBagWriter", "NoMagneticFieldError", "NoPoseSourceError", "NotABagError", "ODOMETRY",
-    "POSE_STAMPED", "POSE_TYPES", "POSE_WITH_COVARIANCE", "PoseSample", "PoseSource", "TF_STATIC_TOPIC", "TF_TYPES",
-    "TopicError", "TransformBuffer", "TransformError", "TransformSample", "choose_pose_source", "compose",
-    "decode_magnetic_field", "decode_pose", "decode_tf", "invert", "is_identity_extrinsic", "read_magnetic_field",
+    "MapBagError", "MapBagWriter", "NoMagneticFieldError", "NoPoseSourceError", "NoTransformChainError",
+    "NotABagError", "ODOMETRY", "POSE_STAMPED", "POSE_TYPES", "POSE_WITH_COVARIANCE", "PoseSample", "PoseSource",
+    "TF_STATIC_TOPIC", "TF_TYPES", "TopicError", "TransformBuffer", "TransformError", "TransformSample",
+    "choose_pose_source", "compose", "decode_magnetic_field", "decode_pose", "decode_tf", "invert",
+    "is_identity_extrinsic", "read_magnetic_field",
 ]

@@ -4,6 +4,8 @@ does not exist, an output that exists) raises a :class:`BagError` subclass whose
 what to pass instead."""
 from __future__ import annotations
 
+from gp_mapping.mapping import transforms
+
 
 class BagError(Exception):
     """A bag cannot serve the replay: the message says what is wrong and what to do."""
@@ -38,9 +40,13 @@ class NoPoseSourceError(TopicError):
     """The bag has neither a pose topic nor a /tf chain from the map frame to the magnetometer frame."""
 
 
-# The tf tree is shared with the live node (mapping/transforms.py, ROS-free): its lookup error is that module's,
-# not a BagError (the replay's command catches it beside them).
-from gp_mapping.mapping.transforms import TransformError  # noqa: E402,F401
+# The tf tree is shared with the live node (mapping/transforms.py, ROS-free): a lookup's error is that module's.
+TransformError = transforms.TransformError
+
+
+class NoTransformChainError(BagError, TransformError):
+    """The bag's tf tree does not connect the frames asked for (``--tf PARENT CHILD``): a bag problem like the
+    others, and a TransformError."""
 
 
 class MapBagError(BagError):

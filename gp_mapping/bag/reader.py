@@ -13,9 +13,10 @@ import numpy as np
 
 from gp_mapping.bag.decode import MAGNETIC_FIELD, POSE_TYPES, TF_TYPES, _frame, decode_magnetic_field
 from gp_mapping.bag.errors import (BagNotFoundError, CorruptBagError, NoMagneticFieldError, NoPoseSourceError,
-                                   NotABagError, TopicError)
+                                   NoTransformChainError, NotABagError, TopicError)
 from gp_mapping.bag.ros2 import ros2_typestore
 from gp_mapping.bag.tf import TransformBuffer, transform_buffer_from_bag  # noqa: F401
+from gp_mapping.mapping import transforms
 
 # --------------------------------------------------------------------------------------------- reading
 
@@ -224,7 +225,10 @@ def choose_pose_source(bag: Bag, *, pose_topic: str | None = None, tf_frames: Se
             raise NoPoseSourceError(f"--tf {parent} {child} was given but {bag.path} has no tf topic "
                                     f"({' or '.join(TF_TYPES)}); {bag.describe_topics()}")
         buffer = transform_buffer_from_bag(bag, tf_topics)
-        buffer.check_connected(parent, child)
+        try:
+            buffer.check_connected(parent, child)
+        except transforms.TransformError as err:  # a bag problem, named as the others are (a BagError)
+            raise NoTransformChainError(f"{bag.path}: {err}") from None
         return PoseSource("tf", parent=parent, child=child), buffer
     for msgtype in POSE_TYPES:
         candidates = bag.topics_of_type((msgtype,))

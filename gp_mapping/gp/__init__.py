@@ -16,6 +16,7 @@ from .continual_mogp import ContinualMOGP
 from .dual_svgp import DualSVGP
 from .errors import ConfigError, GPNumericalError, ModelInputError
 from .likelihoods import BernoulliLikelihood, GaussianLikelihood, StudentTLikelihood
+from .smc_experts import SMCExperts
 from .tiled import TiledModel
 
 EngineFactory = Callable[[ModelConfig, int, int], Any]
@@ -36,6 +37,7 @@ def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
 
 register_engine("dual_svgp")(DualSVGP)
 register_engine("continual_mogp")(ContinualMOGP)
+register_engine("smc_experts")(SMCExperts)
 
 
 def build_model(model_config: ModelConfig | Mapping[str, Any], input_dims: int, output_dims: int):
@@ -67,5 +69,5 @@ def warm_up() -> None:
 
 
 __all__ = ["BernoulliLikelihood", "ConfigError", "ContinualMOGP", "DualSVGP", "ENGINES", "Engine", "GPNumericalError",
-           "GaussianLikelihood", "ModelConfig", "ModelInputError", "StudentTLikelihood", "TiledModel", "build_model",
-           "register_engine", "resolve_device", "warm_up"]
+           "GaussianLikelihood", "ModelConfig", "ModelInputError", "SMCExperts", "StudentTLikelihood", "TiledModel",
+           "build_model", "register_engine", "resolve_device", "warm_up"]

@@ -39,9 +39,11 @@ def option(default, *, doc: str, low=None, high=None, low_open=False, choices=No
 class ModelConfig:
     """The GP engine (section ``model``)."""
 
-    engine: str = option("dual_svgp", doc="GP engine: dual_svgp (memory-based dual SVGP, seed 004; a vector target "
-                       "gets independent latents sharing Z) or continual_mogp (continual multi-output GP with a "
-                       "linear model of coregionalisation, seed 000)", choices=("dual_svgp", "continual_mogp"))
+    engine: str = option("dual_svgp", doc="GP engine: dual_svgp (memory-based dual SVGP, Chang et al. 2023; a vector "
+                         "target gets independent latents sharing Z), continual_mogp (continual multi-output GP with a "
+                         "linear model of coregionalisation, Moreno-Munoz et al. 2019) or smc_experts (sequential Monte "
+                         "Carlo mixture of GP experts for nonstationary and changing fields, Zhang et al. 2019)",
+                         choices=("dual_svgp", "continual_mogp", "smc_experts"))
     kernel: str = option("matern52", doc="stationary kernel", choices=("matern12", "matern32", "matern52", "rbf"))
     ard: bool = option(True, doc="one lengthscale per input dimension")
     constant_kernel: bool = option(True, doc="add a learned constant (bias) kernel")
@@ -72,7 +74,7 @@ class ModelConfig:
                            high=10.0)
     learn_inducing: bool = option(False, doc="move the inducing inputs by gradient steps on an ELBO that keeps the old "
                                 "data's information (full mode; not for the grid policy). Opt-in: it helps on the Solin "
-                                "recording and hurts on the demo bag (see the engine docstring)")
+                                "recording and hurts on the demo bag (bench/README.md)")
     inducing_lr: float = option(0.01, doc="Adam learning rate for the inducing inputs [m per step]", low=0.0,
                               low_open=True, high=100.0)
     full_update_every: int = option(1, doc="every n-th update is a full update (memory, hyperparameters, "
@@ -96,6 +98,47 @@ class ModelConfig:
                                   "E-step (a Gaussian likelihood has a closed-form E-step)", low=1, high=100_000)
     variational_lr: float = option(0.02, doc="continual_mogp, non-Gaussian likelihoods: Adam learning rate on q(u)",
                                  low=0.0, low_open=True, high=10.0)
+    smc_particles: int = option(16, doc="smc_experts: number J of particles (partitions of the data into experts)",
+                              low=1, high=100_000)
+    smc_max_experts: int = option(32, doc="smc_experts: most experts per particle (when all are in use no new one "
+                                "opens; with gate_on_time the most faded one is retired)", low=1, high=4096)
+    smc_expert_memory: int = option(64, doc="smc_experts: most pseudo-observations per expert (exact GP on them); "
+                                  "when full, the closest pair is merged", low=2, high=4096)
+    smc_niw_psi: float = option(1.0, doc="smc_experts: gating NIW prior scale Psi0 = smc_niw_psi * I [input units^2]; "
+                              "the prior mean covariance of an expert's inputs is Psi0 / (dof - D - 1)",
+                              low=0.0, low_open=True, high=1e12)
+    smc_niw_dof: float = option(5.0, doc="smc_experts: gating NIW prior degrees of freedom nu0 (must exceed "
+                              "input_dims - 1)", low=0.0, low_open=True, high=1e6)
+    smc_niw_prior_count: float = option(0.5, doc="smc_experts: gating NIW prior count lambda0 on the expert's mean",
+                                      low=0.0, low_open=True, high=1e6)
+    smc_gate_prior_mean: str = option("local", doc="smc_experts: NIW prior mean of an expert's inputs: at the input "
+                                    "that opens it (local: any place can open an expert, for maps that grow) or "
+                                    "at the origin (zero: for standardised inputs, as in the paper's experiments)",
+                                    choices=("local", "zero"))
+    smc_alpha_shape: float = option(1.0, doc="smc_experts: Gamma prior shape a0 of the DP concentration alpha",
+                                  low=0.0, low_open=True, high=1e6)
+    smc_alpha_rate: float = option(1.0, doc="smc_experts: Gamma prior rate b0 of alpha", low=0.0, low_open=True,
+                                 high=1e6)
+    smc_hyper_prior_std: float = option(1.0, doc="smc_experts: standard deviation of the log-normal prior of each "
+                                      "expert's hyperparameters (medians: lengthscale, signal_variance, "
+                                      "noise_variance, constant_variance)", low=0.0, low_open=True, high=100.0)
+    smc_slice_steps: int = option(1, doc="smc_experts: elliptical slice sampling transitions per update for each "
+                                "expert that received data (0: hyperparameters stay at their draws)", low=0, high=1000)
+    smc_slice_experts: int = option(2, doc="smc_experts: at most this many experts per particle (those that received "
+                                  "the most readings) have their hyperparameters moved per update", low=0, high=4096)
+    smc_ess_threshold: float = option(0.5, doc="smc_experts: resample when the effective sample size falls below "
+                                    "this fraction of the particles", low=0.0, high=1.0)
+    smc_resampling: str = option("systematic", doc="smc_experts: resampling scheme (multinomial as in the paper, "
+                               "or systematic: lower variance)", choices=("systematic", "multinomial"))
+    smc_proposal: str = option("adapted", doc="smc_experts: how a reading picks its expert: from the gate alone "
+                             "(prior, as in the paper) or from the gate times the expert's predictive density "
+                             "of the reading (adapted: readings that disagree with an expert open a new one)",
+                             choices=("adapted", "prior"))
+    gate_on_time: bool = option(False, doc="smc_experts: an expert's gate weight decays with the time since its "
+                              "readings (time scale smc_time_scale), so a field that changed gets a new expert "
+                              "and the map prefers it")
+    smc_time_scale: float = option(300.0, doc="smc_experts with gate_on_time: decay time of an expert's gate weight "
+                                 "[s of sample stamps]", low=0.0, low_open=True, high=1e9)
     tile_size: float = option(0.0, doc="local submaps: side of the square tiles that each hold their own engine "
                               "with num_inducing points, for areas larger than a room (README 'Large areas'); 0: one "
                               "global engine [m]", low=0.0, high=1e5)

@@ -290,12 +290,13 @@ class Coverage:
 
 
 def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
-                 input_dims: int = 2) -> tuple[np.ndarray, np.ndarray]:
+                 input_dims: int = 2, only=None) -> tuple[np.ndarray, np.ndarray]:
     """Predict the latent mean and variance at every cell centre, ``tile_size`` cells at a time.
 
     Cell centres are built on ``model.device`` (no host-to-device copy of the inputs); with ``input_dims``
-    3 the cells sit at z = ``height``. Returns float64 ``mean (H, W, P)`` and ``var (H, W, P)``; variances
-    below zero from round-off are clipped to zero. Raises GridError if the model predicts non-finite values.
+    3 the cells sit at z = ``height``. ``only`` (H, W) bool: predict those cells alone (the known ones), NaN
+    elsewhere. Returns float64 ``mean (H, W, P)`` and ``var (H, W, P)``; variances below zero from round-off
+    are clipped to zero. Raises GridError if the model predicts non-finite values.
     """
     import torch
 
@@ -305,15 +306,27 @@ def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
         raise GridError(f"tile_size must be at least 1, got {tile_size}")
     device = torch.device(getattr(model, "device", "cpu"))
     h, w = spec.shape
-    n = spec.num_cells
+    cells = None
+    if only is not None:
+        only = np.asarray(only, dtype=bool)
+        if only.shape != (h, w):
+            raise GridError(f"predict_grid: 'only' has shape {only.shape}, expected {(h, w)}")
+        cells = torch.as_tensor(np.flatnonzero(only), device=device)
+    n = spec.num_cells if cells is None else int(cells.shape[0])
     xs = spec.origin_x + (torch.arange(w, dtype=torch.float64, device=device) + 0.5) * spec.resolution
     ys = spec.origin_y + (torch.arange(h, dtype=torch.float64, device=device) + 0.5) * spec.resolution
     mean_out: np.ndarray | None = None
     var_out: np.ndarray | None = None
+    if n == 0:  # nothing to predict: the output width comes from one point
+        mean, _ = model.predict(torch.stack([xs[:1], ys[:1]] + ([torch.full((1,), float(height), dtype=torch.float64,
+                                                                            device=device)] if input_dims == 3 else []),
+                                            dim=1))
+        p = int(mean.shape[1])
+        return np.full((h, w, p), np.nan), np.full((h, w, p), np.nan)
     with torch.no_grad():
         for start in range(0, n, tile_size):
             stop = min(n, start + tile_size)
-            idx = torch.arange(start, stop, device=device)
+            idx = torch.arange(start, stop, device=device) if cells is None else cells[start:stop]
             cols = [xs[idx % w], ys[idx // w]]
             if input_dims == 3:
                 cols.append(torch.full((stop - start,), float(height), dtype=torch.float64, device=device))
@@ -332,7 +345,12 @@ def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
             var_out[start:stop] = np.maximum(var, 0.0)
     assert mean_out is not None and var_out is not None
     p = mean_out.shape[1]
-    return mean_out.reshape(h, w, p), var_out.reshape(h, w, p)
+    if cells is None:
+        return mean_out.reshape(h, w, p), var_out.reshape(h, w, p)
+    flat = cells.to("cpu").numpy()
+    mean_full, var_full = np.full((h * w, p), np.nan), np.full((h * w, p), np.nan)
+    mean_full[flat], var_full[flat] = mean_out, var_out
+    return mean_full.reshape(h, w, p), var_full.reshape(h, w, p)
 
 
 def encode_occupancy(values, known, value_range=None) -> tuple[np.ndarray, float, float]:

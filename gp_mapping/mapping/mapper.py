@@ -20,9 +20,11 @@ published only when it changed since the last publication (:attr:`map_changed`, 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +59,8 @@ class MapGrid:
     'vector' gives ``'x'``, ``'y'``, ``'z'`` (map-frame components) and ``'norm'``, whose variance is the delta
     method's ``sum_i (m_i / |m|)^2 var_i`` (first order in the per-component uncertainty, components taken
     as independent; where ``|m|`` is 0 it falls back to ``sum_i var_i``). ``known`` (H, W) is False for cells
-    farther than ``grid.unknown_distance`` from every sample. ``stamp`` is the newest sample stamp in the
+    farther than ``grid.unknown_distance`` from every sample (layers hold NaN there when the grid was predicted
+    on known cells only). ``stamp`` is the newest sample stamp in the
     model; ``height`` the z of the cells when the inputs are 3-D (else 0). ``extent`` says what the grid covers:
     ``"window"`` (what the node publishes: grow mode's ``grid.window`` around the robot, cut to the visited area
     plus margin, or the fixed grid) or ``"full"`` (the whole visited area plus margin, for files).
@@ -144,6 +147,18 @@ class Mapper:
         self._last_xy: np.ndarray | None = None  # newest accepted sensor position: the window's centre
         self._clear()
         self._clear_pose_frames()
+        self.new_source()
+
+    def new_source(self) -> None:
+        """Give this map a fresh source id whose lineage is itself alone: the data it will see from now on are
+        nobody else's. A merge refuses two maps whose lineages share an id (the same data counted twice)."""
+        self.source_id = uuid.uuid4().hex
+        self.lineage = [self.source_id]
+
+    def set_lineage(self, source_id: str, lineage) -> None:
+        """This map holds the data of every id in ``lineage`` (a merged map: the union of its sources')."""
+        ids = sorted({str(i) for i in lineage} | {str(source_id)})
+        self.source_id, self.lineage = str(source_id), ids
 
     # ------------------------------------------------------------------------------------------------ input
 
@@ -278,7 +293,10 @@ class Mapper:
         else:
             before = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         try:
-            stats = self.model.update(batch.x, batch.y)
+            if getattr(self.model, "wants_stamps", False):  # engines that gate on time take the stamps
+                stats = self.model.update(batch.x, batch.y, t=batch.t)
+            else:
+                stats = self.model.update(batch.x, batch.y)
             check = batch.x[:PREDICTION_CHECK_POINTS]
             mean, var = self.model.predict(check)
             finite = bool(torch.isfinite(torch.as_tensor(mean)).all() and torch.isfinite(torch.as_tensor(var)).all())
@@ -384,12 +402,15 @@ class Mapper:
         """The current map was published (or its publication attempted): no map is due until it changes."""
         self._published_version = self._map_version
 
-    def grid(self, full: bool = False) -> MapGrid | None:
+    def grid(self, full: bool = False, predict_unknown: bool = True) -> MapGrid | None:
         """Predict the map (tiled, on the model's device); None before the first update.
 
         The grid is :meth:`grid_spec` (``full``: the whole visited area, which raises GridTooLargeError beyond
         ``grid.max_cells``). ``model.predict`` is called on that grid's cells only, ``grid.tile_size`` at a time,
-        so the cost of a map follows the window, not the explored area.
+        so the cost of a map follows the window, not the explored area. ``predict_unknown`` False: only the
+        known cells (within ``grid.unknown_distance`` of a sample) are predicted and the others hold NaN, which
+        is all a publication shows (the node and the replay's maps.mcap use it: same messages, a fraction of the
+        cost).
         """
         if int(self.model.num_seen) == 0:
             return None
@@ -397,13 +418,15 @@ class Mapper:
         if spec is None:
             return None
         g = self.config.grid
-        mean, var = predict_grid(self.model, spec, g.tile_size, height=g.height, input_dims=self.input_dims)
+        known = self._coverage.known_mask(spec, g.unknown_distance)
+        mean, var = predict_grid(self.model, spec, g.tile_size, height=g.height, input_dims=self.input_dims,
+                                 only=None if predict_unknown else known)
         if self.output_dims == 1:
             layers = {"magnitude": (mean[..., 0], var[..., 0])}
         else:
             layers = vector_layers(mean, var)
         return MapGrid(spec=spec, frame_id=g.frame_id, field_unit=self.config.sync.field_unit, layers=layers,
-                       known=self._coverage.known_mask(spec, g.unknown_distance),
+                       known=known,
                        stamp=float(self.last_stamp) if math.isfinite(self.last_stamp) else 0.0,
                        height=float(g.height) if self.input_dims == 3 else 0.0,
                        extent="full" if full or self._fixed_spec is not None else "window")
@@ -423,6 +446,10 @@ class Mapper:
     def trajectory(self) -> np.ndarray:
         """``(K, 2)`` accepted sensor positions, decimated (bounded), for plots."""
         return self._trajectory.array()
+
+    def add_trajectory(self, xy) -> None:
+        """Append positions ``(K, 2)`` to the plotted trajectory (a merged map takes its sources')."""
+        self._trajectory.add(np.asarray(xy, dtype=np.float64).reshape(-1, 2))
 
     @property
     def coverage(self) -> Coverage:
@@ -476,6 +503,7 @@ class Mapper:
         self._last_xy = None
         self._clear()
         self._clear_pose_frames()
+        self.new_source()
 
     def save(self, path: str | Path) -> None:
         """Write the model, coverage, trajectory, pending samples, the sync's pose buffer and samples waiting
@@ -526,6 +554,8 @@ class Mapper:
             "coverage_resolution": self._coverage.resolution,
             "trajectory_spacing": self._trajectory.spacing,
             "last_position": None if self._last_xy is None else [float(v) for v in self._last_xy],
+            "source_id": self.source_id,
+            "lineage": list(self.lineage),
         }
         sync_arrays, sync_info = self._sync.export_state()
         arrays.update({f"sync_{k}": v for k, v in sync_arrays.items()})
@@ -606,6 +636,14 @@ class Mapper:
         self.failed_updates = int(info.get("failed_updates", 0))
         self.jitter_escalations = int(info.get("jitter_escalations", 0))
         self.checkpoints = int(info.get("checkpoints", 0))
+        if "source_id" in info:
+            self.set_lineage(str(info["source_id"]), [str(i) for i in info.get("lineage", [])])
+        else:  # a file from before source ids: named by its model, so two copies of it are still one source
+            digest = hashlib.sha256()
+            for name in sorted(state.model_state):
+                digest.update(name.encode())
+                digest.update(state.model_state[name].detach().cpu().contiguous().numpy().tobytes())
+            self.set_lineage("legacy-" + digest.hexdigest()[:32], [])
         self.last_stamp = -math.inf if info["last_stamp"] is None else float(info["last_stamp"])
         if "sync" in info:  # files written before the sync state was saved start with empty buffers
             self._sync.import_state({k[len("sync_"):]: v for k, v in a.items() if k.startswith("sync_")},

@@ -1,7 +1,10 @@
 """The ROS 2 mapping node: magnetometer + pose in, Gaussian-process map of the magnetic field out.
 
 Run it with ``ros2 run gp_mapping mapper --ros-args --params-file config/mapper.yaml`` or
-``gp-mapping node --config config/mapper.yaml`` (any ``--ros-args ...`` after it are passed to ROS).
+``gp-mapping node --config config/mapper.yaml`` (any ``--ros-args ...`` after it are passed to ROS): the plain
+node, mapping from the start. ``ros2 run gp_mapping lifecycle_mapper`` runs the same node as an rclpy lifecycle
+(managed) node: configure (parameters, model, publishers), activate (subscriptions, timers, services),
+deactivate (keeps the map), cleanup (drops it); ``--autostart`` configures and activates it without a manager.
 The node is thin: it converts messages to arrays, feeds a :class:`gp_mapping.mapping.mapper.Mapper`, and
 converts the Mapper's grids back to messages. The offline replay drives the same Mapper the same way.
 
@@ -96,16 +99,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from nav_msgs.msg import OccupancyGrid
 from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType,
                                 SetParametersResult)
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import MagneticField, PointCloud2
-from std_msgs.msg import Float64MultiArray
+from std_msgs.msg import Float64MultiArray, UInt8MultiArray
 from std_srvs.srv import Trigger
 
 from gp_mapping.config import (ROS_RESERVED_KEYS, ConfigError, MapperConfig, describe_allowed, config_from_dict,
@@ -123,7 +128,7 @@ DIAGNOSTICS_PERIOD = 1.0  # seconds (node clock), the usual rate of /diagnostics
 # other one is declared read-only because the model, the sync, the grid lattice or the subscriptions are built
 # from it at start.
 LIVE_PARAMETERS = frozenset({"node.publish_period", "grid.unknown_distance", "grid.tile_size", "grid.margin",
-                             "grid.window",
+                             "grid.window", "grid.height",
                              "grid.mean_range", "grid.variance_range", "node.initial_map", "node.map_directory"})
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_CONFIG = 0, 1, 2
 LOG_THROTTLE_S = 5.0  # seconds between two log lines about refused input, failed updates or dropped backlog
@@ -136,6 +141,30 @@ _PARAMETER_TYPES = {"bool": ParameterType.PARAMETER_BOOL, "int": ParameterType.P
 
 MAP_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
                      durability=DurabilityPolicy.TRANSIENT_LOCAL)
+
+
+MODEL_TOPIC = "~/model"  # the model summary a merger node merges (std_msgs/UInt8MultiArray: safetensors bytes)
+
+
+def create_map_publishers(node: Node, config: MapperConfig) -> tuple[dict[str, tuple[Any, Any]], Any, Any]:
+    """The map topics of ``node`` (latched): layer -> (~/mean..., ~/variance...) publishers, ~/cloud, ~/scale.
+    The mapping node and the merger node publish through these and :func:`publish_map_layout`."""
+    map_pubs = {layer: (node.create_publisher(OccupancyGrid, mean, MAP_QOS),
+                        node.create_publisher(OccupancyGrid, var, MAP_QOS))
+                for layer, (mean, var) in map_topics(config).items()}
+    return (map_pubs, node.create_publisher(PointCloud2, publication.cloud_topic(), MAP_QOS),
+            node.create_publisher(Float64MultiArray, publication.scale_topic(), MAP_QOS))
+
+
+def publish_map_layout(map_pubs, cloud_pub, scale_pub, grid: Any, layout: Any, field_unit: str, stamp: Any) -> None:
+    """Publish an encoded map (:func:`gp_mapping.mapping.publication.publication`): the scale first, so a
+    subscriber that decodes a grid already has the scale that matches it; then each layer's grids; the cloud."""
+    scale_pub.publish(conversions.scale_to_msg(layout.layers, field_unit))
+    for layer in layout.layers:
+        mean_pub, var_pub = map_pubs[layer.name]
+        mean_pub.publish(conversions.occupancy_msg(grid, layer.mean_data, stamp))
+        var_pub.publish(conversions.occupancy_msg(grid, layer.variance_data, stamp))
+    cloud_pub.publish(conversions.cloud_msg(grid, stamp, points=layout.cloud))
 
 
 class NodeStartError(RuntimeError):
@@ -214,18 +243,40 @@ def _plain(value: Any) -> Any:
 # -------------------------------------------------------------------------------------------------- the node
 
 
-class MapperNode(Node):
-    """Declares and validates the parameters, feeds the Mapper from a worker thread, publishes on a timer."""
+class _MapperCore:
+    """The mapping node's work, shared by the plain node (:class:`MapperNode`, running from construction) and
+    the lifecycle node (:class:`LifecycleMapperNode`). Its stages follow the lifecycle:
 
-    def __init__(self, **node_kwargs: Any) -> None:
-        super().__init__(NODE_NAME, **node_kwargs)
-        try:
-            self.config = self._declare_parameters()
-            self.mapper = self._build_mapper()
-        except BaseException:
-            self.destroy_node()
-            raise
+    - :meth:`_configure`: parameters read and validated, the Mapper built (from a checkpoint or
+      ``node.initial_map`` when set), publishers made;
+    - :meth:`_activate`: subscriptions, timers, services and the update thread: mapping and publishing;
+    - :meth:`_deactivate`: all of those stopped; the map, the publishers (latched maps) and the parameters stay;
+    - :meth:`_cleanup`: the map and the publishers dropped.
+
+    It feeds the Mapper from a worker thread and publishes on a timer."""
+
+    _active = False
+
+    def _init_core(self) -> None:
+        """Declare and validate the parameters (a bad one raises NodeStartError) and the live-change hooks."""
+        self.config = self._declare_parameters()
         self._specs = field_specs()
+        self.mapper: Mapper | None = None
+        self._map_pubs: dict = {}
+        self.add_pre_set_parameters_callback(self._coerce_parameter_types)
+        self.add_on_set_parameters_callback(self._validate_parameter_change)
+        self.add_post_set_parameters_callback(self._apply_parameter_change)
+
+    def _configure(self) -> None:
+        """Parameters (their current values) and the model; publishers. NodeStartError when either is bad."""
+        if self.mapper is None and getattr(self, "_configured_once", False):  # after a cleanup: re-read
+            values = {name: _plain(self.get_parameter(name).value) for name in field_specs()}
+            try:
+                self.config = config_from_dict(values)
+            except ConfigError as err:
+                raise NodeStartError(f"bad parameter: {err}") from err
+        self._configured_once = True
+        self.mapper = self._build_mapper()
         # The update thread is the only user of the mapper: the executor's callbacks never wait for an update.
         # They queue messages (inbox) and jobs (publish, checkpoint, services, parameter changes) that the thread
         # runs between two updates, so the subscriptions keep up with a flood while a long update runs. The lock
@@ -252,40 +303,42 @@ class MapperNode(Node):
         self._checkpoint = {"written": 0, "failed": 0, "seconds": math.nan, "error": ""}
         self._last_error = ""
         self._last_grid = None  # the last published MapGrid (geometry for the cleared map after a reset)
+        self._last_sequence: dict[str, dict[bytes, int]] = {"mag": {}, "pose": {}}
+        self._tf: TfPoseMatcher | None = None
+        self._map_pubs, self._cloud_pub, self._scale_pub = create_map_publishers(self, self.config)
+        self._model_pub = self.create_publisher(UInt8MultiArray, MODEL_TOPIC, MAP_QOS)
+        self._model = {"sent": 0, "too_large": 0, "failed": 0, "bytes": 0, "num_seen": -1}
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
 
+    def _activate(self) -> None:
+        """Subscriptions, timers, services and the update thread: the node maps and publishes."""
         depth = self.config.node.queue_depth
         sensor_qos = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=depth,
                                 reliability=ReliabilityPolicy.BEST_EFFORT, durability=DurabilityPolicy.VOLATILE)
         # The two-argument callbacks get the message info: its sequence numbers reveal messages that the
         # transport dropped before the node could take them (a full subscription queue under load).
-        self._last_sequence: dict[str, dict[bytes, int]] = {"mag": {}, "pose": {}}
-        self.create_subscription(MagneticField, "mag", lambda msg, info: self._receive("mag", msg, info),
-                                 sensor_qos)
-        self._tf: TfPoseMatcher | None = None
+        self._active_entities: list = [
+            self.create_subscription(MagneticField, "mag", lambda msg, info: self._receive("mag", msg, info),
+                                     sensor_qos)]
         if self.config.node.pose_source == "tf":
             self._subscribe_tf()
         else:
-            self.create_subscription(conversions.POSE_TYPES[self.config.node.pose_type], "pose",
-                                     lambda msg, info: self._receive("pose", msg, info), sensor_qos)
-
-        self._map_pubs = {layer: (self.create_publisher(OccupancyGrid, mean, MAP_QOS),
-                                  self.create_publisher(OccupancyGrid, var, MAP_QOS))
-                          for layer, (mean, var) in map_topics(self.config).items()}
-        self._cloud_pub = self.create_publisher(PointCloud2, publication.cloud_topic(), MAP_QOS)
-        self._scale_pub = self.create_publisher(Float64MultiArray, publication.scale_topic(), MAP_QOS)
-        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-
+            self._active_entities.append(
+                self.create_subscription(conversions.POSE_TYPES[self.config.node.pose_type], "pose",
+                                         lambda msg, info: self._receive("pose", msg, info), sensor_qos))
         self._publish_timer = self.create_timer(self.config.node.publish_period, self._on_publish_timer)
-        self.create_timer(DIAGNOSTICS_PERIOD, self._publish_diagnostics)
+        self._active_entities += [self._publish_timer,
+                                  self.create_timer(DIAGNOSTICS_PERIOD, self._publish_diagnostics)]
         if self.config.node.checkpoint_interval_s > 0:
-            self.create_timer(self.config.node.checkpoint_interval_s, self._on_checkpoint_timer)
-        self.add_pre_set_parameters_callback(self._coerce_parameter_types)
-        self.add_on_set_parameters_callback(self._validate_parameter_change)
-        self.add_post_set_parameters_callback(self._apply_parameter_change)
+            self._active_entities.append(self.create_timer(self.config.node.checkpoint_interval_s,
+                                                           self._on_checkpoint_timer))
+        if self.config.node.model_period > 0 and hasattr(self.mapper.model, "recyclable_summary"):
+            self._active_entities.append(self.create_timer(self.config.node.model_period,
+                                                           lambda: self._submit("model", self.publish_model)))
 
         # The services wait for the update thread (a save first runs the backlog), so they live on a hidden
         # helper node with its own executor thread: while one runs, this node keeps taking messages. Their
-        # names are this node's (~/save_map, ~/reset).
+        # names are this node's (~/save_map, ~/load_map, ~/reset).
         # Global ROS arguments stay off it: `-r __node:=name` would give it this node's name.
         self._service_node = rclpy.create_node(f"_{self.get_name()}_services", namespace=self.get_namespace(),
                                                context=self.context, use_global_arguments=False,
@@ -298,11 +351,49 @@ class MapperNode(Node):
         self._service_executor.add_node(self._service_node)
         self._service_thread = threading.Thread(target=self._spin_services, name="gp_mapping_services",
                                                 daemon=True)
-
+        with self._inbox_cond:
+            self._stopping = False
         self._worker = threading.Thread(target=self._worker_loop, name="gp_mapping_updates", daemon=True)
         self._worker.start()
         self._service_thread.start()
+        self._active = True
         self.get_logger().info(self.describe())
+
+    def _deactivate(self) -> None:
+        """Stop taking messages, publishing and serving; the update thread finishes its step and stops. The map
+        (with the messages already received, fed to it) and the latched maps stay."""
+        self._active = False
+        with self._inbox_cond:
+            self._stopping = True
+            self._inbox_cond.notify_all()
+        for entity in self._active_entities:
+            if hasattr(entity, "cancel"):  # a timer
+                self.destroy_timer(entity)
+            else:
+                self.destroy_subscription(entity)
+        self._active_entities = []
+        self._worker.join(timeout=30.0)
+        self._service_executor.shutdown()
+        self._service_thread.join(timeout=10.0)
+        self._service_node.destroy_node()
+        with self._inbox_cond:  # jobs that will never run: their callers get an answer now
+            for name, _, future in self._jobs:
+                future.set_exception(RuntimeError(f"{name}: the node stopped before it ran"))
+            self._jobs.clear()
+            self._queued.clear()
+        with self._lock:
+            try:
+                self._feed_inbox()  # what was received is kept (no update runs: batches stay as cut)
+            except Exception as err:
+                self._report(f"feeding the mapper failed: {type(err).__name__}: {err}")
+
+    def _cleanup(self) -> None:
+        """Drop the map and the publishers (back to unconfigured)."""
+        for pub in [p for pair in self._map_pubs.values() for p in pair] + [self._cloud_pub, self._scale_pub,
+                                                                              self._diag_pub]:
+            self.destroy_publisher(pub)
+        self._map_pubs = {}
+        self.mapper = None
 
     def describe(self) -> str:
         """The start-up line: what is mapped, from which topics and frames, with which engine on which device."""
@@ -334,8 +425,9 @@ class MapperNode(Node):
                              durability=DurabilityPolicy.VOLATILE)
         static = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=100, reliability=ReliabilityPolicy.RELIABLE,
                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
-        self.create_subscription(TFMessage, "/tf", lambda msg: self.on_tf(msg, static=False), dynamic)
-        self.create_subscription(TFMessage, "/tf_static", lambda msg: self.on_tf(msg, static=True), static)
+        self._active_entities += [
+            self.create_subscription(TFMessage, "/tf", lambda msg: self.on_tf(msg, static=False), dynamic),
+            self.create_subscription(TFMessage, "/tf_static", lambda msg: self.on_tf(msg, static=True), static)]
 
     # ------------------------------------------------------------------------------------------ parameters
 
@@ -438,9 +530,14 @@ class MapperNode(Node):
             section, key = param.name.split(".")
             value = validate_value(param.name, _plain(param.value), self._specs[param.name])
             # The Mapper holds this same config object and reads it when predicting, on the update thread.
-            self._submit(f"set {param.name}", lambda s=section, k=key, v=value: self._set_config(s, k, v),
-                         periodic=False)
-            if param.name == "node.publish_period":
+            if self._active:
+                self._submit(f"set {param.name}", lambda s=section, k=key, v=value: self._set_config(s, k, v),
+                             periodic=False)
+            else:  # no update thread (a lifecycle node not active): the config takes it now
+                setattr(getattr(self.config, section), key, value)
+                if self.mapper is not None:
+                    self.mapper.mark_changed()
+            if param.name == "node.publish_period" and self._active:
                 self._publish_timer.timer_period_ns = int(round(value * 1e9))
                 self._publish_timer.reset()
             self.get_logger().info(f"parameter {param.name} = {value!r} applied")
@@ -648,7 +745,7 @@ class MapperNode(Node):
         with self._lock:
             self.mapper.mark_published()
             try:
-                grid = self.mapper.grid()
+                grid = self.mapper.grid(predict_unknown=False)  # a map shows known cells only
             except Exception as err:
                 self._report(f"map prediction failed: {type(err).__name__}: {err}")
                 return
@@ -671,29 +768,45 @@ class MapperNode(Node):
         except Exception as err:
             self._report(f"map encoding failed: {type(err).__name__}: {err}")
             return
-        # The scale first, so a subscriber that decodes a grid already has the scale that matches it.
-        self._scale_pub.publish(conversions.scale_to_msg(layout.layers, self.config.sync.field_unit))
-        for layer in layout.layers:
-            mean_pub, var_pub = self._map_pubs[layer.name]
-            mean_pub.publish(conversions.occupancy_msg(grid, layer.mean_data, stamp))
-            var_pub.publish(conversions.occupancy_msg(grid, layer.variance_data, stamp))
-        self._cloud_pub.publish(conversions.cloud_msg(grid, stamp, points=layout.cloud))
+        publish_map_layout(self._map_pubs, self._cloud_pub, self._scale_pub, grid, layout, self.config.sync.field_unit,
+                           stamp)
         self._last_grid = grid
         self._counts["maps_published"] += 1
         self._last_error = ""  # the diagnostics show ERROR until the next good map
 
     def _publish_cleared(self) -> None:
-        """After a reset: every map topic gets the last geometry with all cells unknown, the cloud no points."""
+        """After a reset: the last geometry with every cell unknown, published as any map is (the scale that goes
+        with it first, the cloud without points), stamped on the maps' clock (the last map's data time)."""
         grid = self._last_grid
         if grid is None:
             return
-        stamp = self.get_clock().now().to_msg()
-        unknown = publication.unknown_data(grid)
-        for mean_pub, var_pub in self._map_pubs.values():
-            for pub in (mean_pub, var_pub):
-                msg = conversions.occupancy_msg(grid, unknown, stamp)
-                pub.publish(msg)
-        self._cloud_pub.publish(conversions.cloud_msg(grid, stamp, empty=True))
+        self._publish_grid(dataclasses.replace(grid, known=np.zeros(grid.spec.shape, dtype=bool)))
+
+    def publish_model(self) -> bool:
+        """Send the model summary on ~/model if the map took data since the last one (on the update thread).
+        Returns whether one was sent; a summary over ``node.model_max_bytes`` is counted and logged, not sent."""
+        from gp_mapping.mapping.merge import MapSource, encode_summary
+
+        with self._lock:
+            seen = int(self.mapper.model.num_seen)
+            if seen == 0 or seen == self._model["num_seen"]:
+                return False
+            try:
+                data = encode_summary(MapSource.from_mapper(self.get_fully_qualified_name(), self.mapper))
+            except Exception as err:
+                self._model["failed"] += 1
+                self._report(f"model summary failed: {type(err).__name__}: {err}")
+                return False
+        if len(data) > self.config.node.model_max_bytes:
+            self._model["too_large"] += 1
+            self._report(f"model summary of {len(data)} bytes exceeds node.model_max_bytes = "
+                         f"{self.config.node.model_max_bytes}; not sent")
+            return False
+        msg = UInt8MultiArray()
+        msg.data = data
+        self._model_pub.publish(msg)
+        self._model.update(sent=self._model["sent"] + 1, bytes=len(data), num_seen=seen)
+        return True
 
     def _on_checkpoint_timer(self) -> None:
         self._submit("checkpoint", self.write_checkpoint)
@@ -763,6 +876,10 @@ class MapperNode(Node):
         values["node/update_latency_mean_s"] = lat["sum"] / lat["count"] if lat["count"] else math.nan
         values["node/update_latency_max_s"] = lat["max"]
         values["node/publish_latency_last_s"] = self._publish_seconds
+        if self.config.node.model_period > 0:
+            for key in ("sent", "too_large", "failed", "bytes"):
+                values[f"node/model_summaries_{key}" if key != "bytes" else "node/model_summary_bytes"] = \
+                    self._model[key]
         if self.config.node.checkpoint_interval_s > 0:
             values["node/checkpoint_path"] = str(self.checkpoint_path)
             values["node/checkpoints_written"] = self._checkpoint["written"]
@@ -866,23 +983,80 @@ class MapperNode(Node):
 
     def close(self) -> None:
         """Stop the update thread, write a last checkpoint (when they are on) and destroy the node."""
-        with self._inbox_cond:
-            self._stopping = True
-            self._inbox_cond.notify_all()
-        self._worker.join(timeout=30.0)
-        self._service_executor.shutdown()
-        self._service_thread.join(timeout=10.0)
-        self._service_node.destroy_node()
-        with self._inbox_cond:  # jobs that will never run: their callers get an answer now
-            for name, _, future in self._jobs:
-                future.set_exception(RuntimeError(f"{name}: the node stopped before it ran"))
-            self._jobs.clear()
-        if self.config.node.checkpoint_interval_s > 0:
-            with self._lock:
-                try:
-                    self._feed_inbox()  # what was received is kept (no update runs: batches stay as cut)
-                except Exception as err:
-                    self._report(f"feeding the mapper failed: {type(err).__name__}: {err}")
+        if self._active:
+            self._deactivate()
+        if self.mapper is not None and self.config.node.checkpoint_interval_s > 0:
+            self.write_checkpoint()
+        self.destroy_node()
+
+
+class MapperNode(_MapperCore, Node):
+    """The plain node: configured and active from construction until :meth:`close` (``ros2 run gp_mapping
+    mapper``)."""
+
+    def __init__(self, **node_kwargs: Any) -> None:
+        Node.__init__(self, NODE_NAME, **node_kwargs)
+        try:
+            self._init_core()
+            self._configure()
+        except BaseException:
+            self.destroy_node()
+            raise
+        self._activate()
+
+
+class LifecycleMapperNode(_MapperCore, LifecycleNode):
+    """The managed node (``ros2 run gp_mapping lifecycle_mapper``), brought up as nav2's lifecycle manager does:
+    ``configure`` reads the parameters and builds the model (a bad parameter or an unreadable initial map fails
+    the transition with the reason), ``activate`` subscribes and publishes, ``deactivate`` stops both and keeps
+    the map, ``cleanup`` drops it, ``shutdown`` writes the last checkpoint (when they are on)."""
+
+    def __init__(self, **node_kwargs: Any) -> None:
+        LifecycleNode.__init__(self, NODE_NAME, **node_kwargs)
+        try:
+            self._init_core()
+        except BaseException:
+            self.destroy_node()
+            raise
+
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        try:
+            self._configure()
+        except NodeStartError as err:
+            self.get_logger().error(f"configure failed: {err}")
+            self.mapper = None
+            return TransitionCallbackReturn.FAILURE
+        self.get_logger().info("configured")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._activate()
+        if self.mapper.diagnostics()["num_seen"]:
+            self.mapper.mark_changed()  # the map kept through a deactivate is published again at once
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._deactivate()
+        self.get_logger().info("deactivated: not mapping; the map is kept")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._cleanup()
+        self.get_logger().info("cleaned up: the map is dropped")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        if self._active:
+            self._deactivate()
+        if self.mapper is not None and self.config.node.checkpoint_interval_s > 0:
+            self.write_checkpoint()
+        return TransitionCallbackReturn.SUCCESS
+
+    def close(self) -> None:
+        """Shut down from whatever state the node is in, then destroy it."""
+        if self._active:
+            self._deactivate()
+        if self.mapper is not None and self.config.node.checkpoint_interval_s > 0:
             self.write_checkpoint()
         self.destroy_node()
 
@@ -922,36 +1096,55 @@ def run(args: argparse.Namespace) -> int:
     return spin(_with_config(["gp-mapping node"], args.config, ros_args))
 
 
-def spin(argv: list[str]) -> int:
-    """Start ROS with ``argv``, run the node until shutdown, and return the exit status."""
+def spin(argv: list[str], lifecycle: bool = False, autostart: bool = False) -> int:
+    """Start ROS with ``argv``, run the node until shutdown, and return the exit status. ``lifecycle``: the
+    managed node, waiting for configure and activate (``autostart``: it does both itself)."""
     try:
         rclpy.init(args=argv)
     except Exception as err:  # rcl refuses malformed --ros-args or an unparsable params file
         print(f"gp_mapping mapper: cannot start ROS: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    # Before the node exists (so before any message or /clock arrives): the first update must not stall on
-    # the imports torch makes on first use.
-    warm_up_engines()
     try:
         try:
-            node = MapperNode()
-        except NodeStartError as err:
+            node = LifecycleMapperNode() if lifecycle else MapperNode()
+        except NodeStartError as err:  # at once: a bad parameter does not wait for the warm-up below
             rclpy.logging.get_logger(NODE_NAME).fatal(str(err))
             return EXIT_BAD_CONFIG
+        # Before the executor takes any message (or /clock): the first update must not stall on the imports
+        # torch makes on first use.
+        warm_up_engines()
+        if lifecycle and autostart:
+            if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
+                node.destroy_node()
+                return EXIT_BAD_CONFIG
+            node.trigger_activate()
         # Single-threaded: every callback is short (the updates run on the node's own thread). rclpy's
         # MultiThreadedExecutor took about 400 of 30 000 messages under a 1 kHz flood on two cores.
         executor = SingleThreadedExecutor()
         executor.add_node(node)
+        sys.unraisablehook = quiet_interrupts_in_finalizers
         try:
             executor.spin()
         except (KeyboardInterrupt, ExternalShutdownException):
             pass
+        except RuntimeError:  # rclpy's SIGINT handler can invalidate the context under the executor's wait
+            if rclpy.ok():
+                raise
         finally:
             executor.shutdown()
             node.close()
         return EXIT_OK
     finally:
         rclpy.try_shutdown()
+
+
+def quiet_interrupts_in_finalizers(unraisable: Any) -> None:
+    """``sys.unraisablehook`` of the node's process: a Ctrl-C that lands while Python runs a finalizer (an rclpy
+    Future's ``__del__``) cannot be raised there and was printed as a traceback on a clean stop; the node is
+    stopping anyway, so it is dropped. Anything else is reported as usual."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -963,6 +1156,21 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(remove_ros_args(argv)[1:])
     return spin(_with_config(argv[:1], args.config, argv[1:]))
+
+
+def lifecycle_main(argv: list[str] | None = None) -> int:
+    """``ros2 run gp_mapping lifecycle_mapper [--config FILE] [--autostart] [--ros-args ...]``: the managed
+    node; a lifecycle manager (the launch files, nav2's lifecycle_manager) configures and activates it."""
+    from rclpy.utilities import remove_ros_args
+
+    argv = list(sys.argv if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="lifecycle_mapper",
+                                     description="Gaussian-process magnetic-field mapping node (managed, "
+                                                 "rclpy lifecycle).")
+    add_arguments(parser)
+    parser.add_argument("--autostart", action="store_true", help="configure and activate without a manager")
+    args = parser.parse_args(remove_ros_args(argv)[1:])
+    return spin(_with_config(argv[:1], args.config, argv[1:]), lifecycle=True, autostart=args.autostart)
 
 
 def _with_config(program: list[str], config: str | None, rest: list[str]) -> list[str]:

@@ -9,24 +9,27 @@ replay drive, with the shipped ``config/mapper.yaml``:
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from bench import bench_engine
-from bench.common import REPO_ROOT, percentiles
 from gp_mapping.config import MapperConfig, ModelConfig, load_config
+from gp_mapping.evaluation import bench_engine
+from gp_mapping.evaluation.common import SOURCE_ROOT, percentiles, shipped_config_path
 
-SHIPPED_CONFIG = REPO_ROOT / "config" / "mapper.yaml"
-DEMO_BAG = REPO_ROOT / "bags" / "demo"
+DEMO_BAG = SOURCE_ROOT / "bags" / "demo" if SOURCE_ROOT is not None else None
 
 
 def shipped_config(device: str = "cpu") -> MapperConfig:
     """config/mapper.yaml with the model on ``device`` (the file says 'auto')."""
-    cfg = load_config(SHIPPED_CONFIG)
+    path = shipped_config_path()
+    cfg = load_config(path) if path is not None else MapperConfig()
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=device))
 
 
@@ -39,13 +42,29 @@ def engine_sweep(plan: dict, device: str, log: Callable[[str], None]) -> dict[st
             "grids": grids}
 
 
+#: The command that wrote bags/demo (bags/README.md); an installed package, which has no bags/, writes it again.
+DEMO_BAG_COMMAND = ("--seed", "0", "--duration", "180")
+
+
 def replay_demo(log: Callable[[str], None]) -> dict[str, Any]:
-    """Replay bags/demo with the shipped config (no output files: only the final map is predicted)."""
+    """Replay bags/demo with the shipped config (no output files: only the final map is predicted); without the
+    source checkout, the same simulated bag written by ``gp-mapping demo-bag`` into a temporary folder."""
     from gp_mapping.replay import replay_bag
 
-    result = replay_bag(DEMO_BAG, shipped_config(), out_dir=None)
+    with tempfile.TemporaryDirectory(prefix="gp-mapping-bench-") as tmp:
+        bag, recording = DEMO_BAG, "bags/demo"
+        if bag is None or not bag.is_dir():
+            from gp_mapping.sim import demo_bag
+
+            parser = argparse.ArgumentParser()
+            demo_bag.add_arguments(parser)
+            bag = Path(tmp) / "demo"
+            if demo_bag.run(parser.parse_args([str(bag), *DEMO_BAG_COMMAND])) != 0:
+                raise RuntimeError("the demo bag could not be written")
+            recording = "gp-mapping demo-bag " + " ".join(DEMO_BAG_COMMAND)
+        result = replay_bag(bag, shipped_config(), out_dir=None)
     mapper = result.mapper
-    out = {"recording": "bags/demo", "duration_s": result.bag_duration,
+    out = {"recording": recording, "duration_s": result.bag_duration,
            "processing_s": result.processing_seconds, "real_time_factor": result.real_time_factor,
            "updates": result.counts["updates"], "samples": int(mapper.model.num_seen),
            "update_latency_last_100": percentiles(list(mapper._update_seconds))}
@@ -58,7 +77,7 @@ def replay_solin(data_root, sequences: tuple[int, ...], max_seconds: float | Non
                  log: Callable[[str], None]) -> dict[str, Any]:
     """Feed Solin 2018 sequences through a Mapper with the shipped config; ``max_seconds`` keeps only the start
     of each sequence (the quick plan)."""
-    from gp_mapping.datasets import load_solin2018
+    from gp_mapping.evaluation.datasets import load_solin2018
     from gp_mapping.mapping.mapper import Mapper
 
     rows = []

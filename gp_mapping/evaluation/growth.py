@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench.common import percentiles, rss_bytes
-from bench.speed import shipped_config
+from gp_mapping.evaluation.common import percentiles, rss_bytes
+from gp_mapping.evaluation.speed import shipped_config
 
 RATE_HZ = 50.0
 WARMUP_SECONDS = 60.0  # memory and inducing set fill during the first minute; the deciles start after it

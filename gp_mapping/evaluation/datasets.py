@@ -43,7 +43,8 @@ def shared_data_root() -> Path:
         if not path.is_dir():
             raise DatasetNotFoundError(f"${DATA_ENV_VAR} points to {path}, which is not a directory")
         return path
-    candidates = [Path(__file__).resolve().parents[1].parent / "shared" / "data", Path.cwd().parent / "shared" / "data"]
+    candidates = [Path(__file__).resolve().parents[2].parent / "shared" / "data",
+                  Path.cwd().parent / "shared" / "data"]
     for path in candidates:
         if path.is_dir():
             return path

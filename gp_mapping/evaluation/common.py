@@ -1,17 +1,38 @@
-"""Small helpers shared by the benchmark sections: the machine, resident memory, JSON-safe numbers."""
+"""Small helpers shared by the benchmark sections: where things are (source checkout or installed package), the
+machine, resident memory, JSON-safe numbers."""
 from __future__ import annotations
 
 import datetime as _dt
 import math
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+_CHECKOUT = Path(__file__).resolve().parents[2]
+#: The source checkout holding this package (with bench/, config/ and bags/ beside gp_mapping/), or None when the
+#: package is installed (pip, colcon): the harness then runs on what the package itself holds.
+SOURCE_ROOT: Path | None = _CHECKOUT if (_CHECKOUT / "bench").is_dir() and (_CHECKOUT / "config").is_dir() else None
+
+
+def default_results_dir() -> Path:
+    """``bench/results`` of the source checkout; ``./bench-results`` when the package is installed."""
+    return SOURCE_ROOT / "bench" / "results" if SOURCE_ROOT is not None else Path.cwd() / "bench-results"
+
+
+def shipped_config_path() -> Path | None:
+    """``config/mapper.yaml`` of the checkout, or the installed copy (``<prefix>/share/gp_mapping/config``);
+    None when neither exists (its values are then the defaults of :class:`gp_mapping.config.MapperConfig`, which
+    the test suite holds equal to the file)."""
+    candidates = ([SOURCE_ROOT / "config" / "mapper.yaml"] if SOURCE_ROOT is not None else []) + \
+        [Path(sys.prefix) / "share" / "gp_mapping" / "config" / "mapper.yaml"]
+    return next((p for p in candidates if p.is_file()), None)
+
+
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 

@@ -1,13 +1,16 @@
 """Run every benchmark section in one process and write ``bench.json``, ``bench.md`` and PNG curves.
 
     gp-mapping bench [--quick] [--out DIR] [--data DIR] [--threads N] [--only SECTION ...]
-    python -m bench.harness [same options]          (from the repository root)
+    python -m gp_mapping.evaluation.harness [same options]
 
 Sections: ``accuracy`` (protocols 1 and 2 on the Solin 2018 recording; skipped with the reason when the
 recording is absent), ``speed`` (engine latency over M, grid prediction, replay real-time factors),
 ``growth`` (cost against samples seen over a long simulated drive), ``cuda`` (the engine sweep on the
-GPU; skipped without CUDA) and ``large`` (local submaps against one engine over a 100 m x 60 m simulated building,
-30 minutes, 2-D and 3-D inputs). A section that fails is recorded with its error and the others still run; the
+GPU; skipped without CUDA), ``large`` (local submaps against one engine over a 100 m x 60 m simulated building,
+30 minutes, 2-D and 3-D inputs), ``explore`` (a 30-minute exploration of 200 m x 200 m at 50 Hz through the
+node's update-thread schedule: map rate, resident memory, how far the model falls behind) and ``merge`` (two
+robots' maps merged against one mapper; merge time against the number of sources, 1-16). A section that fails is
+recorded with its error and the others still run; the
 exit status is then 1. Everything in the outputs is regenerated from code on every run.
 """
 from __future__ import annotations
@@ -24,9 +27,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from bench.common import REPO_ROOT, jsonable, machine_info
+from gp_mapping.evaluation.common import default_results_dir, jsonable, machine_info
 
-SECTIONS = ("accuracy", "speed", "growth", "cuda", "large")
+SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore", "merge")
 JSON_NAME = "bench.json"
 MD_NAME = "bench.md"
 
@@ -47,6 +50,11 @@ FULL = {
        "large_exact_points": 6000, "large_exact_hyper_points": 1500, "large_exact_iterations": 50,
        "large_test_every": 6, "large_sample_every": 500, "large_warmup_seconds": 60.0, "large_seed": 0,
        "large_dims": (2, 3)},
+    **{"explore_area": 200.0, "explore_lane": 20.0, "explore_seconds": 1800.0, "explore_rate": 50.0,
+       "explore_warmup_seconds": 180.0, "explore_seed": 0, "explore_window": None},
+    **{"merge_seconds": 120.0, "merge_rate": 10.0, "merge_batch": 50, "merge_m": 64, "merge_steps": 100,
+       "merge_sources": (1, 2, 4, 8, 16), "merge_strip_seconds": 60.0, "merge_strip_m": 32, "merge_resolution": 0.25,
+       "merge_seed": 3},
 }
 QUICK = {
     "p1_batches": 10, "p2_batch_seconds": 20.0, "p2_eval_every": 3, "fast_full_every": 10,
@@ -63,12 +71,17 @@ QUICK = {
        "large_exact_points": 300, "large_exact_hyper_points": 200, "large_exact_iterations": 5,
        "large_test_every": 6, "large_sample_every": 50, "large_warmup_seconds": 0.0, "large_seed": 0,
        "large_dims": (2,)},
+    **{"explore_area": 30.0, "explore_lane": 10.0, "explore_seconds": 30.0, "explore_rate": 50.0,
+       "explore_warmup_seconds": 5.0, "explore_seed": 0, "explore_window": None},
+    **{"merge_seconds": 30.0, "merge_rate": 5.0, "merge_batch": 25, "merge_m": 24, "merge_steps": 10,
+       "merge_sources": (1, 2, 4), "merge_strip_seconds": 15.0, "merge_strip_m": 12, "merge_resolution": 0.5,
+       "merge_seed": 3},
 }
 
 
 def _data_root(given: Path | None) -> tuple[Path | None, str | None]:
     """The recordings folder, or None and the reason it is unusable."""
-    from gp_mapping.datasets import DatasetError, load_solin2018, shared_data_root
+    from gp_mapping.evaluation.datasets import DatasetError, load_solin2018, shared_data_root
 
     try:
         root = Path(given) if given is not None else shared_data_root()
@@ -79,7 +92,7 @@ def _data_root(given: Path | None) -> tuple[Path | None, str | None]:
 
 
 def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[[str], None]) -> dict[str, Any]:
-    from bench import accuracy, growth, large, speed
+    from gp_mapping.evaluation import accuracy, explore, growth, large, merge, speed
 
     results: dict[str, Any] = {"machine": machine_info(), "plan": plan, "sections": {}}
     root, why = _data_root(data)
@@ -116,6 +129,10 @@ def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[
                 out = speed.cuda_section(plan["engine"], log)
             elif section == "large":
                 out = large.run(plan, log)
+            elif section == "explore":
+                out = explore.run(plan, log)
+            elif section == "merge":
+                out = merge.run(plan, log)
             else:
                 raise ValueError(f"unknown section {section!r}; choose from {', '.join(SECTIONS)}")
         except Exception as err:  # one broken section must not hide the others' numbers
@@ -128,7 +145,7 @@ def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[
 
 
 def _area_of(root: Path) -> tuple[np.ndarray, np.ndarray]:
-    from gp_mapping.datasets import load_solin2018
+    from gp_mapping.evaluation.datasets import load_solin2018
 
     xy = np.vstack([load_solin2018(root, s).xy for s in (1, 2, 3, 4, 5)])
     return xy.min(axis=0), xy.max(axis=0)
@@ -233,11 +250,21 @@ def markdown(results: dict[str, Any]) -> str:
                       f"{_f(s['state_last_decile_mib'], '.2f')} | {_f(s['state_ratio'])} |", "",
                       f"Latency slope after warm-up: {_f(s.get('latency_slope_ms_per_10k_samples'), '+.3f')} ms per "
                       "10 000 samples. Curves: `growth.png`.", ""]
+    ex = sec.get("explore")
+    if ex is not None:
+        from gp_mapping.evaluation import explore
+
+        lines += explore.markdown(ex)
     lg = sec.get("large")
     if lg is not None:
-        from bench import large
+        from gp_mapping.evaluation import large
 
         lines += large.markdown(lg)
+    mg = sec.get("merge")
+    if mg is not None:
+        from gp_mapping.evaluation import merge
+
+        lines += merge.markdown(mg)
     cu = sec.get("cuda")
     if cu is not None:
         lines += ["## CUDA", ""]
@@ -327,10 +354,11 @@ def write(results: dict[str, Any], out: Path) -> dict[str, Path]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="the same sections on less work (under 3 minutes; what the smoke test runs)")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results",
-                        help="output folder (default bench/results)")
+    parser.add_argument("--out", type=Path, default=default_results_dir(),
+                        help="output folder (default bench/results in a source checkout, else ./bench-results)")
     parser.add_argument("--data", type=Path, default=None,
-                        help="folder holding solin2018_invensense (default ../shared/data or $GP_MAPPING_DATA)")
+                        help="folder holding solin2018_invensense (default $GP_MAPPING_DATA, else ../shared/data beside the "
+                             "checkout or the working directory)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: the batches are small and cores are often shared)")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=None, help="run only these sections")
@@ -338,7 +366,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="combine the sections of earlier runs' bench.json files (later files win) and write "
                              "the report to --out, running nothing (for sections run in parallel processes)")
     parser.add_argument("--set", nargs="+", default=(), metavar="KEY=VALUE", dest="overrides",
-                        help="override numbers of the plan (FULL or QUICK in bench/harness.py), e.g. "
+                        help="override numbers of the plan (FULL or QUICK in gp_mapping/evaluation/harness.py), e.g. "
                              "--set p2_batch_seconds=5 osgpr_iterations=10; the plan used is saved in bench.json")
     parser.add_argument("--drive-minutes", type=float, default=None,
                         help="length of the simulated drive of the growth section (default: 60, quick: 1)")
@@ -401,7 +429,8 @@ def main_with_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.harness", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m gp_mapping.evaluation.harness",
+                                     description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     return main_with_args(parser.parse_args(argv))
 

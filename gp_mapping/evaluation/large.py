@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench.common import percentiles
-from bench.growth import _decile_ratio, feed
+from gp_mapping.evaluation.common import percentiles
+from gp_mapping.evaluation.growth import _decile_ratio, feed
 
 
 def _world_and_drive(plan: dict, dims: int, seed: int):
@@ -59,7 +59,7 @@ def _test_points(rec, plan: dict, dims: int, rng: np.random.Generator) -> tuple[
 
 
 def _config(plan: dict, dims: int, tiled: bool):
-    from bench.speed import shipped_config
+    from gp_mapping.evaluation.speed import shipped_config
     import dataclasses
 
     cfg = shipped_config()
@@ -169,7 +169,7 @@ def growing_ratios(r: dict, first_pass: int, warmup: float) -> dict[str, float]:
 
 
 def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
-    from gp_mapping.baselines import ExactGPBaseline, KernelSpec, NearestNeighbour
+    from gp_mapping.evaluation.baselines import ExactGPBaseline, KernelSpec, NearestNeighbour
 
     results: dict[str, Any] = {"area_m": list(plan["large_area"]), "seconds": None}
     for dims in plan["large_dims"]:

@@ -29,7 +29,7 @@ import numpy as np
 from scipy.spatial.transform import Rotation
 
 from gp_mapping.bag.ros2 import latched_qos, ros2_typestore
-from gp_mapping.sim import (
+from gp_mapping.sim.simulation import (
     PATTERNS,
     SensorConfig,
     SimRecording,
@@ -178,7 +178,7 @@ def write_demo_bag(out_dir: str | Path, recording: SimRecording, *, start_time: 
                     storage_plugin=StoragePlugin.MCAP if storage == "mcap" else StoragePlugin.SQLITE3)
     if storage == "mcap" and compress:
         writer.set_compression(CompressionMode.STORAGE, CompressionFormat.ZSTD)
-    data = {"gp_mapping.generator": "gp_mapping.demo_bag", "gp_mapping.seed": str(recording.seed),
+    data = {"gp_mapping.generator": "gp_mapping.sim.demo_bag", "gp_mapping.seed": str(recording.seed),
             "gp_mapping.ground_truth": GROUND_TRUTH_FILE if ground_truth else ""}
     for key, value in (custom_data or {}).items():
         data[str(key)] = str(value)

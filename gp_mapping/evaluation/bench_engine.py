@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Latency of the GP engine: one update of a batch, and a map redraw on a grid.
 
-    python bench/bench_engine.py [--quick] [--out DIR] [--device cpu|cuda|auto] [--data sim|solin]
+    python -m gp_mapping.evaluation.bench_engine [--quick] [--out DIR] [--device cpu|cuda|auto] [--data sim|solin]
 
 For every number of inducing points M and memory size, one engine is built through ``build_model`` with
 the configuration defaults otherwise (Matern-5/2 + constant, ARD, Gaussian likelihood, hyperparameters
@@ -24,13 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a plain script from a checkout
-    sys.path.insert(0, str(REPO_ROOT))
-
-from gp_mapping.config import ModelConfig  # noqa: E402
-from gp_mapping.gp import build_model  # noqa: E402
-from gp_mapping.mapping.grid import GridSpec, predict_grid  # noqa: E402
+from gp_mapping.config import ModelConfig
+from gp_mapping.evaluation.common import default_results_dir
+from gp_mapping.gp import build_model
+from gp_mapping.mapping.grid import GridSpec, predict_grid
 
 SAMPLE_RATE_HZ = 50.0  # both data sources are 50 Hz: a batch of 50 is one second of data
 WARM_BATCH = 1000      # samples per warm-up update (hyperparameters frozen, see steady_model)
@@ -47,7 +44,7 @@ QUICK = dict(ms=(64, 128), memories=(500,), full_reps=5, fast_reps=10, grid_size
 def load_stream(source: str, seed: int) -> tuple[np.ndarray, np.ndarray, tuple[float, float, float, float]]:
     """Positions (N, 2) [m], targets |B| (N, 1) [uT] and the area (xmin, ymin, xmax, ymax) the map covers."""
     if source == "solin":
-        from gp_mapping.datasets import load_solin2018
+        from gp_mapping.evaluation.datasets import load_solin2018
 
         seqs = [load_solin2018(None, s) for s in (1, 2, 3, 4, 5)]
         x = np.vstack([s.xy for s in seqs])
@@ -233,7 +230,8 @@ def markdown(meta: dict, updates: list[dict], grids: list[dict]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="M in {64, 128}, memory 500, 100x100 grid (< 1 min)")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results", help="output folder")
+    parser.add_argument("--out", type=Path, default=default_results_dir(),
+                        help="output folder (default bench/results of the checkout, else ./bench-results)")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     parser.add_argument("--data", choices=("sim", "solin"), default="sim",
                         help="sim: simulated 10x10 m world (always available); solin: the Solin 2018 recording "

@@ -26,11 +26,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from bench.bench_engine import _summary
-from gp_mapping.baselines import (ConstantMean, ExactGPBaseline, KernelSpec, NearestNeighbour, OfflineSVGP, StreamingSparseGP,
+from gp_mapping.evaluation.bench_engine import _summary
+from gp_mapping.evaluation.baselines import (ConstantMean, ExactGPBaseline, KernelSpec, NearestNeighbour, OfflineSVGP, StreamingSparseGP,
                                   gaussian_log_density, nlpd, rmse)
 from gp_mapping.config import ModelConfig
-from gp_mapping.datasets import load_solin2018
+from gp_mapping.evaluation.datasets import load_solin2018
 from gp_mapping.gp import ENGINES, build_model
 
 NUM_INDUCING = 100  # the paper's M for this recording

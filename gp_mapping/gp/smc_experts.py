@@ -1,0 +1,630 @@
+"""Sequential Monte Carlo mixture of GP experts (Zhang, Dumitrascu, Williamson & Engelhardt, "Sequential
+Gaussian processes for online learning of nonstationary functions").
+
+Model. Each of J particles holds a Dirichlet-process (Chinese restaurant) partition of the data by input
+location. Inputs of expert k follow a Normal-inverse-Wishart cluster, so the next input's density under it is
+a Student-t (eqs. 2-3, from running statistics). Each expert is a zero-mean GP with its own hyperparameters
+theta_k = log(lengthscale(s), signal variance, noise variance[, constant variance]) under a log-normal prior;
+the concentration alpha has a Gamma(a0, b0) prior. Per observation (x_i, y_i), vectorised over particles:
+
+1. assign z_i: from the gating prior P(z = k | x_i) ∝ c_k T_k(x_i), new expert ∝ alpha T_0(x_i) (the paper's
+   proposal, ``smc_proposal: prior``), or from its product with the expert's one-step predictive density of
+   y_i (``adapted``, the locally optimal proposal: data that disagree with an expert start a new one);
+2. reweight by the incremental importance weight: p(x_i | past) p(y_i | z_i, past) for the prior proposal,
+   sum_k P(z = k, x_i | past) p(y_i | k, past) for the adapted one (Carvalho et al. 2010 for the x part;
+   eq. 6's GP ratio p(y_k)/p(y'_k) is the one-step predictive of y_i under expert z_i);
+3. add x_i to the expert's NIW statistics and (x_i, y_i) to its memory; update alpha (Escobar & West, eq. 4);
+4. normalise the weights; when N_eff < smc_ess_threshold * J, resample (multinomial or systematic).
+
+After each batch, the hyperparameters of the experts that received data are moved by elliptical slice
+sampling on their marginal likelihood (Murray et al. 2010). The paper moves theta before weighting; here the
+weights use theta before the move and the move follows (a resample-move step), so the importance weights stay
+valid with the move as an MCMC kernel. Prediction is the mixture over particles (weights) and, within each,
+over the test point's gate (existing experts and a new one, the GP prior): its mean, and its variance by the
+law of total variance; ``log_predictive_density`` is the mixture density itself.
+
+Bounded cost. Each particle has at most ``smc_max_experts`` experts and each expert an exact GP on at most
+``smc_expert_memory`` pseudo-observations. A memory entry (x, ybar, c, S) stands for c readings merged at the
+count-weighted mean input with mean ybar and within-group sum of squares S; its GP noise is sigma^2 / c and its
+marginal likelihood includes the within-group term, which is exact for repeated inputs. When an expert's memory
+is full, the closest pair of [memory; new point] is merged. So an update costs
+O(N J (K M^2 + M^3)) for N new points, whatever has been seen before. When every expert slot is used, no new
+expert is opened (with ``gate_on_time``, the expert with the smallest decayed weight is retired instead).
+
+Gating on time (``gate_on_time``). The paper's gate uses inputs only. With this option the CRP weight of an
+expert is the time-decayed count c_k(t) = sum_{i in k} exp(-(t - t_i) / tau) (the time-sensitive DP of Zhu,
+Ghahramani & Lafferty 2005), both for assigning new data and for gating predictions at the newest stamp. A
+changed field then gets a new expert (its readings disagree with the old expert, and the old one's weight has
+decayed), and the map at the present prefers it where both cover. Appending t / tau to the NIW input instead
+would not work for maps: a NIW cluster learns its own spread in t, so at the present stamp every expert but the
+most recent has negligible density and the map would come from the last few seconds of driving.
+
+Targets are scaled by running statistics (mean and standard deviation of every reading so far, updated per
+reading), never frozen on a first batch: the memories hold raw readings and are standardised when used, so the
+scale can change at any time. Vector targets: the components share the partition and the hyperparameters (one
+Cholesky factor per expert serves all components; the three field components near one source share their
+lengthscale), with independent GP values per component.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .base import Engine, resolve_device, to_float64_tensor
+from .dp_mixture import (elliptical_slice, escobar_west, effective_sample_size, niw_add, niw_predictive,
+                         normalise_log_weights, resample_indices)
+from .errors import ConfigError, ModelInputError
+from .kernels import STATIONARY_KERNELS, jittered_cholesky
+from .likelihoods import GaussianLikelihood
+
+LOG_2PI = math.log(2.0 * math.pi)
+#: smallest noise variance an expert may have, relative to the running target variance
+NOISE_FLOOR = 1e-6
+#: prediction works on chunks of test points whose (J, K, M, G, D) temporaries hold about this many numbers
+PREDICT_CHUNK_ELEMENTS = 1 << 22
+
+
+class SMCExperts(Engine):
+    """Online SMC mixture of GP experts; see the module docstring. Interface as every engine in ``gp``."""
+
+    #: buffers whose size follows the data or the particle count (resized on load_state_dict)
+    RESIZABLE = ("log_w", "alpha", "count", "crp_w", "crp_t", "g_mean", "g_scatter", "g_mu0", "theta", "mem_x",
+                 "mem_y", "mem_c", "mem_s", "rng_state")
+    #: update() and predict() take the sample stamps ``t`` (the Mapper passes them)
+    wants_stamps = True
+
+    def __init__(self, config, input_dims: int, output_dims: int) -> None:
+        super().__init__(config, input_dims, output_dims)
+        cfg = self.config
+        d, p = self.input_dims, self.output_dims
+        if cfg.likelihood != "gaussian":
+            raise ConfigError(f"smc_experts supports the gaussian likelihood only, got {cfg.likelihood!r}",
+                              "likelihood")
+        if not cfg.smc_niw_dof > d - 1:
+            raise ConfigError(f"{cfg.smc_niw_dof} must exceed input_dims - 1 = {d - 1}", "smc_niw_dof")
+        # Only for checking targets (the experts' noise variances are their own hyperparameters).
+        self.likelihood = GaussianLikelihood(p)
+        self.likelihood.requires_grad_(False)
+        j, k, m = int(cfg.smc_particles), int(cfg.smc_max_experts), int(cfg.smc_expert_memory)
+        self.num_ls = d if cfg.ard else 1
+        self.has_constant = bool(cfg.constant_kernel)
+        h = self.num_ls + 2 + int(self.has_constant)
+        self._profile = STATIONARY_KERNELS[cfg.kernel](1).profile
+        f64 = dict(dtype=torch.float64)
+        prior = [math.log(cfg.lengthscale)] * self.num_ls + [math.log(cfg.signal_variance),
+                                                             math.log(cfg.noise_variance)]
+        if self.has_constant:
+            prior.append(math.log(cfg.constant_variance))
+        self.register_buffer("prior_mean", torch.tensor(prior, **f64), persistent=False)
+        self.register_buffer("psi0", float(cfg.smc_niw_psi) * torch.eye(d, **f64), persistent=False)
+        # particles
+        self.register_buffer("log_w", torch.full((j,), -math.log(j), **f64))
+        self.register_buffer("alpha", torch.full((j,), float(cfg.smc_alpha_shape / cfg.smc_alpha_rate), **f64))
+        self.register_buffer("count", torch.zeros(j, k, **f64))         # readings per expert (0: free slot)
+        self.register_buffer("crp_w", torch.zeros(j, k, **f64))         # CRP weight (decayed count with time)
+        self.register_buffer("crp_t", torch.zeros(j, k, **f64))         # stamp at which crp_w was last set
+        self.register_buffer("g_mean", torch.zeros(j, k, d, **f64))     # NIW running mean of inputs
+        self.register_buffer("g_scatter", torch.zeros(j, k, d, d, **f64))
+        self.register_buffer("g_mu0", torch.zeros(j, k, d, **f64))      # NIW prior mean of each expert
+        self.register_buffer("theta", self.prior_mean.expand(j, k, h).clone())
+        self.register_buffer("mem_x", torch.zeros(j, k, m, d, **f64))
+        self.register_buffer("mem_y", torch.zeros(j, k, m, p, **f64))   # raw (unscaled) mean readings
+        self.register_buffer("mem_c", torch.zeros(j, k, m, **f64))      # readings merged in an entry (0: free)
+        self.register_buffer("mem_s", torch.zeros(j, k, m, p, **f64))   # within-entry sum of squares (raw)
+        # target scaling (running), bookkeeping, random state
+        self.register_buffer("y_count", torch.zeros((), **f64))
+        self.register_buffer("y_mean", torch.zeros(p, **f64))
+        self.register_buffer("y_std", torch.ones(p, **f64))
+        self.register_buffer("y_m2", torch.zeros(p, **f64))
+        self.register_buffer("last_t", torch.tensor(-math.inf, **f64))
+        self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("resamples_t", torch.tensor(0, dtype=torch.int64))
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(int(cfg.seed))
+        self.register_buffer("rng_state", self._generator.get_state())
+        self.alpha = escobar_west(self.alpha, torch.zeros(j), 0, cfg.smc_alpha_shape, cfg.smc_alpha_rate,
+                                  self._generator)
+        self.rng_state = self._generator.get_state()
+        # caches (recomputed from the state): chol of each expert's K, L^-1 y_raw, L^-1 mask
+        self._chol = torch.zeros(0)
+        self._ly = torch.zeros(0)
+        self._l1 = torch.zeros(0)
+        self._cache_ok = False
+        self.to(resolve_device(cfg.device))
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_particles(self) -> int:
+        return int(self.log_w.shape[0])
+
+    @property
+    def max_experts(self) -> int:
+        return int(self.count.shape[1])
+
+    @property
+    def expert_memory(self) -> int:
+        return int(self.mem_c.shape[2])
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """Normalised particle weights (J,)."""
+        return torch.exp(normalise_log_weights(self.log_w))
+
+    @property
+    def num_experts(self) -> torch.Tensor:
+        """Experts in use per particle (J,)."""
+        return (self.count > 0).sum(1)
+
+    def _work_scale(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean (P,), ratio r (P,), scale sbar ()): the experts work on (y - mean) * r with r = sbar / std,
+        sbar the geometric mean of the running standard deviations (r = 1 for one output). Their variance
+        hyperparameters are in these units, so a later change of the running scale does not rescale a learned
+        expert; only the prior of new and moved hyperparameters follows the scale."""
+        sbar = torch.exp(torch.log(self.y_std).mean())
+        return self.y_mean, sbar / self.y_std, sbar
+
+    def _prior_now(self) -> torch.Tensor:
+        """Prior mean of theta in work units: the configured (standardised) variances times sbar^2."""
+        shift = torch.zeros_like(self.prior_mean)
+        shift[self.num_ls:] = 2.0 * torch.log(self._work_scale()[2])
+        return self.prior_mean + shift
+
+    # ------------------------------------------------------------------ Engine plumbing
+    def _drop_caches(self) -> None:
+        super()._drop_caches()
+        self._cache_ok = False
+
+    def _loaded(self) -> None:
+        self._generator.set_state(self.rng_state.detach().to("cpu", torch.uint8))
+
+    # ------------------------------------------------------------------ input checks
+    def _check_t(self, t, n: int) -> torch.Tensor:
+        """Stamps (n,) as float64 on the CPU; None gives a sample clock (num_seen, num_seen + 1, ...)."""
+        if t is None:
+            return torch.arange(n, dtype=torch.float64) + float(self.num_seen)
+        tt = to_float64_tensor(t, "t", torch.device("cpu")).reshape(-1)
+        if tt.shape[0] != n:
+            raise ModelInputError(f"x has {n} rows but t has {tt.shape[0]} stamps")
+        if not bool(torch.isfinite(tt).all()):
+            raise ModelInputError("t holds NaN or Inf")
+        return tt
+
+    # ------------------------------------------------------------------ kernels and expert GPs
+    def _kernel(self, x1: torch.Tensor, x2: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+        """k(x1, x2) (..., N1, N2) for inputs (..., N1, D), (..., N2, D) and log-hyperparameters (..., H)."""
+        ls = torch.exp(theta[..., :self.num_ls])[..., None, :]
+        r2 = _squared_distances(x1 / ls, x2 / ls)
+        k = torch.exp(theta[..., self.num_ls])[..., None, None] * self._profile(torch.sqrt(r2.clamp_min(1e-36)))
+        if self.has_constant:
+            k = k + torch.exp(theta[..., -1])[..., None, None]
+        return k
+
+    def _prior_var(self, theta: torch.Tensor) -> torch.Tensor:
+        """k(x, x) (...)."""
+        v = torch.exp(theta[..., self.num_ls])
+        return v + torch.exp(theta[..., -1]) if self.has_constant else v
+
+    def _noise(self, theta: torch.Tensor) -> torch.Tensor:
+        return torch.exp(theta[..., self.num_ls + 1]).clamp_min(NOISE_FLOOR * float(self._work_scale()[2]) ** 2)
+
+    def _gram(self, mx: torch.Tensor, mc: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+        """K + diag(noise / c) on the valid entries, identity on free ones (..., M, M)."""
+        valid = mc > 0
+        vf = valid.to(mx.dtype)
+        k = self._kernel(mx, mx, theta) * vf[..., :, None] * vf[..., None, :]
+        diag = torch.where(valid, self._noise(theta)[..., None] / mc.clamp_min(1.0), torch.ones_like(mc))
+        k = k + torch.diag_embed(diag)
+        return k + self.config.jitter * self._prior_var(theta)[..., None, None] * torch.eye(
+            mx.shape[-2], dtype=mx.dtype, device=mx.device) * vf[..., None, :]
+
+    def _log_marginal(self, theta: torch.Tensor, mx, my, mc, ms) -> torch.Tensor:
+        """log p(memory readings | theta) (B,) in standardised units for B experts (exact for merged repeats);
+        -inf where K cannot be factorised."""
+        mean, ratio, _ = self._work_scale()
+        valid = mc > 0
+        vf = valid.to(mx.dtype)
+        yt = (my - mean) * ratio * vf[..., None]
+        L, info = torch.linalg.cholesky_ex(self._gram(mx, mc, theta))
+        ok = info == 0
+        L = torch.where(ok[:, None, None], L, torch.eye(L.shape[-1], dtype=L.dtype, device=L.device))
+        w = torch.linalg.solve_triangular(L, yt, upper=False)
+        p = my.shape[-1]
+        logdet = 2.0 * torch.log(torch.diagonal(L, dim1=-2, dim2=-1)).sum(-1)
+        ll = -0.5 * ((w * w).sum((-2, -1)) + p * logdet + p * LOG_2PI * vf.sum(-1))
+        noise = self._noise(theta)
+        c = mc.clamp_min(1.0)
+        within = (-(0.5 * (c - 1.0))[..., None] * (LOG_2PI + torch.log(noise))[:, None, None]
+                  - 0.5 * torch.log(c)[..., None] - 0.5 * (ms * ratio ** 2) / noise[:, None, None])
+        ll = ll + (within * vf[..., None]).sum((-2, -1))
+        return torch.where(ok & torch.isfinite(ll), ll, torch.full_like(ll, -math.inf))
+
+    def _used_memory(self, mc: torch.Tensor) -> int:
+        """Entries in use are a prefix of each memory (free slots are filled in order and only emptied with
+        their expert): the largest prefix among ``mc`` (..., M) bounds every computation."""
+        return max(1, int((mc > 0).sum(-1).max())) if mc.numel() else 1
+
+    def _refresh(self, jj: torch.Tensor | None = None, kk: torch.Tensor | None = None) -> None:
+        """Recompute the cached factors of experts (jj, kk) (all when None). Free entries have identity rows."""
+        if jj is None or not self._cache_ok:
+            j, k, m = self.num_particles, self.max_experts, self.expert_memory
+            self._chol = torch.eye(m, dtype=torch.float64, device=self.device).repeat(j, k, 1, 1)
+            self._ly = torch.zeros(j, k, m, self.output_dims, dtype=torch.float64, device=self.device)
+            self._l1 = torch.zeros(j, k, m, dtype=torch.float64, device=self.device)
+            jj, kk = [t.flatten() for t in torch.meshgrid(torch.arange(j, device=self.device),
+                                                          torch.arange(k, device=self.device), indexing="ij")]
+            self._cache_ok = True
+        if jj.numel() == 0:
+            return
+        u = self._used_memory(self.mem_c[jj, kk])
+        mx, mc = self.mem_x[jj, kk, :u], self.mem_c[jj, kk, :u]
+        L, _ = jittered_cholesky(self._gram(mx, mc, self.theta[jj, kk]), 0.0)
+        vf = (mc > 0).to(mx.dtype)
+        full = torch.eye(self.expert_memory, dtype=L.dtype, device=L.device).repeat(jj.shape[0], 1, 1)
+        full[:, :u, :u] = L
+        self._chol[jj, kk] = full
+        ly = torch.zeros(jj.shape[0], self.expert_memory, self.output_dims, dtype=L.dtype, device=L.device)
+        ly[:, :u] = torch.linalg.solve_triangular(L, self.mem_y[jj, kk, :u] * vf[..., None], upper=False)
+        self._ly[jj, kk] = ly
+        l1 = torch.zeros(jj.shape[0], self.expert_memory, dtype=L.dtype, device=L.device)
+        l1[:, :u] = torch.linalg.solve_triangular(L, vf[..., None], upper=False)[..., 0]
+        self._l1[jj, kk] = l1
+
+    def _ensure_cache(self) -> None:
+        if not self._cache_ok:
+            self._refresh()
+
+    def _expert_predict(self, x: torch.Tensor, jj=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Standardised latent mean and variance of every expert at inputs x (G, D): (J, K, G, P), (J, K, G)."""
+        mean_y, ratio, _ = self._work_scale()
+        th = self.theta
+        u = self._used_memory(self.mem_c)
+        mx = self.mem_x[:, :, :u]
+        ks = self._kernel(mx, x.expand(*mx.shape[:2], *x.shape), th)                    # (J, K, u, G)
+        ks = ks * (self.mem_c[:, :, :u] > 0).to(ks.dtype)[..., None]
+        v = torch.linalg.solve_triangular(self._chol[:, :, :u, :u], ks, upper=False)
+        wy = (self._ly[:, :, :u] - mean_y * self._l1[:, :, :u, None]) * ratio           # (J, K, u, P)
+        mean = torch.einsum("jkmg,jkmp->jkgp", v, wy)
+        var = (self._prior_var(th)[..., None] - (v * v).sum(-2)).clamp_min(0.0)
+        return mean, var
+
+    # ------------------------------------------------------------------ gating
+    def _decayed(self, t: float) -> torch.Tensor:
+        """CRP weights at stamp t (J, K)."""
+        if not self.config.gate_on_time:
+            return self.count
+        dt = (t - self.crp_t).clamp_min(0.0)
+        return self.crp_w * torch.exp(-dt / float(self.config.smc_time_scale))
+
+    def _gate_params(self):
+        cfg = self.config
+        mu, psi, nu = niw_predictive(self.count, self.g_mean, self.g_scatter, self.g_mu0, cfg.smc_niw_prior_count,
+                                     cfg.smc_niw_dof, self.psi0)
+        L = torch.linalg.cholesky(psi)
+        return mu, L, nu
+
+    def _gate_log(self, x: torch.Tensor, t: float, params=None) -> torch.Tensor:
+        """log of the unnormalised gate (J, K + 1, G) at inputs x (G, D): log c_k(t) + log T_k(x) for the
+        experts in use, log alpha + log T_0(x) for a new one (-inf when none can be opened)."""
+        cfg = self.config
+        d = self.input_dims
+        mu, L, nu = self._gate_params() if params is None else params
+        diff = x[None, None, :, :] - mu[:, :, None, :]                                   # (J, K, G, D)
+        sol = torch.linalg.solve_triangular(L, diff.transpose(-1, -2), upper=False)     # (J, K, D, G)
+        maha = (sol * sol).sum(-2)
+        logdet = 2.0 * torch.log(torch.diagonal(L, dim1=-2, dim2=-1)).sum(-1)
+        const = (torch.lgamma(0.5 * (nu + d)) - torch.lgamma(0.5 * nu) - 0.5 * d * (torch.log(nu) + math.log(math.pi))
+                 - 0.5 * logdet)
+        log_t = const[..., None] - 0.5 * (nu + d)[..., None] * torch.log1p(maha / nu[..., None])
+        w = self._decayed(t)
+        used = self.count > 0
+        log_old = torch.where(used[..., None], torch.log(w.clamp_min(1e-300))[..., None] + log_t,
+                              torch.full_like(log_t, -math.inf))
+        log_new = torch.log(self.alpha)[:, None] + self._log_t0(x)[None, :]
+        can_open = (~used).any(1) | bool(cfg.gate_on_time)
+        log_new = torch.where(can_open[:, None], log_new, torch.full_like(log_new, -math.inf))
+        return torch.cat([log_old, log_new[:, None, :]], dim=1)
+
+    def _log_t0(self, x: torch.Tensor) -> torch.Tensor:
+        """Prior predictive of a new expert's input (G,): at its centre with a local prior mean."""
+        cfg = self.config
+        d = self.input_dims
+        zeros = torch.zeros((), dtype=torch.float64, device=self.device)
+        mu, psi, nu = niw_predictive(zeros, torch.zeros(d, dtype=torch.float64, device=self.device),
+                                     torch.zeros(d, d, dtype=torch.float64, device=self.device),
+                                     torch.zeros(d, dtype=torch.float64, device=self.device),
+                                     cfg.smc_niw_prior_count, cfg.smc_niw_dof, self.psi0)
+        centre = x if cfg.smc_gate_prior_mean == "local" else torch.zeros_like(x)
+        diff = x - centre - mu
+        maha = (diff @ torch.linalg.inv(psi) * diff).sum(-1)
+        return (torch.lgamma(0.5 * (nu + d)) - torch.lgamma(0.5 * nu) - 0.5 * d * (torch.log(nu) + math.log(math.pi))
+                - 0.5 * torch.logdet(psi) - 0.5 * (nu + d) * torch.log1p(maha / nu))
+
+    # ------------------------------------------------------------------ updates
+    def update(self, x, y, mode: str | None = None, t=None) -> dict:
+        """Condition on a batch: x (N, D), y (N, P), stamps t (N,) [s] (None: a sample clock). ``mode`` is
+        accepted for the common interface; every update is the same here."""
+        start = time.perf_counter()
+        xt = self._check_x(x)
+        yt = self._check_y(y, xt.shape[0])
+        tt = self._check_t(t, xt.shape[0])
+        if mode not in (None, "fast", "full"):
+            raise ValueError(f"update mode must be 'fast', 'full' or None, got {mode!r}")
+        stats = {"mode": "smc", "n_batch": int(xt.shape[0]), "resampled": 0, "new_experts": 0,
+                 "slice_evaluations": 0}
+        if xt.shape[0]:
+            with torch.no_grad():
+                self._ensure_cache()
+                touched = torch.zeros(self.num_particles, self.max_experts, dtype=torch.float64,
+                                      device=self.device)
+                log_evidence = 0.0
+                for i in range(xt.shape[0]):
+                    touched, inc, resampled, opened = self._step(xt[i], yt[i], float(tt[i]), touched)
+                    log_evidence += inc
+                    stats["resampled"] += resampled
+                    stats["new_experts"] += opened
+                stats["slice_evaluations"] = self._move_hyperparameters(touched)
+                self.num_updates_t += 1
+                self.rng_state = self._generator.get_state()
+            stats["log_evidence"] = log_evidence
+        ess = effective_sample_size(self.log_w)
+        stats.update({"seconds": time.perf_counter() - start, "num_seen": self.num_seen, "ess": ess,
+                      "experts_mean": float(self.num_experts.double().mean()),
+                      "alpha_mean": float(self.alpha.mean())})
+        return stats
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor, t: float, touched: torch.Tensor):
+        """One reading through every particle (steps 1-4 of the module docstring)."""
+        cfg = self.config
+        j, k = self.num_particles, self.max_experts
+        ar = torch.arange(j, device=self.device)
+        mean_y, ratio, _ = self._work_scale()
+        ys = (y - mean_y) * ratio
+        log_gate = self._gate_log(x[None, :], t)[..., 0]                          # (J, K + 1)
+        log_px = torch.logsumexp(log_gate, 1) - torch.log(self._decayed(t).sum(1) + self.alpha)
+        # Candidate hyperparameters for a new expert, drawn from the prior.
+        h = self.theta.shape[-1]
+        theta_new = self._prior_now() + cfg.smc_hyper_prior_std * torch.randn(
+            j, h, generator=self._generator, dtype=torch.float64).to(self.device)
+        # One-step predictive of y under every expert and under a new one (standardised, with the noise).
+        mu, var = self._expert_predict(x[None, :])
+        var_y = var[..., 0] + self._noise(self.theta)                                # (J, K)
+        log_py = (-0.5 * (LOG_2PI + torch.log(var_y))[..., None]
+                  - 0.5 * (ys - mu[:, :, 0, :]) ** 2 / var_y[..., None]).sum(-1)
+        var_new = self._prior_var(theta_new) + self._noise(theta_new)
+        log_py_new = (-0.5 * (LOG_2PI + torch.log(var_new))[:, None] - 0.5 * ys ** 2 / var_new[:, None]).sum(-1)
+        log_py_all = torch.cat([log_py, log_py_new[:, None]], 1)                     # (J, K + 1)
+        log_q = log_gate - torch.logsumexp(log_gate, 1, keepdim=True)
+        if cfg.smc_proposal == "adapted":
+            joint = log_q + log_py_all
+            norm = torch.logsumexp(joint, 1)
+            probs = torch.exp(joint - norm[:, None])
+            inc = log_px + norm
+        else:
+            probs = torch.exp(log_q)
+            inc = None
+        u = torch.rand(j, generator=self._generator, dtype=torch.float64).to(self.device)
+        z = torch.searchsorted(torch.cumsum(probs, 1), u[:, None]).squeeze(1).clamp_max(k)
+        z = torch.where(torch.isfinite(log_gate[ar, z]), z, torch.argmax(log_gate, 1))  # round-off at the edge
+        if inc is None:
+            inc = log_px + log_py_all[ar, z]
+        # Open new experts where chosen.
+        is_new = z == k
+        opened = int(is_new.sum())
+        if opened:
+            free = self.count == 0
+            slot = torch.where(free.any(1), torch.argmax(free.to(torch.int8), 1),
+                               torch.argmin(torch.where(self.count > 0, self._decayed(t),
+                                                        torch.full_like(self.count, math.inf)), 1))
+            z = torch.where(is_new, slot, z)
+            jn, kn = ar[is_new], z[is_new]
+            for buf in (self.count, self.crp_w, self.g_mean, self.g_scatter, self.mem_x, self.mem_y, self.mem_c,
+                        self.mem_s):
+                buf[jn, kn] = 0.0
+            self.crp_t[jn, kn] = t
+            self.theta[jn, kn] = theta_new[is_new]
+            self.g_mu0[jn, kn] = x if cfg.smc_gate_prior_mean == "local" else 0.0
+        # Gating statistics and CRP weights.
+        self.count[ar, z], self.g_mean[ar, z], self.g_scatter[ar, z] = niw_add(
+            self.count[ar, z], self.g_mean[ar, z], self.g_scatter[ar, z], x.expand(j, -1))
+        if cfg.gate_on_time:
+            self.crp_w[ar, z] = self._decayed(t)[ar, z] + 1.0
+            self.crp_t[ar, z] = t
+        else:
+            self.crp_w[ar, z] = self.count[ar, z]
+        self._insert(ar, z, x, y)
+        self._refresh(ar, z)
+        touched[ar, z] += 1.0
+        log_evidence = float(torch.logsumexp(self.log_w + inc, 0))
+        self.log_w = normalise_log_weights(self.log_w + inc)
+        # Running target scale (after the reading was predicted), alpha, resampling.
+        self._add_to_scale(y)
+        self.num_seen_t += 1
+        self.last_t = torch.maximum(self.last_t, torch.tensor(t, dtype=torch.float64, device=self.device))
+        self.alpha = escobar_west(self.alpha, self.num_experts, float(self.num_seen), cfg.smc_alpha_shape,
+                                  cfg.smc_alpha_rate, self._generator)
+        resampled = 0
+        if effective_sample_size(self.log_w) < cfg.smc_ess_threshold * j:
+            idx = resample_indices(self.log_w, self._generator, cfg.smc_resampling).to(self.device)
+            self._select_particles(idx)
+            touched = touched[idx]
+            resampled = 1
+        return touched, log_evidence, resampled, opened
+
+    def _add_to_scale(self, y: torch.Tensor) -> None:
+        """Welford update of the running target mean and spread; the scale is their standard deviation (1 until
+        two readings differ)."""
+        n = self.y_count + 1.0
+        delta = y - self.y_mean
+        self.y_mean = self.y_mean + delta / n
+        self.y_m2 = self.y_m2 + delta * (y - self.y_mean)
+        self.y_count = n
+        std = torch.sqrt(self.y_m2 / n)
+        ok = std > 1e-12 * torch.clamp(self.y_mean.abs(), min=1.0)
+        self.y_std = torch.where(ok, std, torch.ones_like(std))
+
+    def _select_particles(self, idx: torch.Tensor) -> None:
+        for name in ("alpha", "count", "crp_w", "crp_t", "g_mean", "g_scatter", "g_mu0", "theta", "mem_x", "mem_y",
+                     "mem_c", "mem_s"):
+            setattr(self, name, getattr(self, name)[idx].clone())
+        self._chol, self._ly, self._l1 = self._chol[idx].clone(), self._ly[idx].clone(), self._l1[idx].clone()
+        self.log_w = torch.full_like(self.log_w, -math.log(self.num_particles))
+        self.resamples_t += 1
+
+    def _insert(self, ar: torch.Tensor, z: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Put (x, y) into the memory of expert z_j of every particle j, merging the closest pair of
+        [memory; new] (Euclidean) where the memory is full."""
+        m = self.expert_memory
+        mx, my, mc, ms = self.mem_x[ar, z], self.mem_y[ar, z], self.mem_c[ar, z], self.mem_s[ar, z]
+        j = ar.shape[0]
+        ex = torch.cat([mx, x.expand(j, 1, -1)], 1)
+        ey = torch.cat([my, y.expand(j, 1, -1)], 1)
+        ec = torch.cat([mc, torch.ones(j, 1, dtype=mc.dtype, device=mc.device)], 1)
+        es = torch.cat([ms, torch.zeros(j, 1, ms.shape[-1], dtype=ms.dtype, device=ms.device)], 1)
+        free = mc == 0
+        has_free = free.any(1)
+        # Closest pair among the m + 1 entries (only needed where the memory is full).
+        a = ex  # Euclidean: a learned long lengthscale must not license merging across a short feature
+        d2 = _squared_distances(a, a)
+        d2 = d2 + torch.diag_embed(torch.full((j, m + 1), math.inf, dtype=d2.dtype, device=d2.device))
+        flat = torch.argmin(d2.reshape(j, -1), 1)
+        p, q = torch.minimum(flat // (m + 1), flat % (m + 1)), torch.maximum(flat // (m + 1), flat % (m + 1))
+        ca, cb = ec[ar, p], ec[ar, q]
+        c = ca + cb
+        xm = (ca[:, None] * ex[ar, p] + cb[:, None] * ex[ar, q]) / c[:, None]
+        ym = (ca[:, None] * ey[ar, p] + cb[:, None] * ey[ar, q]) / c[:, None]
+        sm = es[ar, p] + es[ar, q] + (ca * cb / c)[:, None] * (ey[ar, p] - ey[ar, q]) ** 2
+        # Full: merged pair into p, the new entry (index m) into q when q < m. Not full: new entry into a free slot.
+        slot_free = torch.argmax(free.to(torch.int8), 1)
+        tgt1 = torch.where(has_free, slot_free, p)
+        v1x = torch.where(has_free[:, None], x.expand(j, -1), xm)
+        v1y = torch.where(has_free[:, None], y.expand(j, -1), ym)
+        v1c = torch.where(has_free, torch.ones_like(c), c)
+        v1s = torch.where(has_free[:, None], torch.zeros_like(sm), sm)
+        second = (~has_free) & (q < m)
+        mx[ar, tgt1], my[ar, tgt1], mc[ar, tgt1], ms[ar, tgt1] = v1x, v1y, v1c, v1s
+        if bool(second.any()):
+            js, qs = ar[second], q[second]
+            mx[js, qs], my[js, qs], mc[js, qs], ms[js, qs] = x, y, 1.0, 0.0
+        self.mem_x[ar, z], self.mem_y[ar, z], self.mem_c[ar, z], self.mem_s[ar, z] = mx, my, mc, ms
+
+    def _move_hyperparameters(self, touched: torch.Tensor) -> int:
+        """Elliptical slice sampling of the hyperparameters of the experts that received data, at most
+        smc_slice_experts per particle (those that received the most); returns likelihood evaluations."""
+        cfg = self.config
+        n_move = min(int(cfg.smc_slice_experts), self.max_experts)
+        if cfg.smc_slice_steps == 0 or n_move == 0:
+            return 0
+        top = torch.topk(touched, n_move, dim=1)
+        sel = top.values > 0
+        jj = torch.arange(self.num_particles, device=self.device)[:, None].expand(-1, n_move)[sel]
+        kk = top.indices[sel]
+        if jj.numel() == 0:
+            return 0
+        u = self._used_memory(self.mem_c[jj, kk])
+        mx, my, mc, ms = (self.mem_x[jj, kk, :u], self.mem_y[jj, kk, :u], self.mem_c[jj, kk, :u],
+                          self.mem_s[jj, kk, :u])
+
+        def log_lik(th: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+            return self._log_marginal(th, mx[idx], my[idx], mc[idx], ms[idx])
+
+        theta = self.theta[jj, kk]
+        std = torch.full_like(self.prior_mean, float(cfg.smc_hyper_prior_std))
+        ll, evals = None, 0
+        for _ in range(int(cfg.smc_slice_steps)):
+            theta, ll, n_eval = elliptical_slice(theta, log_lik, self._prior_now(), std, self._generator,
+                                                 current_ll=ll)
+            evals += int(n_eval.sum())
+        self.theta[jj, kk] = theta
+        self._refresh(jj, kk)
+        return evals
+
+    # ------------------------------------------------------------------ prediction
+    def _mixture(self, x: torch.Tensor, t: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor, torch.Tensor]:
+        """Per-component pieces of the predictive at x (G, D): weights w (J,), gates g (J, K + 1, G), expert
+        means (J, K + 1, G, P), latent variances (J, K + 1, G) and noise variances (J, K + 1), in work units."""
+        self._ensure_cache()
+        t = float(self.last_t) if t is None else float(t)
+        if not math.isfinite(t):
+            t = 0.0
+        log_gate = self._gate_log(x, t)
+        g = torch.exp(log_gate - torch.logsumexp(log_gate, 1, keepdim=True))
+        mean, var = self._expert_predict(x)
+        j, _, n, p = mean.shape
+        std = self.config.smc_hyper_prior_std
+        pm = self._prior_now()
+        prior_var = math.exp(float(pm[self.num_ls]) + 0.5 * std ** 2)
+        noise_new = math.exp(float(pm[self.num_ls + 1]) + 0.5 * std ** 2)
+        if self.has_constant:
+            prior_var += math.exp(float(pm[-1]) + 0.5 * std ** 2)
+        mean = torch.cat([mean, torch.zeros(j, 1, n, p, dtype=mean.dtype, device=mean.device)], 1)
+        var = torch.cat([var, torch.full((j, 1, n), prior_var, dtype=var.dtype, device=var.device)], 1)
+        noise = torch.cat([self._noise(self.theta), torch.full((j, 1), noise_new, dtype=var.dtype,
+                                                                device=var.device)], 1)
+        return self.weights, g, mean, var, noise
+
+    def _chunks(self, n: int) -> int:
+        per_point = self.num_particles * self.max_experts * self.expert_memory
+        return max(1, min(n, PREDICT_CHUNK_ELEMENTS // max(per_point * self.input_dims, 1)))
+
+    def _latent(self, x: torch.Tensor, t=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mixture mean and variance (law of total variance) of f at checked inputs, standardised units."""
+        sbar = self._work_scale()[2]
+        out_m, out_v = [], []
+        with torch.no_grad():
+            step = self._chunks(x.shape[0])
+            for s in range(0, x.shape[0], step):
+                w, g, mu, var, _ = self._mixture(x[s:s + step], t)
+                wg = w[:, None, None] * g                                                   # (J, K + 1, G)
+                m = torch.einsum("jkg,jkgp->gp", wg, mu)
+                second = torch.einsum("jkg,jkgp->gp", wg, mu * mu + var[..., None])
+                out_m.append(m)
+                out_v.append((second - m * m).clamp_min(0.0))
+        if not out_m:
+            empty = torch.zeros(0, self.output_dims, dtype=torch.float64, device=self.device)
+            return empty, empty.clone()
+        return torch.cat(out_m) / sbar, torch.cat(out_v) / sbar ** 2
+
+    def predict(self, x, t=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and variance (G, P) of the latent f at x, original units; gate at stamp t (default: newest)."""
+        xt = self._check_x(x)
+        with torch.no_grad():
+            m, v = self._latent(xt, t)
+        return m * self.y_std + self.y_mean, v * self.y_std ** 2
+
+    def log_predictive_density(self, x, y, t=None) -> torch.Tensor:
+        """log p(y*|x*) (N, P) in the original units: per component, the mixture over particles and gates of
+        the experts' Gaussian predictive densities (with their noise)."""
+        xt = self._check_x(x)
+        yt = self._check_y(y, xt.shape[0])
+        mean_y, ratio, _ = self._work_scale()
+        ys = (yt - mean_y) * ratio
+        out = []
+        with torch.no_grad():
+            step = self._chunks(xt.shape[0])
+            for s in range(0, xt.shape[0], step):
+                w, g, mu, var, noise = self._mixture(xt[s:s + step], t)
+                v = (var + noise[..., None])[..., None]                                     # (J, K + 1, G, 1)
+                comp = -0.5 * (LOG_2PI + torch.log(v) + (ys[s:s + step] - mu) ** 2 / v)
+                logw = (torch.log(w.clamp_min(1e-300))[:, None, None] + torch.log(g.clamp_min(1e-300)))[..., None]
+                out.append(torch.logsumexp((logw + comp).flatten(0, 1), 0))
+        if not out:
+            return torch.zeros(0, self.output_dims, dtype=torch.float64, device=self.device)
+        return torch.cat(out) + torch.log(ratio)
+
+    def extra_repr(self) -> str:
+        return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, particles={self.num_particles}, "
+                f"max_experts={self.max_experts}, expert_memory={self.expert_memory}")
+
+
+def _squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a_i - b_j|^2 (..., N1, N2) for (..., N1, D) and (..., N2, D), one input dimension at a time (exact zeros
+    for equal points, no (..., N1, N2, D) temporary)."""
+    r2 = None
+    for d in range(a.shape[-1]):
+        diff = a[..., :, None, d] - b[..., None, :, d]
+        r2 = diff * diff if r2 is None else r2 + diff * diff
+    return r2

@@ -1,0 +1,154 @@
+"""`gp-mapping merge`: saved maps of two simulated robots merged into one map; frames; duplicates refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.spatial.transform import Rotation
+
+from gp_mapping import sim
+from gp_mapping.cli import main
+from gp_mapping.config import config_from_dict
+from gp_mapping.mapping.mapper import Mapper
+from gp_mapping.mapping.merge import DuplicateSourceError, MapSource, merge_maps, parse_transform
+
+CONFIG = {"model": {"num_inducing": 48, "device": "cpu"}, "grid": {"resolution": 0.25}, "batching": {"size": 50}}
+SHIFT = np.array([10.0, -3.0])  # robot B's own frame: map = robot + SHIFT, rotated by YAW
+YAW = 90.0
+
+
+def _record(world, area, seed):
+    return sim.simulate(world, sim.TrajectoryConfig(area=area, duration=60, rate=20, patterns=("lawnmower",),
+                                                    line_spacing=0.8, inset=0.1),
+                        sim.SensorConfig(noise_std=0.1e-6), seed=seed)
+
+
+def _map(rec, to_robot=None) -> Mapper:
+    """A mapper fed the recording; with ``to_robot`` (a Rotation and a shift) the poses are given in the robot's
+    own frame (map = R robot + shift): the magnitude does not depend on the frame."""
+    mapper = Mapper(config_from_dict(CONFIG))
+    for k, t in enumerate(rec.t):
+        pos, quat = rec.position[k], rec.orientation_xyzw[k]
+        if to_robot is not None:
+            rot, shift = to_robot
+            pos = rot.inv().apply(pos - np.array([shift[0], shift[1], 0.0]))
+            quat = (rot.inv() * Rotation.from_quat(quat)).as_quat()
+        mapper.add_pose(float(t), pos, quat)
+        mapper.add_magnetic_field(float(t) + 1e-3, rec.field_sensor_tesla[k])
+    mapper.flush()
+    return mapper
+
+
+@pytest.fixture(scope="module")
+def saved_maps(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("maps")
+    world = sim.World.from_config(sim.WorldConfig(area=(-5, -5, 5, 5), depth_range=(1.0, 2.5)),
+                                  np.random.default_rng(3))
+    a = _map(_record(world, (-5, -5, 0, 5), 1))
+    b = _map(_record(world, (0, -5, 5, 5), 2), (Rotation.from_euler("z", YAW, degrees=True), SHIFT))
+    a.save(tmp / "A.safetensors")
+    b.save(tmp / "B.safetensors")
+    return tmp, world, a, b
+
+
+def _rmse_known(grid, world) -> float:
+    c = grid.spec.cell_centres()
+    mean = grid.layers["magnitude"][0].reshape(-1)
+    known = np.asarray(grid.known).reshape(-1)
+    inside = known & (np.abs(c[:, 0]) < 4.5) & (np.abs(c[:, 1]) < 4.5)
+    truth = world.magnitude(np.column_stack([c[inside], np.zeros(int(inside.sum()))])) * 1e6
+    return float(np.sqrt(np.mean((mean[inside] - truth) ** 2)))
+
+
+def test_merge_command_writes_a_state_the_node_starts_from_and_a_map_of_both_halves(saved_maps, capsys):
+    tmp, world, a, b = saved_maps
+    out = tmp / "out"
+    b_arg = f"{tmp / 'B.safetensors'}@{SHIFT[0]},{SHIFT[1]},{YAW}"
+    assert main(["merge", str(tmp / "A.safetensors"), b_arg, "--out", str(out), "--steps", "30"]) == 0
+    for name in ("merged.safetensors", "map.npz", "map.png"):
+        assert (out / name).stat().st_size > 0
+    merged = Mapper.load(out / "merged.safetensors", config=config_from_dict(CONFIG))  # what node.initial_map does
+    assert set(merged.lineage) == {a.source_id, b.source_id, merged.source_id}
+    assert merged.model.num_seen == a.model.num_seen + b.model.num_seen
+    grid = merged.grid()
+    with np.load(out / "map.npz", allow_pickle=False) as npz:
+        np.testing.assert_allclose(npz["magnitude_mean"], grid.layers["magnitude"][0])
+    # The merged map covers both halves (B moved into the map frame) and is far better than either half.
+    c = grid.spec.cell_centres()
+    assert c[:, 0].min() < -4.5 and c[:, 0].max() > 4.5 and c[:, 1].min() < -4.5
+    rmse = _rmse_known(grid, world)
+    b_moved = merge_maps([MapSource.from_mapper("B", b, parse_transform(f"{SHIFT[0]},{SHIFT[1]},{YAW}"))], steps=0)[0]
+    print(f"merged {rmse:.3f} uT on known cells")
+    for half in (a, b_moved):
+        truth_grid = merged.grid()  # same cells for every map compared
+        pred = half.model.predict(truth_grid.spec.cell_centres())[0][:, 0].numpy()
+        known = np.asarray(truth_grid.known).reshape(-1)
+        inside = known & (np.abs(c[:, 0]) < 4.5) & (np.abs(c[:, 1]) < 4.5)
+        truth = world.magnitude(np.column_stack([c[inside], np.zeros(int(inside.sum()))])) * 1e6
+        alone = float(np.sqrt(np.mean((pred[inside] - truth) ** 2)))
+        print(f"one half alone {alone:.3f} uT")
+        assert rmse < 0.5 * alone
+    # A new session starts from the merged map and keeps mapping.
+    before = merged.model.num_seen
+    merged.model.update(np.array([[0.0, 0.0], [0.1, 0.0]]), np.array([[50.0], [50.1]]))
+    assert merged.model.num_seen == before + 2
+
+
+def test_a_map_merged_with_itself_or_with_a_map_derived_from_it_is_refused(saved_maps, capsys):
+    tmp, _, a, b = saved_maps
+    path = str(tmp / "A.safetensors")
+    assert main(["merge", path, path, "--out", str(tmp / "dup")]) == 1
+    err = capsys.readouterr().err
+    assert "same map twice" in err and "count those data twice" in err
+    assert not (tmp / "dup" / "merged.safetensors").exists()
+    merged, _ = merge_maps([MapSource.from_mapper("A", a), MapSource.from_mapper("B", b)], steps=0)
+    with pytest.raises(DuplicateSourceError, match="holds data of the other"):
+        merge_maps([MapSource.from_mapper("merged", merged), MapSource.from_mapper("B", b)], steps=0)
+    # A map that was saved and continued is still the same source.
+    continued = Mapper.load(path)
+    with pytest.raises(DuplicateSourceError):
+        merge_maps([MapSource.from_mapper("A", a), MapSource.from_mapper("A continued", continued)], steps=0)
+
+
+def test_merge_command_reports_bad_input(saved_maps, capsys, tmp_path):
+    tmp, _, _, _ = saved_maps
+    assert main(["merge", str(tmp_path / "missing.safetensors"), "--out", str(tmp_path)]) == 1
+    assert "missing.safetensors" in capsys.readouterr().err
+    not_a_map = tmp_path / "x.safetensors"
+    not_a_map.write_bytes(b"\x80\x04pickle")
+    assert main(["merge", str(not_a_map), "--out", str(tmp_path)]) == 1
+    assert "error" in capsys.readouterr().err
+    assert main(["merge", f"{tmp / 'A.safetensors'}@1,2", "--out", str(tmp_path)]) == 1
+    assert "x,y,yaw_deg" in capsys.readouterr().err
+
+
+def test_model_summaries_round_trip_and_bad_ones_are_refused(saved_maps):
+    """What the mapper sends on ~/model: safetensors bytes that decode to the same source; anything else (too
+    large, truncated, not safetensors, a pickle, non-finite or mistyped tensors) is refused with a reason."""
+    import pickle
+
+    import torch
+
+    from gp_mapping.mapping.merge import SummaryError, decode_summary, encode_summary
+
+    _, _, a, b = saved_maps
+    tf = parse_transform(f"{SHIFT[0]},{SHIFT[1]},{YAW}")
+    src = MapSource.from_mapper("A", a)
+    data = encode_summary(src)
+    back = decode_summary(data, len(data), name="A")
+    assert back.source_id == a.source_id and back.lineage == a.lineage and back.num_seen == a.model.num_seen
+    np.testing.assert_array_equal(back.coverage_cells, a.coverage.cells)
+    direct, _ = merge_maps([src, MapSource.from_mapper("B", b, tf)], steps=5)
+    via_bytes, _ = merge_maps([back, MapSource.from_mapper("B", b, tf)], steps=5)
+    xy = np.random.default_rng(0).uniform(-4, 4, (50, 2))
+    for u, v in zip(direct.model.predict(xy), via_bytes.model.predict(xy)):
+        torch.testing.assert_close(u, v, rtol=1e-9, atol=1e-9)
+    with pytest.raises(SummaryError, match="more than the limit"):
+        decode_summary(data, len(data) - 1)
+    bad = [data[: len(data) // 2], b"junk", pickle.dumps({"z": 1}), b"\x00" * 64]
+    for blob in bad:
+        with pytest.raises(SummaryError):
+            decode_summary(blob, 10**8)
+    for key, value in (("site_W", src.summary["site_W"] * float("nan")), ("z", src.summary["z"].float())):
+        tampered = MapSource(**{**src.__dict__, "summary": {**src.summary, key: value}})
+        with pytest.raises(SummaryError, match="NaN|expected"):
+            decode_summary(encode_summary(tampered), 10**8)

@@ -1,0 +1,335 @@
+"""The SMC mixture of GP experts (gp/smc_experts.py) and its building blocks (gp/dp_mixture.py).
+
+Closed forms: the NIW Student-t predictive against the NIW evidence and scipy's multivariate t; the
+Escobar-West chain against the conditional density of alpha it must leave invariant; elliptical slice sampling
+against a conjugate Gaussian posterior; one particle with one expert against the exact GP posterior (and merged
+repeats against the exact GP on the unmerged readings). Engine behaviour: weights stay normalised through
+resampling, a seed fixes every draw, a state round trip (particles included, other sizes resized) continues
+identically, target scaling is not frozen on a robot at rest, and the Mapper drives it with stamps.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import integrate, stats
+
+from gp_mapping.gp import build_model
+from gp_mapping.gp.dp_mixture import (beta_sample, effective_sample_size, elliptical_slice, escobar_west,
+                                      gamma_sample, niw_add, niw_log_evidence, niw_predictive, resample_indices,
+                                      student_t_logpdf)
+from gp_mapping.gp.errors import ConfigError
+
+torch.set_num_threads(1)
+F64 = torch.float64
+
+
+def engine(d=2, p=1, **over):
+    cfg = {"engine": "smc_experts", "device": "cpu", "smc_particles": 6, "smc_max_experts": 6,
+           "smc_expert_memory": 24, "lengthscale": 0.5, "noise_variance": 0.01}
+    cfg.update(over)
+    return build_model(cfg, d, p)
+
+
+# ----------------------------------------------------------------------------------------------- NIW gating
+
+
+def test_niw_predictive_chain_equals_closed_form_evidence_and_scipy_t():
+    rng = np.random.default_rng(1)
+    d, lam0, nu0 = 2, 0.7, 4.5
+    mu0 = torch.tensor([0.3, -0.2], dtype=F64)
+    psi0 = torch.tensor([[1.5, 0.3], [0.3, 0.8]], dtype=F64)
+    x = torch.as_tensor(rng.normal(size=(12, d)) * [1.0, 2.0] + [1.0, 0.0], dtype=F64)
+    n, mean, scatter = torch.zeros((), dtype=F64), torch.zeros(d, dtype=F64), torch.zeros(d, d, dtype=F64)
+    total = 0.0
+    for i in range(x.shape[0]):
+        mu, psi, nu = niw_predictive(n, mean, scatter, mu0, lam0, nu0, psi0)
+        lp = float(student_t_logpdf(x[i], mu, psi, nu))
+        ref = stats.multivariate_t(loc=mu.numpy(), shape=psi.numpy(), df=float(nu)).logpdf(x[i].numpy())
+        assert lp == pytest.approx(ref, rel=1e-10, abs=1e-10)
+        total += lp
+        n, mean, scatter = niw_add(n, mean, scatter, x[i])
+    assert total == pytest.approx(float(niw_log_evidence(x, mu0, lam0, nu0, psi0)), rel=1e-10)
+    # the running statistics are the batch ones
+    assert torch.allclose(mean, x.mean(0)) and torch.allclose(scatter, (x - x.mean(0)).T @ (x - x.mean(0)))
+
+
+# ----------------------------------------------------------------------------------------------- random draws
+
+
+def test_gamma_and_beta_draws_match_their_laws():
+    g = torch.Generator().manual_seed(0)
+    for shape in (0.3, 1.0, 4.5):
+        s = gamma_sample(torch.full((20000,), shape, dtype=F64), g).numpy()
+        assert stats.kstest(s, stats.gamma(shape).cdf).pvalue > 1e-3
+    b = beta_sample(torch.full((20000,), 2.0, dtype=F64), torch.full((20000,), 5.0, dtype=F64), g).numpy()
+    assert stats.kstest(b, stats.beta(2.0, 5.0).cdf).pvalue > 1e-3
+
+
+def test_escobar_west_leaves_the_alpha_conditional_invariant():
+    """p(alpha | K, n) ∝ Gamma(alpha; a0, b0) alpha^(K-1) (alpha + n) B(alpha + 1, n) (Escobar & West 1995)."""
+    a0, b0, k, n = 2.0, 0.5, 6, 80
+    g = torch.Generator().manual_seed(3)
+    alpha = gamma_sample(torch.full((6000,), a0, dtype=F64), g) / b0   # start from the prior, not the target
+    for _ in range(60):
+        alpha = escobar_west(alpha, torch.full((6000,), k), n, a0, b0, g)
+
+    def log_density(a):
+        return (stats.gamma(a0, scale=1 / b0).logpdf(a) + (k - 1) * np.log(a) + np.log(a + n)
+                + math.lgamma(n) + np.vectorize(math.lgamma)(a + 1) - np.vectorize(math.lgamma)(a + 1 + n))
+
+    grid = np.linspace(1e-4, 40.0, 40001)
+    dens = np.exp(log_density(grid) - log_density(grid).max())
+    cdf = integrate.cumulative_trapezoid(dens, grid, initial=0.0)
+    cdf /= cdf[-1]
+    sample = alpha.numpy()
+    assert stats.kstest(sample, lambda v: np.interp(v, grid, cdf)).pvalue > 1e-3
+    # and it is not the prior (the test can tell them apart)
+    assert stats.kstest(sample, stats.gamma(a0, scale=1 / b0).cdf).pvalue < 1e-6
+
+
+def test_elliptical_slice_samples_a_conjugate_gaussian_posterior():
+    # prior N(0, 1) per coordinate, likelihood N(2 | theta, 0.5^2): posterior N(1.6, 0.2)
+    g = torch.Generator().manual_seed(5)
+    chains = 4000
+    theta = torch.zeros(chains, 1, dtype=F64)
+
+    def log_lik(th, idx):
+        return -0.5 * ((th[:, 0] - 2.0) / 0.5) ** 2
+
+    ll = None
+    for _ in range(40):
+        theta, ll, evals = elliptical_slice(theta, log_lik, torch.zeros(1, dtype=F64), torch.ones(1, dtype=F64), g,
+                                            current_ll=ll)
+    s = theta[:, 0].numpy()
+    assert stats.kstest(s, stats.norm(1.6, math.sqrt(0.2)).cdf).pvalue > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------- resampling
+
+
+def test_resampling_indices_and_weights_stay_normalised():
+    g = torch.Generator().manual_seed(0)
+    log_w = torch.log(torch.tensor([0.7, 0.1, 0.1, 0.05, 0.05], dtype=F64))
+    counts = np.zeros(5)
+    for method in ("systematic", "multinomial"):
+        counts[:] = 0
+        for _ in range(2000):
+            idx = resample_indices(log_w, g, method)
+            assert idx.shape == (5,) and int(idx.min()) >= 0 and int(idx.max()) <= 4
+            counts += np.bincount(idx.numpy(), minlength=5)
+        np.testing.assert_allclose(counts / counts.sum(), [0.7, 0.1, 0.1, 0.05, 0.05], atol=0.02)
+    assert effective_sample_size(log_w) == pytest.approx(1 / (0.49 + 0.02 + 0.005))
+    model = engine(smc_ess_threshold=1.0)  # resample after every reading
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 3, (30, 2))
+    st = model.update(x, np.sin(x[:, :1]) + 0.1 * rng.standard_normal((30, 1)))
+    assert st["resampled"] == 30
+    assert float(torch.logsumexp(model.log_w, 0)) == pytest.approx(0.0, abs=1e-12)
+    model = engine(smc_ess_threshold=0.0)  # never
+    model.update(x, np.sin(x[:, :1]))
+    assert float(torch.logsumexp(model.log_w, 0)) == pytest.approx(0.0, abs=1e-12)
+    assert float(model.weights.sum()) == pytest.approx(1.0, abs=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------- GP experts
+
+
+def exact_gp(xtr, ytr, xte, ls, sf2, sn2):
+    def k(a, b):
+        r = np.sqrt(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)) / ls
+        s5 = math.sqrt(5) * r
+        return sf2 * (1 + s5 + s5 * s5 / 3) * np.exp(-s5)
+
+    K = k(xtr, xtr) + sn2 * np.eye(len(xtr))
+    ks = k(xtr, xte)
+    mean = ks.T @ np.linalg.solve(K, ytr)
+    var = sf2 - np.einsum("ij,ij->j", ks, np.linalg.solve(K, ks))
+    sign, logdet = np.linalg.slogdet(K)
+    ll = -0.5 * (ytr @ np.linalg.solve(K, ytr) + logdet + len(ytr) * math.log(2 * math.pi))
+    return mean, var, ll
+
+
+def test_one_particle_one_expert_is_the_exact_gp_and_merged_repeats_keep_its_likelihood():
+    rng = np.random.default_rng(2)
+    x = rng.uniform(0, 2, (15, 1))
+    y = np.sin(3 * x[:, 0]) + 0.1 * rng.standard_normal(15)
+    model = engine(d=1, smc_particles=1, smc_max_experts=1, smc_expert_memory=32, smc_slice_steps=0, jitter=0.0,
+                   constant_kernel=False, ard=False)
+    model.update(x, y[:, None])
+    theta = model.theta[0, 0]
+    ls, sf2, sn2 = (float(torch.exp(theta[i])) for i in range(3))
+    mu_y = float(model.y_mean[0])  # one output: the experts work on y - running mean
+    xte = np.linspace(-0.5, 2.5, 9)[:, None]
+    m_ref, v_ref, _ = exact_gp(x, y - mu_y, xte, ls, sf2, sn2)
+    # with one expert the gate puts weight g on it and 1 - g on a new expert (the prior): check both parts
+    w, g, mu, var, _ = model._mixture(torch.as_tensor(xte), None)
+    np.testing.assert_allclose(mu[0, 0, :, 0].numpy(), m_ref, rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(var[0, 0].numpy(), v_ref, rtol=1e-6, atol=1e-9)
+    # merged repeats: two readings at the same input are one entry of count 2; the marginal likelihood is exact
+    xr = np.array([[0.1], [0.5], [0.5], [1.2]])
+    yr = np.array([0.3, -0.2, 0.1, 0.8])
+    rep = engine(d=1, smc_particles=1, smc_max_experts=1, smc_expert_memory=3, smc_slice_steps=0, jitter=0.0,
+                 constant_kernel=False, ard=False)
+    rep.update(xr, yr[:, None])
+    assert int((rep.mem_c[0, 0] > 0).sum()) == 3 and float(rep.mem_c[0, 0].max()) == 2.0
+    th = rep.theta[0, 0]
+    ls, sf2, sn2 = (float(torch.exp(th[i])) for i in range(3))
+    mu_y = float(rep.y_mean[0])
+    _, _, ll_ref = exact_gp(xr, yr - mu_y, xr[:1], ls, sf2, sn2)
+    ll = rep._log_marginal(th[None], rep.mem_x[0, :1], rep.mem_y[0, :1], rep.mem_c[0, :1], rep.mem_s[0, :1])
+    assert float(ll[0]) == pytest.approx(ll_ref, rel=1e-9)
+
+
+def test_mixture_variance_is_the_law_of_total_variance():
+    model = engine()
+    rng = np.random.default_rng(4)
+    x = rng.uniform(0, 3, (40, 2))
+    model.update(x, np.sin(2 * x[:, :1]) + 0.05 * rng.standard_normal((40, 1)))
+    xt = torch.as_tensor(rng.uniform(-1, 4, (9, 2)))
+    w, g, mu, var, _ = model._mixture(xt, None)
+    wg = (w[:, None, None] * g).numpy()
+    m = np.einsum("jkg,jkg->g", wg, mu[..., 0].numpy())
+    v = np.einsum("jkg,jkg->g", wg, var.numpy() + (mu[..., 0].numpy() - m) ** 2)
+    mean, variance = model.predict(xt)
+    mu_y = float(model.y_mean[0])  # one output: work units are y - running mean
+    np.testing.assert_allclose(mean[:, 0].numpy(), m + mu_y, rtol=1e-10)
+    np.testing.assert_allclose(variance[:, 0].numpy(), v, rtol=1e-8)
+
+
+# ----------------------------------------------------------------------------------------------- engine
+
+
+def stream(n=60, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(0, 3, (n, 2))
+    return x, np.sin(2 * x[:, :1]) + 0.05 * rng.standard_normal((n, 1))
+
+
+def test_determinism_by_seed():
+    x, y = stream()
+    a, b, c = engine(seed=7), engine(seed=7), engine(seed=8)
+    for m in (a, b, c):
+        m.update(x[:30], y[:30], t=np.arange(30) * 0.1)
+        m.update(x[30:], y[30:], t=3 + np.arange(30) * 0.1)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa if sa[k].shape == sc[k].shape)
+
+
+def test_checkpoint_round_trip_resizes_and_continues_identically():
+    x, y = stream()
+    model = engine(smc_particles=5, smc_max_experts=7, smc_expert_memory=9, gate_on_time=True, smc_time_scale=2.0)
+    model.update(x[:40], y[:40], t=np.arange(40) * 0.1)
+    # a differently sized engine takes the saved particles, experts and memories
+    fresh = engine(smc_particles=3, smc_max_experts=4, smc_expert_memory=5, gate_on_time=True, smc_time_scale=2.0)
+    fresh.load_state_dict(model.state_dict())
+    assert fresh.num_particles == 5 and fresh.max_experts == 7 and fresh.expert_memory == 9
+    xt = np.random.default_rng(1).uniform(0, 3, (11, 2))
+    for a, b in zip(model.predict(xt), fresh.predict(xt)):
+        assert torch.equal(a, b)
+    model.update(x[40:], y[40:], t=4 + np.arange(20) * 0.1)
+    fresh.update(x[40:], y[40:], t=4 + np.arange(20) * 0.1)
+    for a, b in zip(model.predict(xt), fresh.predict(xt)):
+        assert torch.equal(a, b)
+    assert torch.equal(model.log_predictive_density(xt, np.zeros((11, 1))),
+                       fresh.log_predictive_density(xt, np.zeros((11, 1))))
+
+
+def test_bad_settings_and_inputs_are_refused():
+    with pytest.raises(ConfigError, match="smc_niw_dof"):
+        engine(d=3, smc_niw_dof=1.5)
+    with pytest.raises(ConfigError, match="likelihood"):
+        engine(likelihood="student_t")
+    model = engine()
+    from gp_mapping.gp.errors import ModelInputError
+    with pytest.raises(ModelInputError):
+        model.update(np.zeros((3, 2)), np.array([[1.0], [np.nan], [2.0]]))
+    with pytest.raises(ModelInputError, match="stamps"):
+        model.update(np.zeros((3, 2)), np.zeros((3, 1)), t=[0.0, 1.0])
+    assert model.num_seen == 0
+
+
+def field(xy):
+    """|B|-like test field [uT]: a smooth background and one sharp anomaly."""
+    r2 = ((xy - [2.0, 1.0]) ** 2).sum(1)
+    return 48.0 + 2.0 * np.sin(0.8 * xy[:, 0]) + 6.0 * np.exp(-r2 / 0.3)
+
+
+def drive(seconds=24.0, rate=10.0):
+    t = np.arange(0.0, seconds, 1.0 / rate)
+    xy = np.column_stack([0.3 + 3.4 * (0.5 - 0.5 * np.cos(2 * np.pi * t / seconds)),
+                          1.0 + 0.9 * np.sin(4 * np.pi * t / seconds)])
+    return t, xy
+
+
+def test_target_scaling_is_not_frozen_by_a_robot_at_rest():
+    """2 s at rest (one place, readings differing by noise only) then a drive gives the map the drive alone
+    gives: the running scale ends within 5 % of the drive's, and the map's RMSE, averaged over 8 seeds, is
+    within 5 % of the drive's (one SMC map varies from seed to seed by ~30 %, so single runs cannot be compared
+    at 5 %; measured: 0.105 against 0.107 uT). A scale frozen at rest would be ~100x too small."""
+    rng = np.random.default_rng(0)
+    t, xy = drive()
+    y = field(xy) + 0.02 * rng.standard_normal(len(t))
+    rest_xy = np.repeat(xy[:1], 20, axis=0)
+    rest_y = field(rest_xy) + 0.02 * rng.standard_normal(20)
+    test_xy = xy[::3] + 0.05 * rng.standard_normal((len(xy[::3]), 2))
+    truth = field(test_xy)
+    rmse = {"drive": [], "rest": []}
+    scale = {}
+    for seed in range(8):
+        for name, parts in {"drive": [(xy, y, t + 2.0)], "rest": [(rest_xy, rest_y, np.arange(20) * 0.1),
+                                                                  (xy, y, t + 2.0)]}.items():
+            model = engine(smc_particles=8, smc_max_experts=8, smc_expert_memory=48, smc_niw_psi=0.5,
+                           smc_slice_steps=2, lengthscale=0.5, seed=seed)
+            for px, py, pt in parts:
+                for s in range(0, len(px), 20):  # 2 s batches
+                    model.update(px[s:s + 20], py[s:s + 20, None], t=pt[s:s + 20])
+            mean, _ = model.predict(test_xy)
+            rmse[name].append(float(np.sqrt(np.mean((mean[:, 0].numpy() - truth) ** 2))))
+            scale[name] = float(model.y_std[0])
+    print(rmse, scale)
+    assert scale["rest"] == pytest.approx(scale["drive"], rel=0.05) and scale["drive"] > 50 * 0.02
+    drive_rmse, rest_rmse = np.mean(rmse["drive"]), np.mean(rmse["rest"])
+    assert drive_rmse < 0.1 * truth.std()  # a real map, not a constant
+    assert abs(rest_rmse - drive_rmse) <= 0.05 * drive_rmse
+
+
+def test_mapper_drives_the_engine_with_stamps_and_saves_it(tmp_path):
+    from gp_mapping.config import config_from_dict
+    from gp_mapping.mapping.frames import quaternion_from_rpy
+    from gp_mapping.mapping.mapper import Mapper
+
+    cfg = config_from_dict({"model": {"engine": "smc_experts", "device": "cpu", "smc_particles": 4,
+                                      "smc_max_experts": 6, "smc_expert_memory": 24, "lengthscale": 0.5,
+                                      "gate_on_time": True, "smc_time_scale": 30.0},
+                            "batching": {"mode": "count", "size": 40},
+                            "grid": {"resolution": 0.2, "margin": 0.2, "unknown_distance": 0.4}})
+    mapper = Mapper(cfg)
+    seen = []
+    original = mapper.model.update
+
+    def spy(x, y, mode=None, t=None):
+        seen.append(None if t is None else np.asarray(t).copy())
+        return original(x, y, mode=mode, t=t)
+
+    mapper.model.update = spy
+    t, xy = drive(seconds=12.0, rate=20.0)
+    tf = t[1:-1] + 0.01
+    b = field(np.column_stack([np.interp(tf, t, xy[:, 0]), np.interp(tf, t, xy[:, 1])]))
+    for i, (s, p) in enumerate(zip(t, xy)):
+        mapper.add_pose(s, [p[0], p[1], 0.0], quaternion_from_rpy(0.0, 0.0, 0.0))
+        if 1 <= i < len(t) - 1:
+            mapper.add_magnetic_field(tf[i - 1], [b[i - 1] * 1e-6, 0.0, 0.0])
+        mapper.process()
+    mapper.flush()
+    assert seen and all(s is not None for s in seen)
+    np.testing.assert_allclose(np.concatenate(seen), tf, atol=1e-9)
+    assert float(mapper.model.last_t) == pytest.approx(tf[-1])
+    grid = mapper.grid()
+    mean = grid.layers["magnitude"][0]
+    assert np.isfinite(mean[grid.known]).all()
+    path = tmp_path / "map.safetensors"
+    mapper.save(path)
+    loaded = Mapper.load(path)
+    np.testing.assert_array_equal(loaded.grid().layers["magnitude"][0], mean)
