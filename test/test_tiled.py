@@ -48,6 +48,7 @@ def held_out(rec, dims=2):
 
 def model_config(**kw) -> ModelConfig:
     base = dict(num_inducing=64, memory_size=200, hyper_steps=10, device="cpu", lengthscale=1.0, tile_size=4.0,
+                full_update_every=1,
                 tile_overlap=2.0)
     base.update(kw)
     return ModelConfig(**base)

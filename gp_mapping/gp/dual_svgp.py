@@ -163,6 +163,7 @@ class DualSVGP(Engine):
         self.register_buffer("y_run_m2", torch.zeros(p, **f64))
         self.register_buffer("rescalings_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("hyper_learned", torch.tensor(False))  # learned from a batch that spans space
+        self.register_buffer("scale_fixed", torch.tensor(False))  # set_standardisation: never re-expressed
         self._register_adam_state()
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
@@ -226,6 +227,25 @@ class DualSVGP(Engine):
         """How many times the target scaling has been re-expressed (see :meth:`_track_targets`)."""
         return int(self.rescalings_t)
 
+    def set_standardisation(self, mean, std) -> None:
+        """Standardise with this offset and scale (P,) from now on and never adapt them (a caller that keeps
+        several engines in one unit, e.g. tiles sharing hyperparameters). Data already held are re-expressed
+        exactly, as in an adaptive re-scaling."""
+        m = self._to_tensor(mean, "mean").reshape(-1)
+        sd = self._to_tensor(std, "std").reshape(-1)
+        if m.shape[0] != self.output_dims or sd.shape[0] != self.output_dims:
+            raise ModelInputError(f"mean and std must have {self.output_dims} entries, got {m.shape[0]}, {sd.shape[0]}")
+        if not bool(torch.isfinite(m).all()) or not bool((torch.isfinite(sd) & (sd > 0)).all()):
+            raise ModelInputError("standardisation mean must be finite and std finite and positive")
+        with torch.no_grad():
+            if bool(self.standardised) and not (torch.equal(m, self.y_mean) and torch.equal(sd, self.y_std)):
+                self._rescale_targets(m, sd)
+                self.rescalings_t -= 1  # not an adaptation
+            self.y_mean.copy_(m)
+            self.y_std.copy_(sd)
+            self.standardised.fill_(True)
+            self.scale_fixed.fill_(True)
+
     def _running_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) of every target seen; an output with no spread yet keeps std 1 (original units)."""
         mean = self.y_run_mean
@@ -254,6 +274,8 @@ class DualSVGP(Engine):
         self.y_run_mean.copy_(self.y_run_mean + delta * (n_b / total))
         self.y_run_m2.copy_(self.y_run_m2 + m2_b + delta ** 2 * (n_a * n_b / total))
         self.y_count.fill_(total)
+        if bool(self.scale_fixed):
+            return
         mean, std = self._running_scale()
         if not bool(self.standardised):
             self.y_mean.copy_(mean)
