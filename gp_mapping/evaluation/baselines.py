@@ -733,14 +733,15 @@ class ReducedRankGP:
     regression: each batch adds Phi^T Phi and Phi^T y to sufficient statistics, so the posterior is exact for
     the truncated model and a batch costs O(N m^2 + m^3) whatever was seen before. The hyperparameters (signal
     and constant variances, lengthscales, noise) are re-fitted on the exact log marginal likelihood, which
-    the sufficient statistics give for any hyperparameters at O(m^3) without revisiting data.
+    the sufficient statistics give for any hyperparameters at O(m^3) without revisiting data (``iterations`` Adam
+    steps after every ``refit_every``-th batch, the first included).
 
     ``area`` (xmin, ymin, xmax, ymax) plus ``margin`` lengthscales on every side is the box; the basis must be
     fixed before the data come (its one limitation against an inducing-point map that follows the robot).
     """
 
     def __init__(self, area, num_basis: int = 256, spec: KernelSpec | None = None, *, margin: float = 1.0,
-                 refit_every: int = 1, iterations: int = 10, lr: float = 0.05):
+                 refit_every: int = 10, iterations: int = 10, lr: float = 0.05):
         lo, hi = np.asarray(area[: len(area) // 2], float), np.asarray(area[len(area) // 2:], float)
         if lo.shape != hi.shape or not np.all(hi > lo):
             raise BaselineError(f"area must be (mins..., maxs...) with max > min, got {area!r}")
