@@ -247,30 +247,27 @@ class SMCExperts(Engine):
         return max(1, int((mc > 0).sum(-1).max())) if mc.numel() else 1
 
     def _refresh(self, jj: torch.Tensor | None = None, kk: torch.Tensor | None = None) -> None:
-        """Recompute the cached factors of experts (jj, kk) (all when None). Free entries have identity rows."""
-        if jj is None or not self._cache_ok:
-            j, k, m = self.num_particles, self.max_experts, self.expert_memory
-            self._chol = torch.eye(m, dtype=torch.float64, device=self.device).repeat(j, k, 1, 1)
-            self._ly = torch.zeros(j, k, m, self.output_dims, dtype=torch.float64, device=self.device)
-            self._l1 = torch.zeros(j, k, m, dtype=torch.float64, device=self.device)
+        """Recompute the cached factors of experts (jj, kk) (all when None, or when the memories in use have
+        outgrown the cache). The cache covers the used prefix of the memories (U entries), free entries with
+        identity rows, so its size follows the data, not smc_expert_memory."""
+        u = self._used_memory(self.mem_c)
+        if jj is None or not self._cache_ok or self._chol.shape[-1] < u:
+            j, k = self.num_particles, self.max_experts
             jj, kk = [t.flatten() for t in torch.meshgrid(torch.arange(j, device=self.device),
                                                           torch.arange(k, device=self.device), indexing="ij")]
+            self._chol = torch.eye(u, dtype=torch.float64, device=self.device).repeat(j, k, 1, 1)
+            self._ly = torch.zeros(j, k, u, self.output_dims, dtype=torch.float64, device=self.device)
+            self._l1 = torch.zeros(j, k, u, dtype=torch.float64, device=self.device)
             self._cache_ok = True
         if jj.numel() == 0:
             return
-        u = self._used_memory(self.mem_c[jj, kk])
+        u = self._chol.shape[-1]
         mx, mc = self.mem_x[jj, kk, :u], self.mem_c[jj, kk, :u]
         L, _ = jittered_cholesky(self._gram(mx, mc, self.theta[jj, kk]), 0.0)
         vf = (mc > 0).to(mx.dtype)
-        full = torch.eye(self.expert_memory, dtype=L.dtype, device=L.device).repeat(jj.shape[0], 1, 1)
-        full[:, :u, :u] = L
-        self._chol[jj, kk] = full
-        ly = torch.zeros(jj.shape[0], self.expert_memory, self.output_dims, dtype=L.dtype, device=L.device)
-        ly[:, :u] = torch.linalg.solve_triangular(L, self.mem_y[jj, kk, :u] * vf[..., None], upper=False)
-        self._ly[jj, kk] = ly
-        l1 = torch.zeros(jj.shape[0], self.expert_memory, dtype=L.dtype, device=L.device)
-        l1[:, :u] = torch.linalg.solve_triangular(L, vf[..., None], upper=False)[..., 0]
-        self._l1[jj, kk] = l1
+        self._chol[jj, kk] = L
+        self._ly[jj, kk] = torch.linalg.solve_triangular(L, self.mem_y[jj, kk, :u] * vf[..., None], upper=False)
+        self._l1[jj, kk] = torch.linalg.solve_triangular(L, vf[..., None], upper=False)[..., 0]
 
     def _ensure_cache(self) -> None:
         if not self._cache_ok:
