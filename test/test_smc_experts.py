@@ -352,3 +352,22 @@ def test_paper_protocol_shortened_on_the_motorcycle_series():
     print(ll_smc, mse_smc, ll_poe, ll_gp)  # measured: -35.3, 0.32, -85.4, -299.2
     assert ll_smc > ll_poe + 20 and ll_smc > ll_gp + 100
     assert mse_smc < 0.45
+
+
+def test_vector_target_components_share_the_partition_and_keep_their_scales():
+    """Three components with very different spreads: one partition and one factor per expert serve all of
+    them (running scale per component), and each component's map follows its own field."""
+    rng = np.random.default_rng(6)
+    x = rng.uniform(0, 3, (120, 2))
+    f = np.column_stack([20 + 5 * np.sin(2 * x[:, 0]), -4 + 0.2 * np.cos(2 * x[:, 1]), -40 + 2 * x[:, 0] * x[:, 1]])
+    model = engine(p=3, smc_particles=6, smc_max_experts=6, smc_expert_memory=48, seed=2)
+    for s in range(0, 120, 30):
+        model.update(x[s:s + 30], f[s:s + 30] + 0.01 * rng.standard_normal((30, 3)))
+    xt = rng.uniform(0.2, 2.8, (40, 2))
+    ft = np.column_stack([20 + 5 * np.sin(2 * xt[:, 0]), -4 + 0.2 * np.cos(2 * xt[:, 1]), -40 + 2 * xt[:, 0] * xt[:, 1]])
+    mean, var = model.predict(xt)
+    assert mean.shape == var.shape == (40, 3) and bool((var >= 0).all())
+    rmse = np.sqrt(np.mean((mean.numpy() - ft) ** 2, axis=0))
+    print(rmse, ft.std(0))
+    assert np.all(rmse < 0.2 * ft.std(0))
+    assert model.log_predictive_density(xt, ft).shape == (40, 3)
