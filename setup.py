@@ -42,6 +42,7 @@ setup(
             "gp-mapping = gp_mapping.cli:main",
             "mapper = gp_mapping.ros.mapper_node:main",
             "lifecycle_mapper = gp_mapping.ros.mapper_node:lifecycle_main",
+            "merger = gp_mapping.ros.merger_node:main",
         ],
     },
 )

@@ -19,6 +19,8 @@ SUBCOMMANDS = {
     "merge": ("gp_mapping.merge_cli", "merge saved maps (several robots or sessions) into one without their data; "
               "writes merged.safetensors, map.npz, map.png"),
     "node": ("gp_mapping.ros.mapper_node", "run the ROS 2 mapping node (same as `ros2 run gp_mapping mapper`)"),
+    "merge-node": ("gp_mapping.ros.merger_node", "run the merger node: merges the maps of mapping nodes from their "
+                   "~/model summaries (same as `ros2 run gp_mapping merger`)"),
     "bench": ("gp_mapping.bench_cli", "benchmarks: engines vs baselines (accuracy, latency, growth)"),
 }
 
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     command_parser = argparse.ArgumentParser(prog=f"gp-mapping {name}", description=SUBCOMMANDS[name][1])
     module.add_arguments(command_parser)
     args, ros_args = command_parser.parse_known_args(argv[1:])
-    if ros_args and name != "node":
+    if ros_args and name not in ("node", "merge-node"):
         command_parser.error(f"unrecognised arguments: {' '.join(ros_args)}")
     args.ros_args = ros_args
     return int(module.run(args) or 0)

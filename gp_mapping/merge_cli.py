@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         sources = []
         for arg in args.maps:
             path, frame = _split(arg)
-            sources.append(MapSource(str(path), Mapper.load(path),
+            sources.append(MapSource.from_mapper(str(path), Mapper.load(path),
                                      parse_transform(frame) if frame is not None else None))
         mapper, result = merge_maps(sources, config, steps=args.steps, num_inducing=args.num_inducing)
         out = Path(args.out)

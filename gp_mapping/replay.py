@@ -34,7 +34,7 @@ import numpy as np
 from gp_mapping.bag import (Bag, BagError, CorruptBagError, MapBagWriter, PoseSource, TransformBuffer,
                             choose_pose_source, decode_magnetic_field, decode_pose, is_identity_extrinsic)
 from gp_mapping.config import ConfigError, MapperConfig, load_config
-from gp_mapping.mapping.transforms import TransformError  # a lookup's (the bag's own is a subclass)
+from gp_mapping.mapping.transforms import TransformError, body_pose_from_tf  # a lookup's (the bag's own: a subclass)
 
 NPZ_NAME = "map.npz"
 PNG_NAME = "map.png"
@@ -84,23 +84,22 @@ def _as_config(config: MapperConfig | str | Path | None) -> MapperConfig:
 
 
 def _tf_config(config: MapperConfig, source: PoseSource, mag_frame: str, notes: list[str]) -> MapperConfig:
-    """The config to map with along a tf chain: the map lives in the chain's parent frame, and a chain that
-    ends at the magnetometer frame already holds the sensor extrinsic (so the config's is not applied again)."""
+    """The config to map with along a tf chain: the map lives in the chain's parent frame. A chain that ends at
+    the magnetometer frame already places the sensor: the pose handed to the mapper is then the body pose that
+    the config's extrinsic turns into it (:func:`gp_mapping.mapping.transforms.body_pose_from_tf`), so the
+    extrinsic is not applied on top of the chain's."""
     if source.kind != "tf":
         return config
     if source.parent != config.grid.frame_id:
         notes.append(f"the map is in the tf chain's parent frame '{source.parent}', not the config's grid.frame_id "
                      f"'{config.grid.frame_id}'")
         config = dataclasses.replace(config, grid=dataclasses.replace(config.grid, frame_id=source.parent))
-    if source.child != mag_frame:
-        return config
     sync = config.sync
-    if not is_identity_extrinsic(sync.sensor_translation, sync.sensor_rotation):
+    if source.child == mag_frame and not is_identity_extrinsic(sync.sensor_translation, sync.sensor_rotation):
         notes.append(f"the tf chain {source.parent} -> {source.child} already places the magnetometer; the "
                      f"config's sync.sensor_translation {sync.sensor_translation} and sync.sensor_rotation "
                      f"{sync.sensor_rotation} are not applied on top of it")
-    identity = dataclasses.replace(sync, sensor_translation=[0.0, 0.0, 0.0], sensor_rotation=[0.0, 0.0, 0.0, 1.0])
-    return dataclasses.replace(config, sync=identity)
+    return config
 
 
 def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = None, out_dir: str | Path | None = None,
@@ -157,7 +156,8 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
                     if topic == mag_topic:
                         counts["mag_messages"] += 1
                         sample = decode_magnetic_field(msg, bag_time_ns)
-                        if tf_buffer is None or _feed_tf_pose(mapper, tf_buffer, source, sample.stamp, max_gap):
+                        if tf_buffer is None or _feed_tf_pose(mapper, tf_buffer, source, sample.stamp, max_gap,
+                                                              config, source.child == mag_frame):
                             mapper.add_magnetic_field(sample.stamp, sample.field, frame_id=sample.frame_id,
                                                       receive_time=bag_time)
                         else:
@@ -231,11 +231,14 @@ def _until_broken(messages, broken: list):
         broken.append(err)
 
 
-def _feed_tf_pose(mapper, tf_buffer: TransformBuffer, source: PoseSource, stamp: float,
-                  max_gap: float) -> bool:
-    """Give the mapper the tf chain's pose at ``stamp``; False when tf has no transform there (tf2 semantics)."""
+def _feed_tf_pose(mapper, tf_buffer: TransformBuffer, source: PoseSource, stamp: float, max_gap: float,
+                  config: MapperConfig, chain_ends_at_sensor: bool) -> bool:
+    """Give the mapper the body pose the tf chain implies at ``stamp`` (the node's rule); False when tf has no
+    transform there (tf2 semantics)."""
+    extrinsic = (config.sync.sensor_translation, config.sync.sensor_rotation)
     try:
-        position, orientation = tf_buffer.lookup(source.parent, source.child, stamp, max_gap)
+        position, orientation = body_pose_from_tf(tf_buffer, source.parent, source.child, stamp, max_gap,
+                                                  extrinsic, frame_is_sensor=chain_ends_at_sensor)
     except TransformError:
         return False
     mapper.add_pose(stamp, position, orientation)

@@ -18,7 +18,7 @@ from conftest import REPO_ROOT, SHARED_DATA, shared_data
 pytest.importorskip("gpytorch")
 pytestmark = pytest.mark.slow
 
-SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore")
+SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore", "merge")
 STREAMING = ("dual_svgp_full", "dual_svgp_fast", "dual_svgp_fast_only", "bui2017_osgpr", "nearest_neighbour",
              "constant_mean")
 OFFLINE = ("offline_svgp", "exact_gp")
@@ -66,7 +66,7 @@ def test_quick_bench_writes_every_section_and_finite_ratios(quick_run):
         values = value if isinstance(value, list) else [value]
         assert values and all(_finite(v) and v > 0 for v in values), f"{path} holds a non-finite ratio: {value}"
     md = quick_run["md"]
-    for heading in ("## Speed", "## Cost as the stream grows", "## CUDA", "## Large area"):
+    for heading in ("## Speed", "## Cost as the stream grows", "## CUDA", "## Large area", "## Merging maps"):
         assert heading in md
     assert (quick_run["out"] / "growth.png").stat().st_size > 1000
 
@@ -178,3 +178,17 @@ def test_quick_bench_explore_section(quick_run):
     assert s["maps"] > 0 and 0 < s["map_rate_hz_mean"] <= 1.0 / e["publish_period_s"] + 1e-9
     assert _finite(s["rss_ratio"]) and set(s["pass"]) == {"maps_at_least_0.5_hz", "rss_flat", "at_most_one_batch_behind"}
     assert "Long exploration" in quick_run["md"]
+
+
+def test_quick_bench_merge_section(quick_run):
+    """Two robots' maps merged against one mapper, and merge times for 1..K sources (the quick world is tiny:
+    structure and sanity only; the full run's numbers are in README)."""
+    sec = quick_run["json"]["sections"]["merge"]
+    h = sec["halves"]
+    assert all(_finite(h[k]) and h[k] > 0 for k in ("merged_rmse", "single_rmse", "ratio", "merge_seconds"))
+    assert h["global_m"] > 0
+    counts = [r["sources"] for r in sec["timing"]]
+    assert counts == list(quick_run["json"]["plan"]["merge_sources"])
+    assert all(r["closed_form_seconds"] > 0 and r["learned_seconds"] > 0 and _finite(r["rmse_covered"])
+               for r in sec["timing"])
+    assert "## Merging maps" in quick_run["md"]

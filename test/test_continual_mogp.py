@@ -1,5 +1,5 @@
-"""Continual multi-output GP (seed 000): the bound against closed forms and the dual engine, no forgetting,
-asynchronous channels, coregionalisation recovery, state round trip and bad input."""
+"""Continual multi-output GP (Moreno-Munoz et al., continual multi-task GPs): the bound against closed forms and the
+dual engine, no forgetting, asynchronous channels, coregionalisation recovery, state round trip and bad input."""
 from __future__ import annotations
 
 import math
@@ -254,7 +254,7 @@ def test_adam_e_step_reaches_the_closed_form_optimum():
     assert torch.allclose(v1, v2, atol=0.1 * float(v2.mean()))
 
 
-# ----------------------------------------------------------------------------- seed 000 Table 1: no forgetting
+# --------------------------------------------------------------- continual multi-task GPs paper, Table 1: no forgetting
 def toy_function(x):
     return (4.5 * np.cos(2 * np.pi * x + 1.5 * np.pi) - 3.0 * np.sin(4.3 * np.pi * x + 0.3 * np.pi)
             + 5.0 * np.cos(7 * np.pi * x + 2.4 * np.pi))

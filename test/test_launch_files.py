@@ -88,7 +88,7 @@ def _parse(path: Path) -> ast.Module:
 
 
 def test_both_launch_files_are_shipped():
-    assert {p.name for p in LAUNCH_FILES} == {"mapper.launch.py", "replay.launch.py"}
+    assert {p.name for p in LAUNCH_FILES} == {"mapper.launch.py", "replay.launch.py", "multi_robot.launch.py"}
     installed = _installed_share_files()
     for path in LAUNCH_FILES:
         assert str(path.relative_to(REPO_ROOT)) in installed, f"{path.name} is not installed by setup.py"
@@ -129,6 +129,15 @@ def test_launched_nodes_exist_and_take_declared_parameters(path):
             assert _literal(_kw(call, "package")) == "gp_mapping"
             executable = _literal(_kw(call, "executable"))
             assert executable in scripts, f"{path.name} starts '{executable}', not a console script of setup.py"
+            if executable == "merger":  # the merger node (multi_robot.launch.py): its own parameters, no inputs
+                from gp_mapping.ros.merger_node import _PARAMETERS, MERGER_NAME
+
+                assert scripts[executable] == "gp_mapping.ros.merger_node:main"
+                assert _literal(_kw(call, "name")) == MERGER_NAME
+                for item in _resolve(tree, _kw(call, "parameters")).elts:
+                    names = {_literal(k) for k in item.keys}
+                    assert names <= set(_PARAMETERS) | {"use_sim_time"}, f"undeclared merger parameters {names}"
+                continue
             assert scripts[executable] == target
             assert _literal(_kw(call, "name")) == NODE_NAME
             for item in _resolve(tree, _kw(call, "parameters")).elts:

@@ -76,7 +76,7 @@ def test_merge_command_writes_a_state_the_node_starts_from_and_a_map_of_both_hal
     c = grid.spec.cell_centres()
     assert c[:, 0].min() < -4.5 and c[:, 0].max() > 4.5 and c[:, 1].min() < -4.5
     rmse = _rmse_known(grid, world)
-    b_moved = merge_maps([MapSource("B", b, parse_transform(f"{SHIFT[0]},{SHIFT[1]},{YAW}"))], steps=0)[0]
+    b_moved = merge_maps([MapSource.from_mapper("B", b, parse_transform(f"{SHIFT[0]},{SHIFT[1]},{YAW}"))], steps=0)[0]
     print(f"merged {rmse:.3f} uT on known cells")
     for half in (a, b_moved):
         truth_grid = merged.grid()  # same cells for every map compared
@@ -100,13 +100,13 @@ def test_a_map_merged_with_itself_or_with_a_map_derived_from_it_is_refused(saved
     err = capsys.readouterr().err
     assert "same map twice" in err and "count those data twice" in err
     assert not (tmp / "dup" / "merged.safetensors").exists()
-    merged, _ = merge_maps([MapSource("A", a), MapSource("B", b)], steps=0)
+    merged, _ = merge_maps([MapSource.from_mapper("A", a), MapSource.from_mapper("B", b)], steps=0)
     with pytest.raises(DuplicateSourceError, match="holds data of the other"):
-        merge_maps([MapSource("merged", merged), MapSource("B", b)], steps=0)
+        merge_maps([MapSource.from_mapper("merged", merged), MapSource.from_mapper("B", b)], steps=0)
     # A map that was saved and continued is still the same source.
     continued = Mapper.load(path)
     with pytest.raises(DuplicateSourceError):
-        merge_maps([MapSource("A", a), MapSource("A continued", continued)], steps=0)
+        merge_maps([MapSource.from_mapper("A", a), MapSource.from_mapper("A continued", continued)], steps=0)
 
 
 def test_merge_command_reports_bad_input(saved_maps, capsys, tmp_path):
@@ -119,3 +119,36 @@ def test_merge_command_reports_bad_input(saved_maps, capsys, tmp_path):
     assert "error" in capsys.readouterr().err
     assert main(["merge", f"{tmp / 'A.safetensors'}@1,2", "--out", str(tmp_path)]) == 1
     assert "x,y,yaw_deg" in capsys.readouterr().err
+
+
+def test_model_summaries_round_trip_and_bad_ones_are_refused(saved_maps):
+    """What the mapper sends on ~/model: safetensors bytes that decode to the same source; anything else (too
+    large, truncated, not safetensors, a pickle, non-finite or mistyped tensors) is refused with a reason."""
+    import pickle
+
+    import torch
+
+    from gp_mapping.mapping.merge import SummaryError, decode_summary, encode_summary
+
+    _, _, a, b = saved_maps
+    tf = parse_transform(f"{SHIFT[0]},{SHIFT[1]},{YAW}")
+    src = MapSource.from_mapper("A", a)
+    data = encode_summary(src)
+    back = decode_summary(data, len(data), name="A")
+    assert back.source_id == a.source_id and back.lineage == a.lineage and back.num_seen == a.model.num_seen
+    np.testing.assert_array_equal(back.coverage_cells, a.coverage.cells)
+    direct, _ = merge_maps([src, MapSource.from_mapper("B", b, tf)], steps=5)
+    via_bytes, _ = merge_maps([back, MapSource.from_mapper("B", b, tf)], steps=5)
+    xy = np.random.default_rng(0).uniform(-4, 4, (50, 2))
+    for u, v in zip(direct.model.predict(xy), via_bytes.model.predict(xy)):
+        torch.testing.assert_close(u, v, rtol=1e-9, atol=1e-9)
+    with pytest.raises(SummaryError, match="more than the limit"):
+        decode_summary(data, len(data) - 1)
+    bad = [data[: len(data) // 2], b"junk", pickle.dumps({"z": 1}), b"\x00" * 64]
+    for blob in bad:
+        with pytest.raises(SummaryError):
+            decode_summary(blob, 10**8)
+    for key, value in (("site_W", src.summary["site_W"] * float("nan")), ("z", src.summary["z"].float())):
+        tampered = MapSource(**{**src.__dict__, "summary": {**src.summary, key: value}})
+        with pytest.raises(SummaryError, match="NaN|expected"):
+            decode_summary(encode_summary(tampered), 10**8)

@@ -1,5 +1,5 @@
 """Real recording: the three world-frame field components of the Osman et al. (2021) handheld IMU with OptiTrack
-pose, mapped over 3-D position by the continual multi-output GP (seed 000) and, for comparison, by three
+pose, mapped over 3-D position by the continual multi-output GP (Moreno-Munoz et al.) and, for comparison, by three
 independent GPs (the dual-SVGP engine with output_dims=3: independent latents sharing Z and the kernel).
 
 Protocol (../shared/data/README.md): train on the first 70 % of the samples, test on the last 30 %. The training
@@ -10,9 +10,9 @@ samples is the bar: 0.586 / 0.721 / 0.651 uT per axis, mean 0.653 (the README's 
 
 The test set lies below the training heights (0.48-0.64 m against 0.57-0.74 m after the first 20 s) and ends
 with the sensor put down on the floor 0.19 m from where it was picked up: most of every model's error is that
-extrapolation, which hangs on the learned lengthscales. Seed 000 keeps no data, so each update learns the
-hyperparameters from its own batch (through the continual bound); with 4 batches of 455 samples the last
-batches (all at 0.57-0.74 m) teach lengthscales that extrapolate downwards less well, and z misses the bar
+extrapolation, which hangs on the learned lengthscales. The continual multi-output GP keeps no data, so each
+update learns the hyperparameters from its own batch (through the continual bound); with 4 batches of 455 samples
+the last batches (all at 0.57-0.74 m) teach lengthscales that extrapolate downwards less well, and z misses the bar
 (measured 0.32 / 0.48 / 0.75 uT; independent GPs 0.44 / 0.46 / 0.58). With 2 batches: 0.38 / 0.56 / 0.57 uT
 (independent GPs 0.41 / 0.50 / 0.50).
 """

@@ -1,5 +1,5 @@
-"""Recyclable GPs (gp/recyclable.py, seed 001): the merge against closed forms, the paper's toy checks, and two
-simulated robots mapping the halves of one world."""
+"""Recyclable GPs (gp/recyclable.py, Moreno-Munoz et al. 2020): the merge against closed forms, the paper's toy
+checks, and two simulated robots mapping the halves of one world."""
 from __future__ import annotations
 
 import copy
@@ -187,7 +187,7 @@ def test_bad_sources_are_refused_with_a_reason():
 
 
 def _f_bias(x: np.ndarray) -> np.ndarray:
-    """Seed 001, App. E.1."""
+    """Recyclable GPs paper, App. E.1."""
     f = 4.5 * np.cos(2 * np.pi * x + 1.5 * np.pi) - 3 * np.sin(4.3 * np.pi * x + 0.3 * np.pi)
     return f + 3 * x - 7.5
 

@@ -7,8 +7,10 @@ Sections: ``accuracy`` (protocols 1 and 2 on the Solin 2018 recording; skipped w
 recording is absent), ``speed`` (engine latency over M, grid prediction, replay real-time factors),
 ``growth`` (cost against samples seen over a long simulated drive), ``cuda`` (the engine sweep on the
 GPU; skipped without CUDA), ``large`` (local submaps against one engine over a 100 m x 60 m simulated building,
-30 minutes, 2-D and 3-D inputs) and ``explore`` (a 30-minute exploration of 200 m x 200 m at 50 Hz through the
-node's update-thread schedule: map rate, resident memory, how far the model falls behind). A section that fails is recorded with its error and the others still run; the
+30 minutes, 2-D and 3-D inputs), ``explore`` (a 30-minute exploration of 200 m x 200 m at 50 Hz through the
+node's update-thread schedule: map rate, resident memory, how far the model falls behind) and ``merge`` (two
+robots' maps merged against one mapper; merge time against the number of sources, 1-16). A section that fails is
+recorded with its error and the others still run; the
 exit status is then 1. Everything in the outputs is regenerated from code on every run.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from gp_mapping.evaluation.common import default_results_dir, jsonable, machine_info
 
-SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore")
+SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore", "merge")
 JSON_NAME = "bench.json"
 MD_NAME = "bench.md"
 
@@ -50,6 +52,9 @@ FULL = {
        "large_dims": (2, 3)},
     **{"explore_area": 200.0, "explore_lane": 20.0, "explore_seconds": 1800.0, "explore_rate": 50.0,
        "explore_warmup_seconds": 180.0, "explore_seed": 0, "explore_window": None},
+    **{"merge_seconds": 120.0, "merge_rate": 10.0, "merge_batch": 50, "merge_m": 64, "merge_steps": 100,
+       "merge_sources": (1, 2, 4, 8, 16), "merge_strip_seconds": 60.0, "merge_strip_m": 32, "merge_resolution": 0.25,
+       "merge_seed": 3},
 }
 QUICK = {
     "p1_batches": 10, "p2_batch_seconds": 20.0, "p2_eval_every": 3, "fast_full_every": 10,
@@ -68,6 +73,9 @@ QUICK = {
        "large_dims": (2,)},
     **{"explore_area": 30.0, "explore_lane": 10.0, "explore_seconds": 30.0, "explore_rate": 50.0,
        "explore_warmup_seconds": 5.0, "explore_seed": 0, "explore_window": None},
+    **{"merge_seconds": 30.0, "merge_rate": 5.0, "merge_batch": 25, "merge_m": 24, "merge_steps": 10,
+       "merge_sources": (1, 2, 4), "merge_strip_seconds": 15.0, "merge_strip_m": 12, "merge_resolution": 0.5,
+       "merge_seed": 3},
 }
 
 
@@ -84,7 +92,7 @@ def _data_root(given: Path | None) -> tuple[Path | None, str | None]:
 
 
 def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[[str], None]) -> dict[str, Any]:
-    from gp_mapping.evaluation import accuracy, explore, growth, large, speed
+    from gp_mapping.evaluation import accuracy, explore, growth, large, merge, speed
 
     results: dict[str, Any] = {"machine": machine_info(), "plan": plan, "sections": {}}
     root, why = _data_root(data)
@@ -123,6 +131,8 @@ def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[
                 out = large.run(plan, log)
             elif section == "explore":
                 out = explore.run(plan, log)
+            elif section == "merge":
+                out = merge.run(plan, log)
             else:
                 raise ValueError(f"unknown section {section!r}; choose from {', '.join(SECTIONS)}")
         except Exception as err:  # one broken section must not hide the others' numbers
@@ -250,6 +260,11 @@ def markdown(results: dict[str, Any]) -> str:
         from gp_mapping.evaluation import large
 
         lines += large.markdown(lg)
+    mg = sec.get("merge")
+    if mg is not None:
+        from gp_mapping.evaluation import merge
+
+        lines += merge.markdown(mg)
     cu = sec.get("cuda")
     if cu is not None:
         lines += ["## CUDA", ""]

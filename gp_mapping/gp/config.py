@@ -39,10 +39,10 @@ def option(default, *, doc: str, low=None, high=None, low_open=False, choices=No
 class ModelConfig:
     """The GP engine (section ``model``)."""
 
-    engine: str = option("dual_svgp", doc="GP engine: dual_svgp (memory-based dual SVGP, seed 004; a vector target "
-                         "gets independent latents sharing Z), continual_mogp (continual multi-output GP with a "
-                         "linear model of coregionalisation, seed 000) or smc_experts (sequential Monte Carlo "
-                         "mixture of GP experts for nonstationary and changing fields, seed 003)",
+    engine: str = option("dual_svgp", doc="GP engine: dual_svgp (memory-based dual SVGP, Chang et al. 2023; a vector "
+                         "target gets independent latents sharing Z), continual_mogp (continual multi-output GP with a "
+                         "linear model of coregionalisation, Moreno-Munoz et al. 2019) or smc_experts (sequential Monte "
+                         "Carlo mixture of GP experts for nonstationary and changing fields, Zhang et al. 2019)",
                          choices=("dual_svgp", "continual_mogp", "smc_experts"))
     kernel: str = option("matern52", doc="stationary kernel", choices=("matern12", "matern32", "matern52", "rbf"))
     ard: bool = option(True, doc="one lengthscale per input dimension")
@@ -74,7 +74,7 @@ class ModelConfig:
                            high=10.0)
     learn_inducing: bool = option(False, doc="move the inducing inputs by gradient steps on an ELBO that keeps the old "
                                 "data's information (full mode; not for the grid policy). Opt-in: it helps on the Solin "
-                                "recording and hurts on the demo bag (see the engine docstring)")
+                                "recording and hurts on the demo bag (bench/README.md)")
     inducing_lr: float = option(0.01, doc="Adam learning rate for the inducing inputs [m per step]", low=0.0,
                               low_open=True, high=100.0)
     full_update_every: int = option(1, doc="every n-th update is a full update (memory, hyperparameters, "

@@ -1,5 +1,5 @@
-"""Continual multi-output GP (seed 000: Moreno-Munoz, Artes-Rodriguez, Alvarez, "Continual Multi-task Gaussian
-Processes", arXiv 1911.00002), for maps of the three field components.
+"""Continual multi-output GP (Moreno-Munoz, Artes-Rodriguez, Alvarez, "Continual Multi-task Gaussian Processes",
+arXiv 1911.00002), for maps of the three field components.
 
 Model (linear model of coregionalisation, rank one per latent):
     f_d(x) = sum_q A[d, q] u_q(x),   u_q ~ GP(0, k_q) independent, q = 1..Q,   y_d = f_d + eps_d.
@@ -42,8 +42,8 @@ A new point never coincides with a kept one (its residual variance would be zero
 positive definite. Z is chosen again (from Z_old and the batch, q~ rebuilt there) after every M-step, under the
 kernel just learned, with its lengthscales capped at model.lengthscale for the choice only: a set chosen under
 a lengthscale that one batch has stretched is too sparse for any shorter one, and the sparse bound then keeps
-the lengthscale long in every later update (measured on the Osman 2021 recording: a latent stuck at 23 points
-and lengthscales of 5-13 m, its channel's noise inflating update after update).
+the lengthscale long in every later update, the channel's noise inflating update after update (what was
+measured on a real recording is in bench/README.md, "Inducing placement of the continual multi-output GP").
 
 Variational EM per update (paper: "several steps of variational EM within each sequential update"):
   * E-step over q(u). Gaussian likelihood: closed form. The bound is E_q of a quadratic in u plus the entropy,

@@ -1,4 +1,5 @@
-"""Memory-based dual sparse variational GP (seed 004: Chang, Verma, John, Solin, Khan, ICML 2023).
+"""Memory-based dual sparse variational GP (Chang, Verma, John, Solin, Khan, "Memory-Based Dual Gaussian Processes
+for Sequential Learning", ICML 2023).
 
 State: inducing inputs Z (M x D), dual parameters a (M x P) and B (P x M x M), kernel and likelihood
 hyperparameters. q(u) = N(m, S) with m = K (K+B)^{-1} a and S = K (K+B)^{-1} K, K = K_ZZ + jitter I, and
@@ -34,7 +35,7 @@ sampling: the memory is a uniform sample of all candidates ever offered, so ever
 represented in proportion to its amount of data, however long the robot runs. Losers are folded into
 (a_old, B_old).
 
-Hyperparameters (full mode): Adam on the dual-fixed objective (seed 004 sec. 3.4)
+Hyperparameters (full mode): Adam on the dual-fixed objective (Chang et al. 2023, sec. 3.4)
     l(theta) = sum_{batch} E_q[log p(y|f)] + (N_old / |memory|) sum_{memory} E_q[log p(y|f)] - KL[q || p_theta]
 with N_old the number of data seen before this batch: reservoir sampling makes the memory a uniform sample of
 the old data, so each member stands for N_old/|memory| of them (unbiased for a uniform memory; the reference
@@ -61,16 +62,12 @@ projection (recomputed exactly).
 With learn_inducing (full mode), Z also takes Adam steps (inducing_lr) alongside theta, on l_Z: the ELBO with
 the held data unweighted and the old data seen through their pseudo-likelihood t_old(u0), u0 = f(Z0), under
 q(u0) = int p(u0|u) q(u) du (Bui et al. 2017 do the same for their old inducing points). The conditional
-variance of u0 given u charges each move for the old information the new Z cannot represent. On the paper's
-objective alone, a move of Z that projects old information away lowers the KL by more than the scaled
-memory term notices, and on the Solin et al. data the map diverged (RMSE 45-50 uT). The authors'
-magnetometer script trains Z too; the paper says pivoted Cholesky suffices, which the Solin data refute
-(M = 100, offline hyperparameters: pivoted-Cholesky Z 3.3 uT, gradient-trained Z 2.0 uT).
-Measured with learn_inducing on (inducing_lr 0.01): Solin |B| 3.18 uT (4.27 without; 2.84 with the offline
-hyperparameters fixed), but the demo bag 3.34 uT within 0.5 m of the path (0.38 without), and inducing_lr
-0.003 or 0.03 made Solin worse than no learning. It is sensitive, so it is off by default. On Solin the gap to
-an offline SVGP with the same M closes from M = 300 without it (2.07 against 2.02 uT, full update every 5th;
-README "Performance").
+variance of u0 given u charges each move for the old information the new Z cannot represent: on the paper's
+objective alone, a move of Z that projects old information away lowers the KL by more than the scaled memory
+term notices, so Z drifts away from the old data and the map diverges. The paper says pivoted Cholesky
+suffices; on real magnetometer data gradient-trained Z maps markedly better at the same M, but the gain
+depends on the recording and on inducing_lr, so learn_inducing is off by default (the measurements are in
+bench/README.md, "Inducing-input learning").
 
 Modes: 'fast' conditions on the batch with hyperparameters and Z frozen, one dual step (exact for the
 Gaussian likelihood): O(N M^2 + M^3). The batch is held as pending, so the next full update treats all data

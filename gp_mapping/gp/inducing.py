@@ -1,6 +1,6 @@
 """Inducing inputs: greedy selection by pivoted Cholesky, a fixed grid, and moving dual parameters to new Z.
 
-Pivoted Cholesky (Burt et al. 2020; seed 004 eq. 27) picks, one at a time, the candidate with the largest
+Pivoted Cholesky (Burt et al. 2020; Chang et al. 2023, eq. 27) picks, one at a time, the candidate with the largest
 residual (conditional) prior variance given the points already picked, and stops at ``max_points`` or when no
 candidate has a residual variance above ``rel_tol`` times the largest prior variance. The threshold is what
 keeps a new inducing point from duplicating (or nearly duplicating) an existing one, so K_ZZ stays well

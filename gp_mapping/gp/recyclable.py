@@ -1,4 +1,5 @@
-"""Recyclable GPs (seed 001: Moreno-Munoz, Artes-Rodriguez, Alvarez 2020): merge maps without their data.
+"""Recyclable GPs (Moreno-Munoz, Artes-Rodriguez, Alvarez, "Recyclable Gaussian Processes", 2020): merge maps
+without their data.
 
 Each source (a robot's or a session's map) is summarised by its inducing inputs Z_k, its variational posterior
 q_k(u_k) and its prior p_k(u_k), u_k = f(Z_k), in the original target units (``recyclable_summary()`` of an

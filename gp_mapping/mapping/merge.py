@@ -1,4 +1,4 @@
-"""Merging maps (state files or live mappers) into one map without their data (seed 001, gp/recyclable.py).
+"""Merging maps (state files or live mappers) into one map without their data (recyclable GPs, gp/recyclable.py).
 
 A source is a :class:`~gp_mapping.mapping.mapper.Mapper` (loaded from a state file, or rebuilt from a model
 summary received over DDS) with an optional rigid transform into the merged frame. The merged map is a Mapper
@@ -10,6 +10,7 @@ twice.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import uuid
 from dataclasses import dataclass
@@ -18,11 +19,18 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from gp_mapping.config import MapperConfig
-from gp_mapping.gp.recyclable import MergeError, MergeResult, RigidTransform, merge, merged_engine, source_from_engine
+from gp_mapping.config import ConfigError, MapperConfig, config_from_dict, to_dict
+from gp_mapping.gp.recyclable import MergeError, MergeResult, RigidTransform, Source, merge, merged_engine
 from gp_mapping.mapping.mapper import Mapper
 
 DEFAULT_MAX_INDUCING = 1024
+SUMMARY_FORMAT = "gp_mapping.model_summary"
+SUMMARY_VERSION = "1"
+# Summary tensors: name -> (dtype, number of dimensions); the sites or the moments form is required.
+_SUMMARY_TENSORS = {"z": (torch.float64, 2), "target_mean": (torch.float64, 1), "target_scale": (torch.float64, 1),
+                    "prior_cov": (torch.float64, 3), "noise": (torch.float64, 1), "site_a": (torch.float64, 2),
+                    "site_W": (torch.float64, 3), "mean": (torch.float64, 2), "cov": (torch.float64, 3),
+                    "coverage_cells": (torch.int64, 2), "trajectory": (torch.float64, 2)}
 # Config keys that every source of a merge must share (what the map's values mean and where they live).
 MERGE_DEFINING_KEYS = (("sync", "target"), ("sync", "input_dims"), ("sync", "field_unit"), ("grid", "frame_id"))
 
@@ -33,11 +41,128 @@ class DuplicateSourceError(MergeError):
 
 @dataclass
 class MapSource:
-    """One map to merge: its name (for messages), its Mapper, and its transform into the merged frame."""
+    """One map to merge: its name (for messages), its model summary (an engine's ``recyclable_summary()``), the
+    config it was made with, its identity (source id, lineage), its visited cells and trajectory (for the merged
+    map's grid), and its transform into the merged frame."""
 
     name: str
-    mapper: Mapper
+    summary: dict
+    config: MapperConfig
+    source_id: str
+    lineage: list
+    coverage_cells: np.ndarray
+    coverage_resolution: float
+    trajectory: np.ndarray
+    last_stamp: float = -math.inf
     transform: RigidTransform | None = None
+
+    @property
+    def num_seen(self) -> int:
+        return int(self.summary.get("num_seen", 0))
+
+    @classmethod
+    def from_mapper(cls, name: str, mapper: Mapper, transform: RigidTransform | None = None) -> "MapSource":
+        summarise = getattr(mapper.model, "recyclable_summary", None)
+        if summarise is None:
+            raise MergeError(f"{name}: engine {type(mapper.model).__name__} cannot be summarised for a merge")
+        return cls(name=name, summary=summarise(), config=mapper.config, source_id=mapper.source_id,
+                   lineage=list(mapper.lineage), coverage_cells=np.asarray(mapper.coverage.cells),
+                   coverage_resolution=float(mapper.coverage.resolution),
+                   trajectory=np.asarray(mapper.trajectory, dtype=np.float64).reshape(-1, 2),
+                   last_stamp=float(mapper.last_stamp), transform=transform)
+
+
+class SummaryError(MergeError):
+    """A model summary (bytes from ~/model) that is malformed, oversized or not a gp_mapping summary."""
+
+
+def encode_summary(source: MapSource) -> bytes:
+    """A source as safetensors bytes (tensors and JSON metadata; nothing in it can execute when read)."""
+    from safetensors.torch import save
+
+    tensors = {k: torch.as_tensor(v).detach().cpu().contiguous().clone() for k, v in source.summary.items()
+               if k in _SUMMARY_TENSORS}
+    tensors["coverage_cells"] = torch.as_tensor(np.asarray(source.coverage_cells, dtype=np.int64).reshape(-1, 2))
+    tensors["trajectory"] = torch.as_tensor(np.asarray(source.trajectory, dtype=np.float64).reshape(-1, 2))
+    kernel = source.summary.get("kernel")
+    if kernel is not None:
+        tensors.update({f"kernel/{k}": v.detach().cpu().contiguous().clone() for k, v in kernel.state_dict().items()})
+    metadata = {"format": SUMMARY_FORMAT, "version": SUMMARY_VERSION, "source_id": source.source_id,
+                "lineage": json.dumps(list(source.lineage)), "config": json.dumps(to_dict(source.config)),
+                "info": json.dumps({"num_seen": source.num_seen, "coverage_resolution": source.coverage_resolution,
+                                    "last_stamp": source.last_stamp if math.isfinite(source.last_stamp) else None})}
+    return save(tensors, metadata=metadata)
+
+
+def decode_summary(data: bytes, max_bytes: int, name: str = "summary") -> MapSource:
+    """Check and read :func:`encode_summary` bytes; raises SummaryError saying what is wrong (size first, so an
+    oversized message is never parsed)."""
+    from safetensors.torch import load
+
+    from gp_mapping.gp.kernels import build_kernel
+
+    data = bytes(data)
+    if len(data) > max_bytes:
+        raise SummaryError(f"{name}: {len(data)} bytes, more than the limit of {max_bytes}")
+    if len(data) < 8:
+        raise SummaryError(f"{name}: {len(data)} bytes is not a model summary")
+    n = int.from_bytes(data[:8], "little")
+    if n <= 0 or 8 + n > len(data):
+        raise SummaryError(f"{name}: truncated or not safetensors (header of {n} bytes in {len(data)})")
+    try:
+        header = json.loads(data[8:8 + n])
+        meta = header["__metadata__"]
+        if meta.get("format") != SUMMARY_FORMAT or meta.get("version") != SUMMARY_VERSION:
+            raise SummaryError(f"{name}: not a gp_mapping model summary version {SUMMARY_VERSION} "
+                               f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
+        tensors = load(data)
+        config = config_from_dict(json.loads(meta["config"]))
+        lineage = json.loads(meta["lineage"])
+        info = json.loads(meta["info"])
+        source_id = str(meta["source_id"])
+    except SummaryError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, ConfigError) as err:
+        raise SummaryError(f"{name}: malformed model summary: {type(err).__name__}: {err}") from None
+    except Exception as err:  # safetensors raises its own error type for a malformed payload
+        raise SummaryError(f"{name}: malformed model summary: {err}") from None
+    if not source_id or not isinstance(lineage, list) or not all(isinstance(i, str) for i in lineage):
+        raise SummaryError(f"{name}: source id or lineage missing or malformed")
+    for key, t in tensors.items():
+        if key.startswith("kernel/"):
+            continue
+        if key not in _SUMMARY_TENSORS:
+            raise SummaryError(f"{name}: unexpected tensor {key!r}")
+        dtype, dims = _SUMMARY_TENSORS[key]
+        if t.dtype != dtype or t.dim() != dims:
+            raise SummaryError(f"{name}: tensor {key!r} is {t.dtype} with {t.dim()} dimensions, expected {dtype} "
+                               f"with {dims}")
+    summary = {k: v for k, v in tensors.items() if k in _SUMMARY_TENSORS and k not in ("coverage_cells", "trajectory")}
+    try:
+        summary["num_seen"] = int(info["num_seen"])
+        kernel_state = {k[len("kernel/"):]: v for k, v in tensors.items() if k.startswith("kernel/")}
+        summary["kernel"] = None
+        if kernel_state:
+            kernel = build_kernel(config.model, int(tensors["z"].shape[1]))
+            kernel.load_state_dict(kernel_state)
+            summary["kernel"] = kernel
+        cells = tensors.get("coverage_cells", torch.zeros(0, 2, dtype=torch.int64)).numpy()
+        trajectory = tensors.get("trajectory", torch.zeros(0, 2, dtype=torch.float64)).numpy()
+        resolution = float(info["coverage_resolution"])
+        stamp = -math.inf if info.get("last_stamp") is None else float(info["last_stamp"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise SummaryError(f"{name}: malformed model summary: {type(err).__name__}: {err}") from None
+    if not (math.isfinite(resolution) and resolution > 0) or cells.shape[1:] != (2,) \
+            or trajectory.shape[1:] != (2,) or not np.all(np.isfinite(trajectory)):
+        raise SummaryError(f"{name}: malformed coverage or trajectory")
+    source = MapSource(name=name, summary=summary, config=config, source_id=source_id, lineage=lineage,
+                       coverage_cells=cells, coverage_resolution=resolution, trajectory=trajectory,
+                       last_stamp=stamp)
+    try:
+        Source.from_summary(summary, name=name)  # shapes, finiteness, a positive definite prior
+    except MergeError as err:
+        raise SummaryError(str(err)) from None
+    return source
 
 
 def parse_transform(text: str) -> RigidTransform:
@@ -57,9 +182,9 @@ def check_lineage(sources: Sequence[MapSource]) -> None:
     """Refuse sources whose lineages overlap: their data would be counted twice."""
     for i, a in enumerate(sources):
         for b in sources[i + 1:]:
-            shared = sorted(set(a.mapper.lineage) & set(b.mapper.lineage))
+            shared = sorted(set(a.lineage) & set(b.lineage))
             if shared:
-                what = ("the same map twice" if a.mapper.source_id == b.mapper.source_id
+                what = ("the same map twice" if a.source_id == b.source_id
                         else "one map holds data of the other (a map derived from it, or an earlier save of it)")
                 raise DuplicateSourceError(
                     f"{a.name} and {b.name} share data (source ids {', '.join(s[:12] for s in shared)}): {what}; "
@@ -70,23 +195,23 @@ def check_compatible(sources: Sequence[MapSource]) -> None:
     first = sources[0]
     for src in sources[1:]:
         for section, key in MERGE_DEFINING_KEYS:
-            a = getattr(getattr(first.mapper.config, section), key)
-            b = getattr(getattr(src.mapper.config, section), key)
+            a = getattr(getattr(first.config, section), key)
+            b = getattr(getattr(src.config, section), key)
             if a != b:
                 raise MergeError(f"{src.name} has {section}.{key} = {b!r} but {first.name} has {a!r}; maps to "
                                  "merge must agree on it")
-        if int(src.mapper.model.num_seen) == 0:
+        if src.num_seen == 0:
             raise MergeError(f"{src.name} is an empty map (no data)")
-    if int(first.mapper.model.num_seen) == 0:
+    if first.num_seen == 0:
         raise MergeError(f"{first.name} is an empty map (no data)")
 
 
 def merged_config(sources: Sequence[MapSource], config: MapperConfig | None = None) -> MapperConfig:
     """The merged map's config: ``config`` (or the first source's), with the engine a dual SVGP (the form the
     merged posterior takes) and the frame-defining keys of the sources."""
-    cfg = copy.deepcopy(config if config is not None else sources[0].mapper.config)
+    cfg = copy.deepcopy(config if config is not None else sources[0].config)
     for section, key in MERGE_DEFINING_KEYS:
-        setattr(getattr(cfg, section), key, getattr(getattr(sources[0].mapper.config, section), key))
+        setattr(getattr(cfg, section), key, getattr(getattr(sources[0].config, section), key))
     cfg.model.engine = "dual_svgp"
     if cfg.model.inducing == "grid":
         cfg.model.inducing = "pivoted_cholesky"
@@ -104,7 +229,7 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
     check_compatible(sources)
     check_lineage(sources)
     cfg = merged_config(sources, config)
-    local = [source_from_engine(s.mapper.model, name=s.name, transform=s.transform) for s in sources]
+    local = [Source.from_summary(s.summary, name=s.name, transform=s.transform) for s in sources]
     # Default: room for every source's inducing points (pivoted Cholesky drops the redundant ones), up to
     # DEFAULT_MAX_INDUCING or the config's num_inducing if larger.
     m = num_inducing if num_inducing is not None else min(sum(src.num_inducing for src in local),
@@ -115,22 +240,20 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
     mapper = Mapper(cfg, model=engine)
     trajectory = []
     for src in sources:
-        cells = src.mapper.coverage.cells
-        res = src.mapper.coverage.resolution
-        centres = (np.asarray(cells, dtype=np.float64).reshape(-1, 2) + 0.5) * res
-        traj = np.asarray(src.mapper.trajectory, dtype=np.float64).reshape(-1, 2)
+        centres = (np.asarray(src.coverage_cells, dtype=np.float64).reshape(-1, 2) + 0.5) * src.coverage_resolution
+        traj = np.asarray(src.trajectory, dtype=np.float64).reshape(-1, 2)
         if src.transform is not None:
             centres = _move(src.transform, centres)
             traj = _move(src.transform, traj)
         mapper.coverage.add(centres)
         trajectory.append(traj)
     mapper.add_trajectory(np.concatenate(trajectory))
-    stamps = [s.mapper.last_stamp for s in sources if math.isfinite(s.mapper.last_stamp)]
+    stamps = [s.last_stamp for s in sources if math.isfinite(s.last_stamp)]
     if stamps:
         mapper.last_stamp = max(stamps)
     lineage = set()
     for src in sources:
-        lineage |= set(src.mapper.lineage)
+        lineage |= set(src.lineage)
     mapper.set_lineage(uuid.uuid4().hex, lineage)
     mapper.mark_changed()
     return mapper, result
@@ -142,5 +265,5 @@ def _move(transform: RigidTransform, xy: np.ndarray) -> np.ndarray:
     return transform.apply_inputs(torch.as_tensor(xy, dtype=torch.float64)).numpy()
 
 
-__all__ = ["DuplicateSourceError", "MERGE_DEFINING_KEYS", "MapSource", "check_lineage", "merge_maps",
-           "merged_config", "parse_transform"]
+__all__ = ["DuplicateSourceError", "MERGE_DEFINING_KEYS", "MapSource", "SummaryError", "check_lineage",
+           "decode_summary", "encode_summary", "merge_maps", "merged_config", "parse_transform"]

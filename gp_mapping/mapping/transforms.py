@@ -236,6 +236,22 @@ class TransformBuffer:
         return compose(invert(down(to_parent)), down(to_child))
 
 
+# ------------------------------------------------------------------------------ a reading's pose from tf
+
+
+def body_pose_from_tf(buffer: TransformBuffer, map_frame: str, frame: str, stamp: float, max_gap: float,
+                      extrinsic: Transform, frame_is_sensor: bool) -> Transform:
+    """The body pose in ``map_frame`` at ``stamp`` that, with the config's extrinsic (sensor in body,
+    ``sync.sensor_translation`` / ``sync.sensor_rotation``) applied by the sync, places the magnetometer where
+    the tf tree says. ``frame`` is the magnetometer's own frame (``frame_is_sensor``: the mount comes from tf,
+    ``T_body = T_map_sensor * T_extrinsic^-1``) or the body's (``T_body = T_map_body``). The replay's ``--tf``
+    and the live node's ``pose_source: tf`` both use it. Raises TransformError (subclasses say why)."""
+    pose = buffer.lookup(map_frame, frame, stamp, max_gap)
+    if not frame_is_sensor:
+        return pose
+    return compose(pose, invert((np.asarray(extrinsic[0], np.float64), normalize_quaternion(extrinsic[1]))))
+
+
 # ------------------------------------------------------------------------------------- the live node's rule
 
 TF_REJECTION_REASONS = ("tf_missing", "tf_stale")
@@ -260,11 +276,11 @@ class TfPoseMatcher:
     T_extrinsic^-1``, so the Mapper and its sync stay as they are.
 
     Readings wait (in arrival order) until every /tf edge of their chain has a transform at or after their
-    stamp and their frames are connected. The buffer keeps ``cache_seconds`` of transforms before the oldest reading still undecided (tf2
-    keeps 10 s), so a backlog of messages never loses the transforms it needs. A reading is refused as
-    ``tf_missing`` when the newest reading is ``timeout`` seconds newer and its transforms still have not come
-    (or its frames are still not connected); as ``tf_stale`` when the transforms
-    around it are more than ``max_gap`` apart from it or it is older than the buffer.
+    stamp and their frames are connected. The buffer keeps ``cache_seconds`` of transforms before the oldest
+    reading still undecided (tf2 keeps 10 s), so a backlog of messages never loses the transforms it needs. A
+    reading is refused as ``tf_missing`` when the newest reading is ``timeout`` seconds newer and its
+    transforms still have not come (or its frames are still not connected); as ``tf_stale`` when the
+    transforms around it are more than ``max_gap`` apart from it or it is older than the buffer.
     """
 
     def __init__(self, map_frame: str, base_frame: str, extrinsic: Transform, max_gap: float, timeout: float,
@@ -272,8 +288,7 @@ class TfPoseMatcher:
         self.buffer = TransformBuffer()
         self.cache_seconds = float(cache_seconds)
         self.map_frame, self.base_frame = frame_name(map_frame), frame_name(base_frame)
-        self._extrinsic_inverse = invert((np.asarray(extrinsic[0], np.float64),
-                                          normalize_quaternion(extrinsic[1])))
+        self.extrinsic = (np.asarray(extrinsic[0], np.float64), normalize_quaternion(extrinsic[1]))
         self.max_gap, self.timeout, self.max_waiting = float(max_gap), float(timeout), int(max_waiting)
         self._waiting: deque[_Waiting] = deque()
         self._newest = -math.inf
@@ -339,13 +354,13 @@ class TfPoseMatcher:
 
     def _pose(self, item: _Waiting) -> Transform:
         sensor = frame_name(item.frame_id)
-        if sensor and sensor != self.map_frame and self.buffer.connected(self.map_frame, sensor):
-            body = compose(self.buffer.lookup(self.map_frame, sensor, item.stamp, self.max_gap),
-                           self._extrinsic_inverse)
+        on_sensor = bool(sensor) and sensor != self.map_frame and self.buffer.connected(self.map_frame, sensor)
+        body = body_pose_from_tf(self.buffer, self.map_frame, sensor if on_sensor else self.base_frame, item.stamp,
+                                 self.max_gap, self.extrinsic, frame_is_sensor=on_sensor)
+        if on_sensor:
             self.from_sensor_frame += 1
-            return body
-        body = self.buffer.lookup(self.map_frame, self.base_frame, item.stamp, self.max_gap)
-        self.from_base_frame += 1
+        else:
+            self.from_base_frame += 1
         return body
 
     def clear(self) -> None:

@@ -110,7 +110,7 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import MagneticField, PointCloud2
-from std_msgs.msg import Float64MultiArray
+from std_msgs.msg import Float64MultiArray, UInt8MultiArray
 from std_srvs.srv import Trigger
 
 from gp_mapping.config import (ROS_RESERVED_KEYS, ConfigError, MapperConfig, describe_allowed, config_from_dict,
@@ -141,6 +141,30 @@ _PARAMETER_TYPES = {"bool": ParameterType.PARAMETER_BOOL, "int": ParameterType.P
 
 MAP_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
                      durability=DurabilityPolicy.TRANSIENT_LOCAL)
+
+
+MODEL_TOPIC = "~/model"  # the model summary a merger node merges (std_msgs/UInt8MultiArray: safetensors bytes)
+
+
+def create_map_publishers(node: Node, config: MapperConfig) -> tuple[dict[str, tuple[Any, Any]], Any, Any]:
+    """The map topics of ``node`` (latched): layer -> (~/mean..., ~/variance...) publishers, ~/cloud, ~/scale.
+    The mapping node and the merger node publish through these and :func:`publish_map_layout`."""
+    map_pubs = {layer: (node.create_publisher(OccupancyGrid, mean, MAP_QOS),
+                        node.create_publisher(OccupancyGrid, var, MAP_QOS))
+                for layer, (mean, var) in map_topics(config).items()}
+    return (map_pubs, node.create_publisher(PointCloud2, publication.cloud_topic(), MAP_QOS),
+            node.create_publisher(Float64MultiArray, publication.scale_topic(), MAP_QOS))
+
+
+def publish_map_layout(map_pubs, cloud_pub, scale_pub, grid: Any, layout: Any, field_unit: str, stamp: Any) -> None:
+    """Publish an encoded map (:func:`gp_mapping.mapping.publication.publication`): the scale first, so a
+    subscriber that decodes a grid already has the scale that matches it; then each layer's grids; the cloud."""
+    scale_pub.publish(conversions.scale_to_msg(layout.layers, field_unit))
+    for layer in layout.layers:
+        mean_pub, var_pub = map_pubs[layer.name]
+        mean_pub.publish(conversions.occupancy_msg(grid, layer.mean_data, stamp))
+        var_pub.publish(conversions.occupancy_msg(grid, layer.variance_data, stamp))
+    cloud_pub.publish(conversions.cloud_msg(grid, stamp, points=layout.cloud))
 
 
 class NodeStartError(RuntimeError):
@@ -281,11 +305,9 @@ class _MapperCore:
         self._last_grid = None  # the last published MapGrid (geometry for the cleared map after a reset)
         self._last_sequence: dict[str, dict[bytes, int]] = {"mag": {}, "pose": {}}
         self._tf: TfPoseMatcher | None = None
-        self._map_pubs = {layer: (self.create_publisher(OccupancyGrid, mean, MAP_QOS),
-                                  self.create_publisher(OccupancyGrid, var, MAP_QOS))
-                          for layer, (mean, var) in map_topics(self.config).items()}
-        self._cloud_pub = self.create_publisher(PointCloud2, publication.cloud_topic(), MAP_QOS)
-        self._scale_pub = self.create_publisher(Float64MultiArray, publication.scale_topic(), MAP_QOS)
+        self._map_pubs, self._cloud_pub, self._scale_pub = create_map_publishers(self, self.config)
+        self._model_pub = self.create_publisher(UInt8MultiArray, MODEL_TOPIC, MAP_QOS)
+        self._model = {"sent": 0, "too_large": 0, "failed": 0, "bytes": 0, "num_seen": -1}
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
 
     def _activate(self) -> None:
@@ -310,6 +332,9 @@ class _MapperCore:
         if self.config.node.checkpoint_interval_s > 0:
             self._active_entities.append(self.create_timer(self.config.node.checkpoint_interval_s,
                                                            self._on_checkpoint_timer))
+        if self.config.node.model_period > 0 and hasattr(self.mapper.model, "recyclable_summary"):
+            self._active_entities.append(self.create_timer(self.config.node.model_period,
+                                                           lambda: self._submit("model", self.publish_model)))
 
         # The services wait for the update thread (a save first runs the backlog), so they live on a hidden
         # helper node with its own executor thread: while one runs, this node keeps taking messages. Their
@@ -743,13 +768,8 @@ class _MapperCore:
         except Exception as err:
             self._report(f"map encoding failed: {type(err).__name__}: {err}")
             return
-        # The scale first, so a subscriber that decodes a grid already has the scale that matches it.
-        self._scale_pub.publish(conversions.scale_to_msg(layout.layers, self.config.sync.field_unit))
-        for layer in layout.layers:
-            mean_pub, var_pub = self._map_pubs[layer.name]
-            mean_pub.publish(conversions.occupancy_msg(grid, layer.mean_data, stamp))
-            var_pub.publish(conversions.occupancy_msg(grid, layer.variance_data, stamp))
-        self._cloud_pub.publish(conversions.cloud_msg(grid, stamp, points=layout.cloud))
+        publish_map_layout(self._map_pubs, self._cloud_pub, self._scale_pub, grid, layout, self.config.sync.field_unit,
+                           stamp)
         self._last_grid = grid
         self._counts["maps_published"] += 1
         self._last_error = ""  # the diagnostics show ERROR until the next good map
@@ -761,6 +781,32 @@ class _MapperCore:
         if grid is None:
             return
         self._publish_grid(dataclasses.replace(grid, known=np.zeros(grid.spec.shape, dtype=bool)))
+
+    def publish_model(self) -> bool:
+        """Send the model summary on ~/model if the map took data since the last one (on the update thread).
+        Returns whether one was sent; a summary over ``node.model_max_bytes`` is counted and logged, not sent."""
+        from gp_mapping.mapping.merge import MapSource, encode_summary
+
+        with self._lock:
+            seen = int(self.mapper.model.num_seen)
+            if seen == 0 or seen == self._model["num_seen"]:
+                return False
+            try:
+                data = encode_summary(MapSource.from_mapper(self.get_fully_qualified_name(), self.mapper))
+            except Exception as err:
+                self._model["failed"] += 1
+                self._report(f"model summary failed: {type(err).__name__}: {err}")
+                return False
+        if len(data) > self.config.node.model_max_bytes:
+            self._model["too_large"] += 1
+            self._report(f"model summary of {len(data)} bytes exceeds node.model_max_bytes = "
+                         f"{self.config.node.model_max_bytes}; not sent")
+            return False
+        msg = UInt8MultiArray()
+        msg.data = data
+        self._model_pub.publish(msg)
+        self._model.update(sent=self._model["sent"] + 1, bytes=len(data), num_seen=seen)
+        return True
 
     def _on_checkpoint_timer(self) -> None:
         self._submit("checkpoint", self.write_checkpoint)
@@ -830,6 +876,10 @@ class _MapperCore:
         values["node/update_latency_mean_s"] = lat["sum"] / lat["count"] if lat["count"] else math.nan
         values["node/update_latency_max_s"] = lat["max"]
         values["node/publish_latency_last_s"] = self._publish_seconds
+        if self.config.node.model_period > 0:
+            for key in ("sent", "too_large", "failed", "bytes"):
+                values[f"node/model_summaries_{key}" if key != "bytes" else "node/model_summary_bytes"] = \
+                    self._model[key]
         if self.config.node.checkpoint_interval_s > 0:
             values["node/checkpoint_path"] = str(self.checkpoint_path)
             values["node/checkpoints_written"] = self._checkpoint["written"]

@@ -1,0 +1,119 @@
+"""Bench section ``merge``: recyclable-GP map merging (gp/recyclable.py, seed 001).
+
+1. Two simulated robots map the west and east halves of one world (|B|, dual SVGP each); their maps are merged
+   without their data and compared with one mapper fed both streams (batches interleaved in time) and with each
+   half alone: RMSE against the true field on a grid over the whole area.
+2. Merge time against the number of sources: K robots (1..16) each map one east-west strip of the world; the
+   merge of their maps is timed with the closed-form q(u*) only (no gradient steps) and with ``merge_steps``
+   Adam steps on Z* and the kernel, with the merged map's RMSE.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from gp_mapping import sim
+from gp_mapping.gp import DualSVGP
+from gp_mapping.gp.config import ModelConfig
+from gp_mapping.gp.recyclable import merge, merged_engine, source_from_engine
+
+AREA = (-5.0, -5.0, 5.0, 5.0)
+
+
+def _world(seed: int) -> sim.World:
+    return sim.World.from_config(sim.WorldConfig(area=AREA, depth_range=(1.0, 2.5)), np.random.default_rng(seed))
+
+
+def _drive(world: sim.World, area, seconds: float, rate: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    side = min(area[2] - area[0], area[3] - area[1])
+    rec = sim.simulate(world, sim.TrajectoryConfig(area=area, duration=seconds, rate=rate, patterns=("lawnmower",),
+                                                   line_spacing=min(0.8, side / 3), inset=min(0.1, side / 4)),
+                       sim.SensorConfig(noise_std=0.2e-6), seed=seed)
+    return rec.sensor_position[:, :2], np.linalg.norm(rec.field_sensor_tesla, axis=1) * 1e6
+
+
+def _train(cfg: ModelConfig, x: np.ndarray, y: np.ndarray, batch: int) -> DualSVGP:
+    model = DualSVGP(cfg, 2, 1)
+    for b in range(0, len(x), batch):
+        model.update(x[b:b + batch], y[b:b + batch, None], mode="full")
+    return model
+
+
+def _grid(world: sim.World, resolution: float) -> tuple[np.ndarray, np.ndarray]:
+    xs, ys, field = sim.truth_grid(world, (-4.5, -4.5, 4.5, 4.5), resolution, 0.0)
+    gx, gy = np.meshgrid(xs, ys)
+    return np.column_stack([gx.ravel(), gy.ravel()]), np.linalg.norm(field, axis=2).ravel() * 1e6
+
+
+def _rmse(model, grid: np.ndarray, truth: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((model.predict(grid)[0][:, 0].numpy() - truth) ** 2)))
+
+
+def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
+    world = _world(plan["merge_seed"])
+    grid, truth = _grid(world, plan["merge_resolution"])
+    seconds, rate, batch, m = plan["merge_seconds"], plan["merge_rate"], plan["merge_batch"], plan["merge_m"]
+    cfg = ModelConfig(device="cpu", num_inducing=m)
+    # 1. Two halves.
+    xa, ya = _drive(world, (-5.0, -5.0, 0.0, 5.0), seconds, rate, 1)
+    xb, yb = _drive(world, (0.0, -5.0, 5.0, 5.0), seconds, rate, 2)
+    a, b = _train(cfg, xa, ya, batch), _train(cfg, xb, yb, batch)
+    n = min(len(xa), len(xb)) // batch * batch
+    xi = np.stack([xa[:n].reshape(-1, batch, 2), xb[:n].reshape(-1, batch, 2)], 1).reshape(-1, 2)
+    yi = np.stack([ya[:n].reshape(-1, batch), yb[:n].reshape(-1, batch)], 1).reshape(-1)
+    single = _train(ModelConfig(device="cpu", num_inducing=2 * m), xi, yi, batch)
+    gcfg = ModelConfig(device="cpu", num_inducing=a.num_inducing + b.num_inducing)
+    res = merge([source_from_engine(a, "A"), source_from_engine(b, "B")], gcfg, steps=plan["merge_steps"])
+    merged = merged_engine(res, gcfg, 1)
+    halves = {"merged_rmse": _rmse(merged, grid, truth), "single_rmse": _rmse(single, grid, truth),
+              "half_a_rmse": _rmse(a, grid, truth), "half_b_rmse": _rmse(b, grid, truth),
+              "merge_seconds": res.seconds, "global_m": int(res.z.shape[0]), "samples": int(len(xa) + len(xb))}
+    halves["ratio"] = halves["merged_rmse"] / halves["single_rmse"]
+    log(f"  halves: merged {halves['merged_rmse']:.3f} uT, one mapper {halves['single_rmse']:.3f} uT "
+        f"(ratio {halves['ratio']:.2f}); halves alone {halves['half_a_rmse']:.2f}, {halves['half_b_rmse']:.2f}")
+    # 2. Merge time against the number of sources (east-west strips, one robot each).
+    kmax = max(plan["merge_sources"])
+    edges = np.linspace(AREA[0], AREA[2], kmax + 1)
+    strips = []
+    for k in range(kmax):
+        x, y = _drive(world, (AREA[0], edges[k], AREA[2], edges[k + 1]), plan["merge_strip_seconds"], rate, 10 + k)
+        strips.append(source_from_engine(_train(ModelConfig(device="cpu", num_inducing=plan["merge_strip_m"]), x, y,
+                                                batch), f"strip{k}"))
+    timing = []
+    for count in plan["merge_sources"]:
+        # The first ``count`` of K strips: a merge of ``count`` maps (covering part of the area when count < K).
+        used = strips[:count]
+        gm = sum(s.num_inducing for s in used)
+        row = {"sources": count, "global_m": gm}
+        for label, steps in (("closed_form", 0), ("learned", plan["merge_steps"])):
+            start = time.perf_counter()
+            r = merge(used, ModelConfig(device="cpu", num_inducing=gm), steps=steps)
+            row[f"{label}_seconds"] = time.perf_counter() - start
+        covered = grid[:, 1] < edges[count]
+        row["rmse_covered"] = float(np.sqrt(np.mean((r.predict(grid[covered])[0][:, 0].numpy()
+                                                     - truth[covered]) ** 2)))
+        timing.append(row)
+        log(f"  {count:2d} sources, M* {gm}: {row['closed_form_seconds']:.2f} s closed form, "
+            f"{row['learned_seconds']:.2f} s with {plan['merge_steps']} steps; RMSE {row['rmse_covered']:.2f} uT")
+    return {"halves": halves, "timing": timing, "steps": plan["merge_steps"]}
+
+
+def markdown(sec: dict[str, Any]) -> list[str]:
+    lines = ["## Merging maps (recyclable GPs)", ""]
+    if "error" in sec:
+        return lines + [f"Failed: {sec['error']}", ""]
+    h = sec["halves"]
+    lines += ["Two simulated robots on the west and east halves of one world (|B|, RMSE against the true field over "
+              "the whole area, uT):", "",
+              "| merged | one mapper fed both | merged / one mapper | west half alone | east half alone | merge s |",
+              "|---:|---:|---:|---:|---:|---:|",
+              f"| {h['merged_rmse']:.3f} | {h['single_rmse']:.3f} | {h['ratio']:.2f} | {h['half_a_rmse']:.2f} | "
+              f"{h['half_b_rmse']:.2f} | {h['merge_seconds']:.2f} |", "",
+              f"Merge time against the number of sources (strips of the world; M* = sum of the sources' M; "
+              f"learned: {sec['steps']} Adam steps on Z* and the kernel):", "",
+              "| sources | M* | closed form s | learned s | RMSE on the covered area |", "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['sources']} | {r['global_m']} | {r['closed_form_seconds']:.2f} | {r['learned_seconds']:.2f} | "
+              f"{r['rmse_covered']:.2f} |" for r in sec["timing"]]
+    return lines + [""]

@@ -1,0 +1,274 @@
+"""The merger node: merges the maps of several mapping nodes from their model summaries (no data) and publishes
+the merged map exactly as a mapping node publishes its own.
+
+``ros2 run gp_mapping merger --ros-args -p sources:="['/robot1/mapper/model', '/robot2/mapper/model']"``
+(or ``gp-mapping merge-node --ros-args ...``; ``launch/multi_robot.launch.py`` starts two mappers and one merger).
+
+Parameters (validated at start; a bad one stops the node with exit status 2, naming it):
+
+| name | type | meaning |
+|---|---|---|
+| ``sources`` | string array | model summary topics (``<mapper>/model``, std_msgs/UInt8MultiArray); at least one |
+| ``transforms`` | string array | empty, or one per source: ``""`` (same frame) or ``"x,y,yaw_deg"`` into the merged frame |
+| ``merge_period`` | double | seconds between merges (a merge runs only when a source changed) |
+| ``steps`` | int | Adam steps on the global inducing inputs and hyperparameters per merge (0: none) |
+| ``num_inducing`` | int | global inducing points (0: the sum of the sources', up to 1024) |
+| ``max_summary_bytes`` | int | larger summaries are refused unread |
+
+Subscribes (reliable, transient local, depth 1) to every source topic; publishes ``~/mean``, ``~/variance``
+(per layer for a vector target), ``~/cloud``, ``~/scale`` (latched, the mapping node's layout and code) and
+``/diagnostics``. A summary that is oversized, malformed, incompatible (another target, unit, frame) or that
+shares data with another source (its lineage overlaps another's) is refused, counted under
+``rejected/<reason>`` and logged; the merger keeps merging what it has.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import threading
+import time
+from typing import Any
+
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import ParameterDescriptor, ParameterType
+from rclpy.exceptions import ParameterUninitializedException
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.parameter import Parameter
+from rclpy.node import Node
+from std_msgs.msg import UInt8MultiArray
+
+from gp_mapping.gp.recyclable import MergeError
+from gp_mapping.mapping import publication
+from gp_mapping.mapping.merge import (DuplicateSourceError, MapSource, SummaryError, check_compatible, check_lineage,
+                                      decode_summary, merge_maps, parse_transform)
+from gp_mapping.ros.mapper_node import (EXIT_BAD_CONFIG, EXIT_OK, MAP_QOS, NodeStartError, create_map_publishers,
+                                        publish_map_layout)
+
+MERGER_NAME = "merger"
+DIAGNOSTICS_PERIOD = 1.0
+REJECTION_REASONS = ("oversized", "malformed", "incompatible", "duplicate")
+
+_PARAMETERS = {
+    "sources": ([], ParameterType.PARAMETER_STRING_ARRAY, "model summary topics (<mapper>/model), at least one"),
+    "transforms": ([], ParameterType.PARAMETER_STRING_ARRAY,
+                   "empty, or one per source: '' or 'x,y,yaw_deg' (that source's frame into the merged frame)"),
+    "merge_period": (2.0, ParameterType.PARAMETER_DOUBLE, "seconds between merges (only when a source changed); > 0"),
+    "steps": (50, ParameterType.PARAMETER_INTEGER, "Adam steps on the global Z and hyperparameters per merge; >= 0"),
+    "num_inducing": (0, ParameterType.PARAMETER_INTEGER, "global inducing points (0: sum of the sources', <= 1024)"),
+    "max_summary_bytes": (16_000_000, ParameterType.PARAMETER_INTEGER, "larger summaries are refused; >= 1024"),
+}
+
+
+class MergerNode(Node):
+    """See the module docstring."""
+
+    def __init__(self, **node_kwargs: Any) -> None:
+        super().__init__(MERGER_NAME, **node_kwargs)
+        try:
+            self._read_parameters()
+        except BaseException:
+            self.destroy_node()
+            raise
+        self._sources: dict[str, MapSource] = {}  # topic -> latest accepted summary
+        self._changed = False
+        self._rejected = {reason: 0 for reason in REJECTION_REASONS}
+        self._counts = {"received": 0, "accepted": 0, "merges": 0, "failed_merges": 0, "maps_published": 0}
+        self._last_error = ""
+        self._merge_seconds = math.nan
+        self._pubs = None  # created at the first merge, for the sources' target (layers)
+        self.mapper = None  # the merged Mapper
+        self._worker: threading.Thread | None = None  # the merge in progress (callbacks never wait for it)
+        for topic in self.source_topics:
+            self.create_subscription(UInt8MultiArray, topic, lambda msg, t=topic: self.on_summary(t, msg), MAP_QOS)
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self.create_timer(self.merge_period, self._on_merge_timer)
+        self.create_timer(DIAGNOSTICS_PERIOD, self._publish_diagnostics)
+
+    def _read_parameters(self) -> None:
+        values = {}
+        for name, (default, kind, doc) in _PARAMETERS.items():
+            descriptor = ParameterDescriptor(name=name, type=kind, description=doc, read_only=True)
+            if kind == ParameterType.PARAMETER_STRING_ARRAY:  # an empty default would be typed as bytes
+                self.declare_parameter(name, Parameter.Type.STRING_ARRAY, descriptor)
+                try:
+                    values[name] = list(self.get_parameter(name).value or [])
+                except ParameterUninitializedException:
+                    values[name] = list(default)
+            else:
+                self.declare_parameter(name, default, descriptor)
+                values[name] = self.get_parameter(name).value
+        topics = [str(t) for t in (values["sources"] or [])]
+        if not topics or any(not t for t in topics) or len(set(topics)) != len(topics):
+            raise NodeStartError(f"bad parameter: sources = {topics!r}: give one or more distinct topic names")
+        transforms = [str(t) for t in (values["transforms"] or [])]
+        if transforms and len(transforms) != len(topics):
+            raise NodeStartError(f"bad parameter: transforms has {len(transforms)} entries for {len(topics)} sources "
+                                 "(give none, or one per source)")
+        try:
+            self.transforms = {topic: (parse_transform(tf) if tf else None)
+                               for topic, tf in zip(topics, transforms or [""] * len(topics))}
+        except MergeError as err:
+            raise NodeStartError(f"bad parameter: transforms: {err}") from None
+        checks = {"merge_period": values["merge_period"] > 0, "steps": 0 <= values["steps"] <= 100_000,
+                  "num_inducing": 0 <= values["num_inducing"] <= 8192,
+                  "max_summary_bytes": values["max_summary_bytes"] >= 1024}
+        for name, ok in checks.items():
+            if not ok:
+                raise NodeStartError(f"bad parameter: {name} = {values[name]!r}: {_PARAMETERS[name][2]}")
+        self.source_topics = topics
+        self.merge_period = float(values["merge_period"])
+        self.steps = int(values["steps"])
+        self.num_inducing = int(values["num_inducing"]) or None
+        self.max_summary_bytes = int(values["max_summary_bytes"])
+
+    # ------------------------------------------------------------------------------------------- input
+
+    def _refuse(self, reason: str, message: str) -> None:
+        self._rejected[reason] += 1
+        self._last_error = message
+        self.get_logger().warning(f"summary refused ({reason}): {message}", throttle_duration_sec=5.0)
+
+    def on_summary(self, topic: str, msg: UInt8MultiArray) -> None:
+        """Check a summary and keep it as the topic's latest source; never raises."""
+        self._counts["received"] += 1
+        try:
+            if len(msg.data) > self.max_summary_bytes:
+                self._refuse("oversized", f"{topic}: {len(msg.data)} bytes, more than max_summary_bytes = "
+                                          f"{self.max_summary_bytes}")
+                return
+            try:
+                source = decode_summary(bytes(msg.data), self.max_summary_bytes, name=topic)
+            except SummaryError as err:
+                self._refuse("malformed", str(err))
+                return
+            source.transform = self.transforms[topic]
+            others = [s for t, s in self._sources.items() if t != topic]
+            try:
+                check_compatible(others + [source])
+            except MergeError as err:
+                self._refuse("incompatible", str(err))
+                return
+            try:
+                check_lineage(others + [source])
+            except DuplicateSourceError as err:
+                self._refuse("duplicate", str(err))
+                return
+            self._sources[topic] = source
+            self._counts["accepted"] += 1
+            self._changed = True
+        except Exception as err:  # whatever one message holds, the merger goes on
+            self._refuse("malformed", f"{topic}: {type(err).__name__}: {err}")
+
+    # ------------------------------------------------------------------------------------------- merging
+
+    def _on_merge_timer(self) -> None:
+        """Start a merge on a worker thread when a source changed and no merge is running: the subscriptions
+        and diagnostics go on during a merge of many or large maps."""
+        if self._worker is not None and self._worker.is_alive():
+            return
+        if not self._changed or not self._sources:
+            return
+        sources = [self._sources[t] for t in self.source_topics if t in self._sources]
+        self._changed = False
+        self._worker = threading.Thread(target=self.merge, args=(sources,), name="gp_mapping_merge", daemon=True)
+        self._worker.start()
+
+    def merge_if_changed(self) -> bool:
+        """Merge the latest sources and publish the map now, if any source changed since the last merge."""
+        if not self._changed or not self._sources:
+            return False
+        self._changed = False
+        return self.merge([self._sources[t] for t in self.source_topics if t in self._sources])
+
+    def merge(self, sources: list[MapSource]) -> bool:
+        """Merge ``sources`` and publish the merged map; a failure is counted and the last map stays."""
+        start = time.perf_counter()
+        try:
+            mapper, _ = merge_maps(sources, steps=self.steps, num_inducing=self.num_inducing)
+            grid = mapper.grid(predict_unknown=False)
+        except Exception as err:  # a merge that fails leaves the last map published
+            self._counts["failed_merges"] += 1
+            self._last_error = f"merge failed: {type(err).__name__}: {err}"
+            self.get_logger().error(self._last_error, throttle_duration_sec=5.0)
+            return False
+        self.mapper = mapper
+        self._merge_seconds = time.perf_counter() - start
+        self._counts["merges"] += 1
+        if grid is None:
+            return False
+        config = mapper.config
+        try:
+            if self._pubs is None:
+                self._pubs = create_map_publishers(self, config)
+            layout = publication.publication(grid, config.sync.field_unit, config.grid.mean_range,
+                                             config.grid.variance_range)
+            publish_map_layout(*self._pubs, grid, layout, config.sync.field_unit, self.get_clock().now().to_msg())
+        except Exception as err:  # shutting down, or a map that cannot be encoded: counted, the node goes on
+            self._counts["failed_merges"] += 1
+            self._last_error = f"publishing the merged map failed: {type(err).__name__}: {err}"
+            return False
+        self._counts["maps_published"] += 1
+        self._last_error = ""
+        return True
+
+    def _publish_diagnostics(self) -> None:
+        values: dict[str, Any] = dict(self._counts)
+        values.update({f"rejected/{k}": v for k, v in self._rejected.items()})
+        values["sources"] = len(self._sources)
+        values["merge_seconds_last"] = self._merge_seconds
+        status = DiagnosticStatus(name=f"{self.get_name()}: gp_mapping merger", hardware_id="gp_mapping")
+        if self._last_error:
+            status.level, status.message = DiagnosticStatus.WARN, self._last_error
+        elif not self._sources:
+            status.level, status.message = DiagnosticStatus.WARN, "waiting for model summaries"
+        else:
+            status.level, status.message = DiagnosticStatus.OK, f"merging {len(self._sources)} maps"
+        status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]
+        msg = DiagnosticArray(status=[status])
+        msg.header.stamp = self.get_clock().now().to_msg()
+        self._diag_pub.publish(msg)
+
+
+def spin(argv: list[str]) -> int:
+    try:
+        rclpy.init(args=argv)
+    except Exception as err:
+        print(f"gp_mapping merger: cannot start ROS: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    try:
+        try:
+            node = MergerNode()
+        except NodeStartError as err:
+            rclpy.logging.get_logger(MERGER_NAME).fatal(str(err))
+            return EXIT_BAD_CONFIG
+        executor = SingleThreadedExecutor()
+        executor.add_node(node)
+        try:
+            executor.spin()
+        except (KeyboardInterrupt, ExternalShutdownException):
+            pass
+        finally:
+            executor.shutdown()
+            node.destroy_node()
+        return EXIT_OK
+    finally:
+        rclpy.try_shutdown()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``gp-mapping merge-node [--ros-args ...]``: parameters as ROS arguments (see the module docstring)."""
+
+
+def run(args: argparse.Namespace) -> int:
+    return spin(["gp-mapping merge-node"] + list(getattr(args, "ros_args", []) or []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ros2 run gp_mapping merger [--ros-args ...]``."""
+    return spin(list(sys.argv if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
