@@ -265,7 +265,7 @@ def test_online_hyperparameters_raise_the_marginal_likelihood_and_find_the_lengt
     truth = make(kernel="matern52", constant_kernel=False, lengthscale=true_ls, learn_hyperparameters=False)
     f = np.linalg.cholesky(kmat(truth, x, x) + 1e-8 * np.eye(n)) @ rng.standard_normal(n)
     y = 3.0 + 2.0 * f + 0.5 * rng.standard_normal(n)
-    model = make(kernel="matern52", lengthscale=2.0, num_inducing=100, hyper_steps=40, hyper_lr=0.05,
+    model = make(kernel="matern52", lengthscale=2.0, num_inducing=100, hyper_steps=40, hyper_batch=1, hyper_lr=0.05,
                  memory_size=200, memory_per_batch=20)
     model.update(x[:50], y[:50], mode="fast")  # fixes the standardisation without learning anything
     before = exact_log_marginal(model, x, y)

@@ -5,6 +5,7 @@ the published window (a teleport of 50 km keeps publishing, the known-cell mask 
 node's small items (publish_period lower bound, an integer for a float parameter, a clean stop mid-publish)."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -15,7 +16,7 @@ import torch
 
 from gp_mapping.config import ConfigError, config_from_dict
 from gp_mapping.mapping.mapper import Mapper
-from gp_mapping.mapping.state import MapStateError, read_state
+from gp_mapping.mapping.state import FORMAT, SCHEMA_VERSION, MapStateError, read_state
 
 torch.set_num_threads(1)
 Q = [0.0, 0.0, 0.0, 1.0]
@@ -65,8 +66,8 @@ def test_header_length_and_header_are_checked_before_the_payload(tmp_path):
     long.write_bytes((10**6).to_bytes(8, "little") + b"{}")
     _timed_refusal(long, r"header of 1000000 bytes")
     # A header that is JSON but declares tensors beyond the end of the file.
-    header = b'{"__metadata__": {"format": "gp_mapping.map_state", "schema_version": "1"}, ' \
-             b'"model/a": {"dtype": "F64", "shape": [1000000000], "data_offsets": [0, 8000000000]}}'
+    header = json.dumps({"__metadata__": {"format": FORMAT, "schema_version": str(SCHEMA_VERSION)},
+                         "model/a": {"dtype": "F64", "shape": [1000000000], "data_offsets": [0, 8000000000]}}).encode()
     lying = tmp_path / "lying.safetensors"
     lying.write_bytes(len(header).to_bytes(8, "little") + header + bytes(64))
     assert _timed_refusal(lying, r"declares 8000000000 bytes of tensors.*holds 64") < 1.0

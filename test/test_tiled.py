@@ -263,6 +263,36 @@ def test_bad_input_is_refused_and_leaves_the_model_unchanged(drive):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_bad_messages_are_refused_and_counted_as_without_tiles(drive):
+    """The same stream with NaN, zero and absurd readings and a NaN pose mixed in: each refused under its
+    reason, and the tiled map bit-identical to the map of the clean stream."""
+    cfg = config_from_dict({"model": dataclasses.asdict(model_config(hyper_steps=3)), "batching": {"size": 50}})
+    rec = drive
+    maps = []
+    for bad in (False, True):
+        mapper = Mapper(cfg)
+        for i in range(300):
+            t = float(rec.t[i])
+            mapper.add_pose(t, rec.position[i], rec.orientation_xyzw[i])
+            mapper.add_magnetic_field(t, rec.field_sensor_tesla[i])
+            if bad and i % 50 == 7:
+                mapper.add_magnetic_field(t + 0.001, [np.nan, 1e-5, 1e-5])
+                mapper.add_magnetic_field(t + 0.002, [0.0, 0.0, 0.0])
+                mapper.add_magnetic_field(t + 0.003, [1.0, 0.0, 0.0])
+                mapper.add_pose(t + 0.01, [np.nan, 0.0, 0.0], rec.orientation_xyzw[i])
+            mapper.process()
+        maps.append(mapper)
+    clean, dirty = maps
+    rejected = dirty.diagnostics()["rejected"]
+    for reason in ("field_nonfinite", "field_zero", "field_out_of_range", "pose_nonfinite"):
+        assert rejected[reason] == 6, (reason, rejected)
+    assert sum(clean.diagnostics()["rejected"].values()) == 0
+    assert clean.model.num_tiles > 1 and clean.model.num_seen == dirty.model.num_seen
+    test_x, _ = held_out(drive)
+    for a, b in zip(clean.model.predict(test_x), dirty.model.predict(test_x)):
+        assert torch.equal(a, b)
+
+
 def test_a_tile_that_fails_numerically_is_rolled_back_and_counted_by_the_mapper(drive, monkeypatch):
     """A batch over a border whose second tile fails: the Mapper counts the failure and drops the batch, the
     first tile's update and any tile created by the batch are undone, later batches map on."""

@@ -208,7 +208,7 @@ def markdown(sec: dict[str, Any]) -> list[str]:
     s = sec["summary"]
     ok = lambda v: "yes" if v else "NO"  # noqa: E731
     lines += [f"Lawnmower over {sec['area_m']:.0f} m x {sec['area_m']:.0f} m (lanes {sec['lane_m']:.0f} m apart, "
-              f"{sec['path_m']:.0f} m at {sec['speed_m_s']:.2f} m/s), {sec['duration_s'] / 60:.0f} min at "
+              f"{sec['path_m']:.0f} m at {sec['speed_m_s']:.2f} m/s), {sec['duration_s'] / 60:.3g} min at "
               f"{sec['rate_hz']:g} Hz ({sec['samples']} samples), shipped config (window {sec['window_m'][0]:g} m x "
               f"{sec['window_m'][1]:g} m at {sec['resolution_m']:g} m, batch {sec['batch']}, publish every "
               f"{sec['publish_period_s']:g} s); the node's update-thread schedule emulated with the measured CPU time "

@@ -59,7 +59,7 @@ FULL = {
 QUICK = {
     "p1_batches": 10, "p2_batch_seconds": 20.0, "p2_eval_every": 3, "fast_full_every": 10,
     "test_stride": 4, "p2_seconds_per_sequence": 60.0,
-    "offline_iterations": 200, "exact_points": 600, "exact_iterations": 20, "osgpr_iterations": 3,
+    "offline_iterations": 200, "exact_points": 600, "exact_iterations": 20, "osgpr_iterations": 3, "hsgp_basis": [256],
     "grid_cells": 100, "grid_reps": 1,
     "engine": {"ms": (64,), "memories": (500,), "full_reps": 3, "fast_reps": 5, "grid_sizes": (100,),
                "cell_seconds": 4.0},

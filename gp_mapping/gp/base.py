@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import math
 import re
 from collections.abc import Iterable
 
@@ -88,6 +89,31 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"{name!r} was requested but this machine has {torch.cuda.device_count()} CUDA "
                           f"device(s), numbered from 0", "device")
     return torch.device(name)
+
+
+#: A batch teaches hyperparameters only if its inputs spread over more than this fraction of model.lengthscale
+#: (3 cm for 1 m: above the pose jitter of a robot at rest, below the 9 cm a slow walk covers in a second).
+INFORMATIVE_SPREAD = 0.03
+
+
+def spans_space(x: torch.Tensor, lengthscale: float) -> bool:
+    """Whether a batch's inputs (N, D) spread over more than INFORMATIVE_SPREAD x ``lengthscale`` (farthest
+    input from their centroid). A robot standing still (every input at one point) says nothing about
+    lengthscales or the field's variance, and its reading spread is the sensor's at rest, not the noise a
+    moving robot sees: engines learn no hyperparameters from such a batch."""
+    if x.shape[0] < 2:
+        return False
+    return bool((x - x.mean(0)).norm(dim=1).max() > INFORMATIVE_SPREAD * float(lengthscale))
+
+
+def difference_noise_estimate(y: torch.Tensor) -> torch.Tensor:
+    """Noise variance per output (P,) from consecutive samples of a stream, y (N, P) in time order: half the
+    mean squared successive difference (Rice 1984). Along a path sampled densely against the field's
+    lengthscale the field barely changes between samples, so this measures the sensor (slightly high where the
+    field is steep). Used to start the noise where the data are, not at a fixed guess that would take the
+    optimiser minutes to leave."""
+    d = y[1:] - y[:-1]
+    return 0.5 * (d * d).mean(0)
 
 
 class Engine(nn.Module, abc.ABC):
@@ -182,6 +208,46 @@ class Engine(nn.Module, abc.ABC):
                                       unexpected_keys, error_msgs)
         self._drop_caches()
         self._loaded()
+
+    # ------------------------------------------------------------------ optimiser state
+    # Engines that learn hyperparameters online call _register_adam_state in __init__ (and list adam_avg and
+    # adam_avg_sq as resizable), and wrap each update's torch.optim.Adam in _restore_adam / _store_adam.
+    def _register_adam_state(self) -> None:
+        """Adam's moments kept across updates (flattened in parameter order) and its step count: online, a few
+        steps per batch then add up to one long optimisation, and a checkpoint resumes it exactly."""
+        self.register_buffer("adam_avg", torch.zeros(0, dtype=torch.float64))
+        self.register_buffer("adam_avg_sq", torch.zeros(0, dtype=torch.float64))
+        self.register_buffer("adam_step", torch.tensor(0.0, dtype=torch.float64))
+
+    def _hyper_budget(self, n_new: int, warmup: bool = True) -> int:
+        """Hyperparameter steps for an update of ``n_new`` new samples: up to model.hyper_steps while the
+        optimiser is young (fewer than model.hyper_warmup steps in all: the map is small then and steps are
+        cheap, and the hyperparameters are far from their optimum), then one step per model.hyper_batch new
+        samples (at least one), so the cost per second of data stays flat while learning keeps pace."""
+        cfg = self.config
+        if warmup and float(self.adam_step) < cfg.hyper_warmup:
+            return cfg.hyper_steps
+        return min(cfg.hyper_steps, max(1, math.ceil(n_new / cfg.hyper_batch)))
+
+    def _restore_adam(self, optimiser: torch.optim.Adam, params: list[nn.Parameter]) -> None:
+        """Give the optimiser the moments saved by the last _store_adam (a fresh start if there are none or the
+        parameters changed shape)."""
+        sizes = [p.numel() for p in params]
+        if not params or self.adam_avg.numel() != sum(sizes):
+            return
+        step = torch.tensor(float(self.adam_step))
+        for p, avg, avg_sq in zip(params, self.adam_avg.split(sizes), self.adam_avg_sq.split(sizes)):
+            optimiser.state[p] = {"step": step.clone(), "exp_avg": avg.view_as(p).clone(),
+                                  "exp_avg_sq": avg_sq.view_as(p).clone()}
+
+    def _store_adam(self, optimiser: torch.optim.Adam, params: list[nn.Parameter]) -> None:
+        states = [optimiser.state.get(p) for p in params]
+        if not params or any(not st for st in states):
+            return
+        with torch.no_grad():
+            self.adam_avg = torch.cat([st["exp_avg"].reshape(-1) for st in states]).detach().clone()
+            self.adam_avg_sq = torch.cat([st["exp_avg_sq"].reshape(-1) for st in states]).detach().clone()
+            self.adam_step.fill_(float(states[0]["step"]))
 
     # ------------------------------------------------------------------ input checking
     def _to_tensor(self, value, name: str) -> torch.Tensor:

@@ -69,7 +69,20 @@ class ModelConfig:
     rho: float = option(0.9, doc="natural-gradient damping step", low=0.0, low_open=True, high=1.0)
     n_steps: int = option(2, doc="natural-gradient steps per update", low=1, high=1000)
     learn_hyperparameters: bool = option(True, doc="learn kernel and noise hyperparameters online (full mode)")
-    hyper_steps: int = option(20, doc="Adam steps on the hyperparameters per full update", low=0, high=100_000)
+    hyper_steps: int = option(20, doc="most Adam steps on the hyperparameters per full update (fewer by "
+                                      "hyper_batch after the warm-up, or once a step gains less than hyper_tol; "
+                                      "Adam's moments carry over between updates)", low=0, high=100_000)
+    hyper_warmup: int = option(200, doc="dual_svgp: a full update may take up to hyper_steps hyperparameter steps until "
+                                        "the optimiser has taken this many in all (the map is small and the "
+                                        "hyperparameters far off then); after that hyper_batch rules",
+                               low=0, high=10_000_000)
+    hyper_batch: int = option(25, doc="after the warm-up a full update takes one hyperparameter step per this "
+                                      "many new samples (at least one, at most hyper_steps), so learning keeps "
+                                      "pace with the data whatever full_update_every is, and a 1-second batch "
+                                      "costs a step or two", low=1, high=1_000_000)
+    hyper_tol: float = option(1e-4, doc="stop a full update's hyperparameter steps when the objective per "
+                                        "datum rose by less than this in the last step; 0: always hyper_steps",
+                              low=0.0, high=1.0)
     hyper_lr: float = option(0.01, doc="Adam learning rate for the hyperparameters", low=0.0, low_open=True,
                            high=10.0)
     learn_inducing: bool = option(False, doc="move the inducing inputs by gradient steps on an ELBO that keeps the old "

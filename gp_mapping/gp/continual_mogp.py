@@ -73,7 +73,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Engine, resolve_device
+from .base import Engine, difference_noise_estimate, resolve_device, spans_space
 from .config import MIXING_LEARNING_CHOICES, ModelConfig
 from .errors import GPNumericalError, ModelInputError
 from .inducing import DEFAULT_REL_TOL, pivoted_cholesky
@@ -217,6 +217,16 @@ class ContinualMOGP(Engine):
         self.register_buffer("y_mean", torch.zeros(p, **f64))
         self.register_buffer("y_std", torch.ones(p, **f64))
         self.register_buffer("channel_seen", torch.zeros(p, dtype=torch.bool))
+        # running count, mean and sum of squared deviations per channel (Chan et al.'s merge), and whether the
+        # scale was fixed by set_standardisation (then it never adapts)
+        self.register_buffer("y_count", torch.zeros(p, **f64))
+        self.register_buffer("y_run_mean", torch.zeros(p, **f64))
+        self.register_buffer("y_run_m2", torch.zeros(p, **f64))
+        self.register_buffer("scale_fixed", torch.tensor(False))
+        self.register_buffer("rescalings_t", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("hyper_learned", torch.tensor(False))  # learned from a batch that spans space
+        self.register_buffer("rows_fitted", torch.zeros(p, dtype=torch.bool))  # mixing rows learned (see 'first')
+        self._register_adam_state()
         self.register_buffer("num_observed_t", torch.zeros(p, dtype=torch.int64))
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
@@ -273,7 +283,8 @@ class ContinualMOGP(Engine):
     # ------------------------------------------------------------------ torch.nn.Module plumbing
     def resizable_names(self) -> list[str]:
         # Inducing sets and q(u) change size with the data.
-        return [f"{name}_{q}" for q in range(self.num_latents) for name in ("z", "q_mean", "q_chol")]
+        return [f"{name}_{q}" for q in range(self.num_latents) for name in ("z", "q_mean", "q_chol")] + \
+            ["adam_avg", "adam_avg_sq"]
 
     # ------------------------------------------------------------------ standardisation
     def set_standardisation(self, mean, std) -> None:
@@ -288,22 +299,90 @@ class ContinualMOGP(Engine):
             self.y_mean.copy_(m)
             self.y_std.copy_(s)
             self.channel_seen.fill_(True)
+            self.scale_fixed.fill_(True)
+
+    @property
+    def rescalings(self) -> int:
+        """How many times the target scale has been re-expressed (see :meth:`_update_standardisation`)."""
+        return int(self.rescalings_t)
 
     def _update_standardisation(self, y: torch.Tensor, mask: torch.Tensor) -> None:
+        """Running per-channel statistics; a channel's offset and scale are set when it is first seen, and the
+        scale follows the running std from then on (re-expressed when it leaves [1/2, 2] x the current one).
+
+        A scale frozen on the first batch fails on a robot that stands still for its first second (the batch's
+        spread is the sensor noise, the field's a thousand times more). The offset (the prior mean) stays where
+        the channel was first seen: the constant kernel absorbs any difference, and keeping it makes the
+        re-expression exact.
+        """
         if not self.likelihood.standardise_targets:
             self.channel_seen |= mask.any(0)
             return
-        for d in range(self.output_dims):
-            obs = y[mask[:, d], d]
-            if bool(self.channel_seen[d]) or obs.numel() == 0:
-                continue
-            mean = obs.mean()
-            std = obs.std(unbiased=False) if obs.numel() > 1 else torch.zeros_like(mean)
-            # A channel first seen constant has no scale: keep its original units.
-            ok = bool(std > 1e-9 * torch.clamp(mean.abs(), min=1.0))
-            self.y_mean[d] = mean
-            self.y_std[d] = std if ok else 1.0
-            self.channel_seen[d] = True
+        w = mask.to(torch.float64)
+        n_b = w.sum(0)
+        mean_b = (y * w).sum(0) / n_b.clamp_min(1.0)
+        m2_b = (((y - mean_b) ** 2) * w).sum(0)
+        total = self.y_count + n_b
+        delta = mean_b - self.y_run_mean
+        self.y_run_mean.copy_(torch.where(n_b > 0, self.y_run_mean + delta * n_b / total.clamp_min(1.0),
+                                          self.y_run_mean))
+        self.y_run_m2.copy_(self.y_run_m2 + m2_b + delta ** 2 * self.y_count * n_b / total.clamp_min(1.0))
+        self.y_count.copy_(total)
+        std = torch.sqrt(self.y_run_m2 / self.y_count.clamp_min(1.0))
+        # A channel with no spread yet has no scale: keep its original units.
+        std = torch.where(std > 1e-9 * torch.clamp(self.y_run_mean.abs(), min=1.0), std, torch.ones_like(std))
+        first = (n_b > 0) & ~self.channel_seen
+        self.y_mean.copy_(torch.where(first, self.y_run_mean, self.y_mean))
+        self.y_std.copy_(torch.where(first, std, self.y_std))
+        self.channel_seen |= first
+        if bool(self.scale_fixed):
+            return
+        ratio = std / self.y_std
+        drift = self.channel_seen & ~first & ((ratio > 2.0) | (ratio < 0.5))
+        if bool(drift.any()):
+            self._rescale_targets(torch.where(self.channel_seen & ~first, std, self.y_std))
+
+    def _rescale_targets(self, std: torch.Tensor) -> None:
+        """Standardise with ``std`` (P,) from now on: y_new = alpha_d y_old with alpha_d = y_std_d / std_d.
+
+        Exact in the data: f_d = sum_q A_dq u_q becomes sum_q (alpha_d / c) A_dq (c u_q) with c the geometric
+        mean of the alpha_d, and the noise variances scale by alpha_d^2. The common factor c goes into the
+        latents with the kernels kept in standardised units (the prior's scale follows the data's spread): q(u_q)
+        is taken as prior times a Gaussian pseudo-likelihood of the data, whose precision scales by 1/c^2 and
+        natural mean by 1/c (see :meth:`_rescale_latent`).
+        """
+        alpha = self.y_std / std
+        common = torch.exp(torch.log(alpha).mean())
+        with torch.no_grad():
+            self.mixing_raw.mul_((alpha / common)[:, None])
+            for q in range(self.num_latents):
+                self._rescale_latent(q, float(common))
+            if bool(self.hyper_learned):  # a learned noise is the sensor's; an initial guess stays standardised
+                self.likelihood.rescale_targets(alpha)
+            self.y_std.copy_(std)
+            self.rescalings_t += 1
+        self._cache = None
+
+    def _rescale_latent(self, q: int, c: float) -> None:
+        """q(u_q) = p(u_q) t(u_q) with t Gaussian: whitened by L = chol(K), t has precision D = S_w^{-1} - I and
+        natural mean eta = S_w^{-1} m_w; re-expressed for targets scaled by c, they become D / c^2 and eta / c,
+        and q(u_q) is rebuilt with the same prior. Directions where D < 0 (q wider than the prior, possible after
+        hyperparameter changes) carry no data and are clipped to 0."""
+        z = self.z(q)
+        if z.shape[0] == 0:
+            return
+        L = self._chol_K(self.kernels[q], z)
+        m_w = _tril_solve(L, self._q_mean(q).detach()[:, None])[:, 0]
+        L_w = _tril_solve(L, self._chol_S(q, detach=True))
+        precision = torch.cholesky_inverse(L_w)
+        eta = precision @ m_w
+        eye = torch.eye(z.shape[0], dtype=L.dtype, device=L.device)
+        evals, evecs = torch.linalg.eigh(0.5 * (precision + precision.T) - eye)
+        new_evals = evals.clamp_min(0.0) / c ** 2 + 1.0
+        cov_w = (evecs / new_evals) @ evecs.T
+        mean_w = cov_w @ (eta / c)
+        chol_w = torch.linalg.cholesky(0.5 * (cov_w + cov_w.T))
+        self._set_q(q, None, L @ mean_w, L @ chol_w)
 
     def _standardise(self, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return torch.where(mask, (y - self.y_mean) / self.y_std, torch.zeros_like(y))
@@ -521,13 +600,17 @@ class ContinualMOGP(Engine):
                 self._set_q(q, None, mean, chol)
 
     def _adam(self, params: list[nn.Parameter], objective, steps: int, lr: float,
-              grad_masks: dict[int, torch.Tensor] | None = None) -> tuple[int, float]:
+              grad_masks: dict[int, torch.Tensor] | None = None, persistent: bool = False,
+              tol: float = 0.0) -> tuple[int, float]:
         """Adam ascent on objective(); stops at the last parameters that evaluated cleanly on trouble.
         ``grad_masks``: {index in params: 0/1 mask}, entries with mask 0 never move (zero gradient from a
-        fresh Adam state is a zero step)."""
+        fresh Adam state is a zero step). ``persistent``: the moments carry over between calls (the
+        hyperparameters' optimiser, kept in the state). ``tol``: stop once a step gained less than this."""
         if not params or steps <= 0:
             return 0, float("nan")
         optimiser = torch.optim.Adam(params, lr=lr)
+        if persistent:
+            self._restore_adam(optimiser, params)
         good = [p.detach().clone() for p in params]
         taken, value = 0, float("nan")
         with torch.enable_grad():
@@ -539,6 +622,8 @@ class ContinualMOGP(Engine):
                     obj = None
                 if obj is None or not bool(torch.isfinite(obj)):
                     break
+                if taken and tol > 0 and float(obj.detach()) - value < tol:
+                    break
                 grads = torch.autograd.grad(-obj, params, allow_unused=True)
                 if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
                     break
@@ -549,6 +634,8 @@ class ContinualMOGP(Engine):
                 value = float(obj.detach())
                 optimiser.step()
                 taken += 1
+        if persistent:
+            self._store_adam(optimiser, params)
         with torch.no_grad():
             try:  # the last step itself must leave a usable state
                 obj = objective()
@@ -586,7 +673,7 @@ class ContinualMOGP(Engine):
             return torch.zeros(p, 1, dtype=torch.float64, device=self.device)
         if self.mixing_learning == "always":
             return torch.ones(p, 1, dtype=torch.float64, device=self.device)
-        return (self.num_observed_t == 0).to(torch.float64)[:, None]
+        return (~self.rows_fitted).to(torch.float64)[:, None]
 
     def _hyper_parameters(self) -> tuple[list[nn.Parameter], dict[int, torch.Tensor]]:
         params = [p for p in self.kernels.parameters() if p.requires_grad]  # a shared kernel counts once
@@ -700,16 +787,27 @@ class ContinualMOGP(Engine):
                 self._update_standardisation(yt, mask)
             ys = self._standardise(yt, mask)
             first = self.num_updates == 0
-            learn = mode == "full" and self.config.learn_hyperparameters
-            if first and learn and bool(self._mixing_rows_learned().all()):
-                self._initialise_mixing(ys, mask)
+            # Nothing is learned from a batch at rest (see spans_space); the first batch that can teach
+            # hyperparameters starts the mixing and the noise from the data.
+            learn = (mode == "full" and self.config.learn_hyperparameters and self.config.hyper_steps > 0
+                     and spans_space(xt, self.config.lengthscale))
+            if learn and not bool(self.hyper_learned):
+                if bool(self._mixing_rows_learned().all()):
+                    self._initialise_mixing(ys, mask)
+                rows = mask.all(1)
+                if int(rows.sum()) > 2:
+                    self.likelihood.initialise_noise(difference_noise_estimate(ys[rows]).clamp(1e-6, 1.0))
             old = None if first else [self.latent_posterior(q) for q in range(self.num_latents)]
             z_old = [self.z(q) for q in range(self.num_latents)]
             priors = self._place_inducing(xt, z_old, old)
             scale = 1.0 / float(mask.sum())
             stats["variational_steps"] += self._e_step(xt, ys, mask, priors, scale)
-            if mode == "full" and self.config.learn_hyperparameters and self.config.hyper_steps > 0:
+            if learn:
                 hyper, masks = self._hyper_parameters()
+                # No warm-up here: with its own E-step re-run after every M-step, the measured warm-up of many
+                # steps per batch made the rest-then-drive map worse (0.95 against 0.58 uT).
+                budget = self._hyper_budget(xt.shape[0], warmup=False)
+
                 if self._uses_analytic_e_step():
                     # q(u) at its exact optimum for the current hyperparameters (differentiable): the M-step
                     # climbs the bound maximised over q, not a slice of it at a stale q.
@@ -719,12 +817,16 @@ class ContinualMOGP(Engine):
                     def objective() -> torch.Tensor:
                         return self._bound(xt, ys, mask, priors, detach_q=True)[0] * scale
                 for _ in range(self.vem_iterations):
-                    taken, _ = self._adam(hyper, objective, self.config.hyper_steps, self.config.hyper_lr, masks)
+                    taken, _ = self._adam(hyper, objective, budget, self.config.hyper_lr, masks, persistent=True,
+                                          tol=self.config.hyper_tol)
                     stats["hyper_steps"] += taken
                     # Z_new is chosen under the kernel just learned: a set picked under the initial kernel
                     # (before the first batch has taught the lengthscales) is too sparse for a shorter one.
                     priors[:] = self._place_inducing(xt, z_old, old)
                     stats["variational_steps"] += self._e_step(xt, ys, mask, priors, scale)
+                if stats["hyper_steps"]:
+                    self.hyper_learned.fill_(True)
+                    self.rows_fitted |= mask.any(0) & (self._mixing_rows_learned()[:, 0] > 0)
             stats["z_moved"] = sum(not torch.equal(self.z(q), z_old[q]) for q in range(self.num_latents))
             with torch.no_grad():
                 value, _ = self._bound(xt, ys, mask, priors)

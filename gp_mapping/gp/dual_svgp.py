@@ -81,13 +81,14 @@ Later steps are damped with rho.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Iterator
 
 import torch
 from torch import nn
 
-from .base import Engine, resolve_device
+from .base import difference_noise_estimate, spans_space, Engine, resolve_device
 from .config import ModelConfig
 from .errors import ConfigError, GPNumericalError, ModelInputError
 from .inducing import DEFAULT_REL_TOL, grid_points, pivoted_cholesky
@@ -96,6 +97,13 @@ from .likelihoods import build_likelihood
 
 #: Pending (fast-mode) points kept before the oldest are folded into the old part.
 DEFAULT_MAX_PENDING = 8192
+#: Target scaling is re-expressed when the running std leaves [1/f, f] x the current one, or the running mean
+#: moves by more than RESCALE_SHIFT current stds.
+RESCALE_FACTOR = 2.0
+RESCALE_SHIFT = 0.5
+#: A scheduled fast update becomes full when a batch input keeps more than this fraction of its prior variance
+#: given a full Z (see DualSVGP._leaves_the_cover).
+COVER_LOST = 0.5
 
 
 def _sym(W: torch.Tensor) -> torch.Tensor:
@@ -105,7 +113,10 @@ def _sym(W: torch.Tensor) -> torch.Tensor:
 def _site_sums(V: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Whitened site sums (V lambda1 (M, P), V diag(lambda2) V^T (P, M, M)) for V = L^{-1} K_ZX (M, N)."""
     a_w = V @ lam1
-    W = torch.einsum("mn,np,kn->pmk", V, lam2, V)
+    if lam2.shape[1] == 1:  # one output: a plain matrix product (einsum's three-operand path is slower)
+        W = ((V * lam2[:, 0]) @ V.T)[None]
+    else:
+        W = torch.einsum("mn,np,kn->pmk", V, lam2, V)
     return a_w, _sym(W)
 
 
@@ -113,8 +124,8 @@ class DualSVGP(Engine):
     """Online dual-parameter SVGP with bounded memory. See the module docstring for the method."""
 
     #: buffers whose size changes as data arrive (resized on load_state_dict)
-    RESIZABLE = ("Z", "a_w", "W", "a_w_old", "W_old", "mem_x", "mem_y", "mem_lam1", "mem_lam2", "mem_logkey",
-                 "pend_x", "pend_y", "pend_lam1", "pend_lam2", "rng_state")
+    RESIZABLE = ("Z", "a_w", "W", "a_w_old", "b_w_old", "W_old", "mem_x", "mem_y", "mem_lam1", "mem_lam2",
+                 "mem_logkey", "pend_x", "pend_y", "pend_lam1", "pend_lam2", "rng_state", "adam_avg", "adam_avg_sq")
 
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int, *,
                  max_pending: int = DEFAULT_MAX_PENDING, inducing_rel_tol: float = DEFAULT_REL_TOL) -> None:
@@ -138,12 +149,21 @@ class DualSVGP(Engine):
         self.register_buffer("a_w", torch.zeros(m, p, **f64))
         self.register_buffer("W", torch.zeros(p, m, m, **f64))
         self.register_buffer("a_w_old", torch.zeros(m, p, **f64))
+        # sum_i V_i lambda2_i of the old part: what a shift of the targets' origin changes a_old by
+        self.register_buffer("b_w_old", torch.zeros(m, p, **f64))
         self.register_buffer("W_old", torch.zeros(p, m, m, **f64))
         self.register_buffer("jitter_t", torch.tensor(float(config.jitter), **f64))
         self.register_buffer("z_fixed", torch.tensor(z_fixed))
         self.register_buffer("y_mean", torch.zeros(p, **f64))
         self.register_buffer("y_std", torch.ones(p, **f64))
         self.register_buffer("standardised", torch.tensor(False))
+        # running count, mean and sum of squared deviations of every target seen (Chan et al.'s merge)
+        self.register_buffer("y_count", torch.tensor(0.0, **f64))
+        self.register_buffer("y_run_mean", torch.zeros(p, **f64))
+        self.register_buffer("y_run_m2", torch.zeros(p, **f64))
+        self.register_buffer("rescalings_t", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("hyper_learned", torch.tensor(False))  # learned from a batch that spans space
+        self._register_adam_state()
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
         for prefix in ("mem", "pend"):
@@ -156,6 +176,8 @@ class DualSVGP(Engine):
         self._generator.manual_seed(int(config.seed))
         self.register_buffer("rng_state", self._generator.get_state())
         self._cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._pred: tuple[torch.Tensor, torch.Tensor] | None = None  # (alpha, Q) for prediction, see _latent
+        self._chol_memo: tuple[tuple, torch.Tensor] | None = None  # (fingerprint of Z and theta, chol K)
         self.to(device)
 
     # ------------------------------------------------------------------ properties
@@ -187,6 +209,11 @@ class DualSVGP(Engine):
             return L @ self.W @ L.T
 
     # ------------------------------------------------------------------ torch.nn.Module plumbing
+    def _drop_caches(self) -> None:
+        self._cache = None
+        self._pred = None
+        self._chol_memo = None
+
     def _loaded(self) -> None:
         self._generator.set_state(self.rng_state.detach().to("cpu", torch.uint8))
 
@@ -194,23 +221,102 @@ class DualSVGP(Engine):
     def _standardise(self, y: torch.Tensor) -> torch.Tensor:
         return (y - self.y_mean) / self.y_std
 
-    def _set_standardisation(self, y: torch.Tensor) -> None:
-        if self.likelihood.standardise_targets:
-            mean = y.mean(0)
-            std = y.std(0, unbiased=False) if y.shape[0] > 1 else torch.zeros_like(mean)
-            # A constant first batch has no scale: keep the original units for that output.
-            ok = std > 1e-9 * torch.clamp(mean.abs(), min=1.0)
+    @property
+    def rescalings(self) -> int:
+        """How many times the target scaling has been re-expressed (see :meth:`_track_targets`)."""
+        return int(self.rescalings_t)
+
+    def _running_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) of every target seen; an output with no spread yet keeps std 1 (original units)."""
+        mean = self.y_run_mean
+        std = torch.sqrt(self.y_run_m2 / self.y_count.clamp_min(1.0))
+        ok = std > 1e-9 * torch.clamp(mean.abs(), min=1.0)
+        return mean, torch.where(ok, std, torch.ones_like(std))
+
+    def _track_targets(self, y: torch.Tensor) -> None:
+        """Fold the batch into the running target statistics and re-express the model in new units when they
+        have drifted (std by more than RESCALE_FACTOR, mean by more than RESCALE_SHIFT stds).
+
+        Standardising once from the first batch fails on a robot that stands still for its first second: the
+        batch's spread is the sensor noise, the field's is a thousand times larger, and every hyperparameter
+        is then learned in absurd units. The running statistics converge to the field's spread instead; the
+        number of re-expressions is logarithmic in how far the first guess was off.
+        """
+        if not self.likelihood.standardise_targets:
+            self.standardised.fill_(True)
+            return
+        n_b = float(y.shape[0])
+        mean_b = y.mean(0)
+        m2_b = ((y - mean_b) ** 2).sum(0)
+        n_a = float(self.y_count)
+        delta = mean_b - self.y_run_mean
+        total = n_a + n_b
+        self.y_run_mean.copy_(self.y_run_mean + delta * (n_b / total))
+        self.y_run_m2.copy_(self.y_run_m2 + m2_b + delta ** 2 * (n_a * n_b / total))
+        self.y_count.fill_(total)
+        mean, std = self._running_scale()
+        if not bool(self.standardised):
             self.y_mean.copy_(mean)
-            self.y_std.copy_(torch.where(ok, std, torch.ones_like(std)))
-        self.standardised.fill_(True)
+            self.y_std.copy_(std)
+            self.standardised.fill_(True)
+            return
+        ratio = std / self.y_std
+        drift = ((ratio > RESCALE_FACTOR) | (ratio < 1.0 / RESCALE_FACTOR)
+                 | ((mean - self.y_mean).abs() > RESCALE_SHIFT * self.y_std))
+        if bool(drift.any()):
+            self._rescale_targets(mean, std)
+
+    def _rescale_targets(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        """Standardise with (mean, std) from now on: y_new = alpha (y_old - d), alpha = std_old / std, d = (mean -
+        mean_old) / std_old, per output.
+
+        The data's terms are re-expressed exactly: a site (lambda1, lambda2) of y_old becomes ((lambda1 - d
+        lambda2) / alpha, lambda2 / alpha^2), so a_old -> (a_old - d b_old) / alpha and B_old -> B_old / alpha^2
+        with b_old = sum_i k_i lambda2_i; stored targets move with them. The noise variance scales by
+        alpha^2 once it has been learned from moving data (it is then a measurement and stays right in the
+        original unit); before that it is still the initial guess and stays in standardised units. The kernel's
+        variances stay in standardised units: the prior's scale follows the data's spread, which is what
+        standardising is for (an exact re-expression would keep a prior fitted to a robot at rest).
+        """
+        alpha = self.y_std / std
+        d = (mean - self.y_mean) / self.y_std
+        self.a_w_old = (self.a_w_old - d * self.b_w_old) / alpha
+        self.b_w_old = self.b_w_old / alpha ** 2
+        self.W_old = self.W_old / (alpha ** 2)[:, None, None]
+        for prefix in ("mem", "pend"):
+            lam1, lam2 = getattr(self, f"{prefix}_lam1"), getattr(self, f"{prefix}_lam2")
+            setattr(self, f"{prefix}_lam1", (lam1 - d * lam2) / alpha)
+            setattr(self, f"{prefix}_lam2", lam2 / alpha ** 2)
+            setattr(self, f"{prefix}_y", alpha * (getattr(self, f"{prefix}_y") - d))
+        if bool(self.hyper_learned):
+            self.likelihood.rescale_targets(alpha)
+        self.y_mean.copy_(mean)
+        self.y_std.copy_(std)
+        self.rescalings_t += 1
+        if self.num_inducing:
+            self._recompute_totals(self._chol_K())
+        self._drop_caches()
 
     # ------------------------------------------------------------------ linear algebra
+    def _prior_fingerprint(self) -> tuple:
+        """Changes whenever Z, the jitter or a kernel parameter does (in place or by reassignment)."""
+        return (self.Z.data_ptr(), self.Z._version, tuple(self.Z.shape), self.jitter,
+                *((p.data_ptr(), p._version) for p in self.kernel.parameters()))
+
     def _chol_K(self, z: torch.Tensor | None = None) -> torch.Tensor:
-        """chol(K_ZZ + jitter I) (for ``z``, default Z); the jitter escalates (and stays) if needed."""
-        z = self.Z if z is None else z
-        factor, used = jittered_cholesky(self.kernel(z, z), self.jitter)
+        """chol(K_ZZ + jitter I) (for ``z``, default Z); the jitter escalates (and stays) if needed.
+
+        For Z it is remembered until Z, the jitter or the kernel change, so fast updates (which change none of
+        them) never refactorise K."""
+        memo = z is None and not torch.is_grad_enabled()
+        if memo and self._chol_memo is not None and self._chol_memo[0] == self._prior_fingerprint():
+            return self._chol_memo[1]
+        zz = self.Z if z is None else z
+        factor, used = jittered_cholesky(self.kernel(zz, zz), self.jitter)
         if used > self.jitter:
             self.jitter_t.fill_(used)
+        if memo:
+            self._chol_memo = (self._prior_fingerprint(), factor)
         return factor
 
     @staticmethod
@@ -239,6 +345,7 @@ class DualSVGP(Engine):
     def _refresh_cache(self) -> None:
         """Factors for prediction, always computed from the stored state (so a reload predicts identically)."""
         with torch.no_grad():
+            self._pred = None
             if self.num_inducing == 0:
                 self._cache = None
                 return
@@ -246,17 +353,35 @@ class DualSVGP(Engine):
             R, c = self._posterior(self.a_w, self.W)
             self._cache = (L, R, c)
 
+    def _prediction_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(alpha (M, P), Q (P, M, M)) with E[f(x)] = k_x^T alpha and Var[f(x)] = k(x,x) + k_x^T Q k_x:
+        alpha = L^{-T} R^{-T} c and Q = L^{-T} ((I + W)^{-1} - I) L^{-1}. Precomputed once per posterior, a
+        prediction is a kernel matrix and one matrix product per output instead of two triangular solves."""
+        if self._pred is None:
+            if self._cache is None:
+                self._refresh_cache()
+            L, R, c = self._cache
+            eye = torch.eye(L.shape[0], dtype=L.dtype, device=L.device)
+            L_inv = torch.linalg.solve_triangular(L, eye, upper=False)
+            R_inv = torch.linalg.solve_triangular(R, eye.expand_as(R), upper=False)  # (P, M, M)
+            mean_w = (R_inv.transpose(-1, -2) @ c[..., None])[..., 0]  # (P, M): (I + W)^{-1} a_w
+            alpha = (L_inv.T @ mean_w.T)
+            B = R_inv @ L_inv  # (P, M, M): R^{-1} L^{-1}
+            Q = B.transpose(-1, -2) @ B - L_inv.T @ L_inv
+            self._pred = (alpha, _sym(Q))
+        return self._pred
+
     def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Standardised latent mean and variance (N, P) at checked inputs."""
         kxx = self.kernel.diag(x)
         if self.num_inducing == 0:
             return (torch.zeros(x.shape[0], self.output_dims, dtype=x.dtype, device=x.device),
                     kxx[:, None].expand(-1, self.output_dims).clone())
-        if self._cache is None:
-            self._refresh_cache()
-        L, R, c = self._cache
-        mean, var, _ = self._marginals(self._features(L, x), R, c, kxx)
-        return mean, var
+        alpha, Q = self._prediction_weights()
+        Kxz = self.kernel(x, self.Z)
+        mean = Kxz @ alpha
+        var = kxx[:, None] + torch.stack([((Kxz @ Q[p]) * Kxz).sum(1) for p in range(Q.shape[0])], dim=1)
+        return mean, var.clamp_min(0.0)
 
     # ------------------------------------------------------------------ leverage (predict: Engine, from _latent)
     def leverage_scores(self, x, y) -> torch.Tensor:
@@ -308,11 +433,13 @@ class DualSVGP(Engine):
         m_new = L_new.shape[0]
         if self.a_w_old.shape[0] == 0:
             self.a_w_old = self.a_w_old.new_zeros(m_new, self.output_dims)
+            self.b_w_old = self.b_w_old.new_zeros(m_new, self.output_dims)
             self.W_old = self.W_old.new_zeros(self.output_dims, m_new, m_new)
             return
         G = torch.linalg.solve_triangular(L_new, torch.linalg.solve_triangular(L_old, cross, upper=False).T,
                                           upper=False).T
         self.a_w_old = G.T @ self.a_w_old
+        self.b_w_old = G.T @ self.b_w_old
         self.W_old = _sym(G.T @ self.W_old @ G)
 
     def _cross(self, z_old: torch.Tensor, z_new: torch.Tensor) -> torch.Tensor:
@@ -358,18 +485,23 @@ class DualSVGP(Engine):
                 self._recompute_totals(L_new)
         self._refresh_cache()
 
+    def _grow_inducing(self, bx: torch.Tensor) -> torch.Tensor | None:
+        """Add batch points to Z by pivoted Cholesky over [Z; batch] (Z kept first) while below num_inducing;
+        returns the new chol(K), or None if nothing was added. Growing loses nothing: kept points carry their
+        part of the old duals exactly. Held data are the caller's."""
+        m_max, m_old = self.config.num_inducing, self.num_inducing
+        cand = torch.cat([self.Z, bx])
+        idx, _ = pivoted_cholesky(self.kernel, self.kernel.diag(cand), cand, m_max, self.inducing_rel_tol,
+                                  keep_first=m_old)
+        if idx.numel() == m_old and bool((idx < m_old).all()):
+            return None
+        return self._move_inducing(cand[idx])
+
     def _reselect_inducing(self, bx: torch.Tensor) -> bool:
         """Grow Z by pivoted Cholesky over [Z; batch] while below num_inducing; once full, exchange points
         (see the module docstring). Returns whether Z changed."""
-        m_max, m_old = self.config.num_inducing, self.num_inducing
-        if m_old < m_max:
-            cand = torch.cat([self.Z, bx])
-            idx, _ = pivoted_cholesky(self.kernel, self.kernel.diag(cand), cand, m_max, self.inducing_rel_tol,
-                                      keep_first=m_old)
-            if idx.numel() == m_old and bool((idx < m_old).all()):
-                return False
-            self._move_inducing(cand[idx])
-            return True
+        if self.num_inducing < self.config.num_inducing:
+            return self._grow_inducing(bx) is not None
         z = self.Z.clone()
         L = self._chol_K()
         Kinv = torch.cholesky_inverse(L)
@@ -408,8 +540,11 @@ class DualSVGP(Engine):
         alone, moving Z to project the old part away lowers the KL more than the memory term notices).
         """
         L = self._chol_K(z)
-        G = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L0, self._cross(z0, z),
-                                                                           upper=False).T, upper=False).T
+        if z.requires_grad or not torch.equal(z, z0):
+            G = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L0, self._cross(z0, z),
+                                                                               upper=False).T, upper=False).T
+        else:  # Z fixed: Cov(u0, u) = K(Z, Z) = L L^T, so G = L0^{-1} L (one solve)
+            G = torch.linalg.solve_triangular(L0, L, upper=False)
         V = torch.linalg.solve_triangular(L, self.kernel(z, hx), upper=False)
         a_h, W_h = _site_sums(V, lam1, lam2)
         a_old = G.T @ self.a_w_old
@@ -435,14 +570,14 @@ class DualSVGP(Engine):
                              + torch.einsum("pm,pmn,pn->", mean_w, W_old, mean_w)))
         return l_theta, ell.sum() + old_term - kl
 
-    def _learn_hyperparameters(self, hx, hy, lam1, lam2, weights) -> tuple[int, float]:
+    def _learn_hyperparameters(self, hx, hy, lam1, lam2, weights, budget: int) -> tuple[int, float]:
         """Adam steps on theta (l_theta) and, if configured, on Z (l_Z); returns (steps, final l_theta per
         datum). At the end the old part is carried to the new prior and Z; held contributions are the
         caller's."""
         cfg = self.config
         params = self._hyper_parameters() if cfg.learn_hyperparameters else []
         learn_z = cfg.learn_inducing and not bool(self.z_fixed) and self.num_inducing > 1
-        if (not params and not learn_z) or cfg.hyper_steps == 0:
+        if (not params and not learn_z) or budget <= 0:
             return 0, 0.0
         z0 = self.Z
         L0 = self._chol_K()
@@ -450,17 +585,24 @@ class DualSVGP(Engine):
         groups = ([{"params": params, "lr": cfg.hyper_lr}] if params else []) + \
             ([{"params": [z], "lr": cfg.inducing_lr}] if learn_z else [])
         optimiser = torch.optim.Adam(groups)
+        self._restore_adam(optimiser, params)
         scale = 1.0 / max(1.0, float(weights.sum()))
         scale_z = 1.0 / max(1.0, float(self.num_seen))
         good = [p.detach().clone() for p in params]
         good_z = z0.clone()
         steps, value = 0, 0.0
         with torch.enable_grad():
-            for _ in range(cfg.hyper_steps):
+            for _ in range(budget):
                 optimiser.zero_grad()
                 try:
                     l_theta, l_z = self._hyper_objective(L0, z0, z, hx, hy, lam1, lam2, weights, learn_z)
                     finite = bool(torch.isfinite(l_theta)) and (l_z is None or bool(torch.isfinite(l_z)))
+                    # Converged: the last step gained less than hyper_tol per datum, so stop where this value
+                    # was measured (with learned Z, l_theta alone does not tell convergence).
+                    if finite and steps and not learn_z and cfg.hyper_tol > 0 \
+                            and float(l_theta.detach()) * scale - value < cfg.hyper_tol:
+                        value = float(l_theta.detach()) * scale
+                        break
                     if finite:
                         # Each objective drives its own variables (a datum's scaled memory weight stands for
                         # old data in l_theta; in l_Z they speak through t_old instead).
@@ -487,6 +629,7 @@ class DualSVGP(Engine):
                 value = float(l_theta.detach()) * scale
                 optimiser.step()
                 steps += 1
+        self._store_adam(optimiser, params)
         with torch.no_grad():
             z_new = z.detach().clone()
             try:
@@ -535,11 +678,13 @@ class DualSVGP(Engine):
             raise ValueError(f"update mode must be 'fast', 'full' or None, got {mode!r}")
         if mode is None:
             mode = "full" if int(self.num_updates_t) % self.config.full_update_every == 0 else "fast"
+            if mode == "fast" and self._leaves_the_cover(xt):
+                mode = "full"
         stats: dict = {"mode": mode, "n_batch": int(xt.shape[0]), "z_moved": 0, "hyper_steps": 0,
                        "objective": 0.0, "folded": 0}
         if xt.shape[0] > 0:
-            if not bool(self.standardised):
-                self._set_standardisation(yt)
+            with torch.no_grad():
+                self._track_targets(yt)
             ys = self._standardise(yt)
             with torch.no_grad():
                 if mode == "fast":
@@ -555,15 +700,32 @@ class DualSVGP(Engine):
                       "num_inducing": self.num_inducing, "jitter": self.jitter})
         return stats
 
+    def _leaves_the_cover(self, x: torch.Tensor) -> bool:
+        """Whether a batch reaches where a full Z no longer covers it: some input keeps more than COVER_LOST of
+        its prior variance given Z. Conditioning such data with frozen hyperparameters overfits (the noise was
+        learned where Z covered the data, and the missing variance is nobody's), so the scheduler promotes that
+        update to a full one, which exchanges inducing points and re-learns. Z that can still grow, or a fixed
+        Z, never promotes (growth is done in fast mode)."""
+        if bool(self.z_fixed) or self.num_inducing < self.config.num_inducing or x.shape[0] == 0:
+            return False
+        with torch.no_grad():
+            kxx = self.kernel.diag(x)
+            V = self._features(self._chol_K(), x)
+            lost = (kxx - (V * V).sum(0)) / kxx
+            return bool(lost.max() > COVER_LOST)
+
     def _fast_update(self, x: torch.Tensor, ys: torch.Tensor) -> dict:
         z_moved = 0
-        if self.num_inducing == 0:
-            # Nothing to condition on yet: inducing inputs from this batch (no old part to project).
-            idx, _ = pivoted_cholesky(self.kernel, self.kernel.diag(x), x, self.config.num_inducing,
-                                      self.inducing_rel_tol)
-            self._recompute_totals(self._move_inducing(x[idx]))
-            z_moved = 1
-        self._refresh_cache()
+        if not bool(self.z_fixed) and self.num_inducing < self.config.num_inducing:
+            # Z grows over the batch where it is poorly covered (the first batch starts it), so the map follows
+            # the robot into new areas between full updates; exchanges wait for the next full update.
+            L = self._grow_inducing(x)
+            if L is not None:
+                self._recompute_totals(L)
+                self._cache = None
+                z_moved = 1
+        if self._cache is None:
+            self._refresh_cache()
         L, R, c = self._cache
         V = self._features(L, x)
         mean, var, _ = self._marginals(V, R, c, self.kernel.diag(x))
@@ -579,9 +741,10 @@ class DualSVGP(Engine):
         excess = self.pend_x.shape[0] - self.max_pending
         if excess > 0:
             # Oldest pending points leave: their sites go to the old part (totals unchanged).
-            a_f, W_f = _site_sums(self._features(L, self.pend_x[:excess]), self.pend_lam1[:excess],
-                                  self.pend_lam2[:excess])
+            V_f = self._features(L, self.pend_x[:excess])
+            a_f, W_f = _site_sums(V_f, self.pend_lam1[:excess], self.pend_lam2[:excess])
             self.a_w_old = self.a_w_old + a_f
+            self.b_w_old = self.b_w_old + V_f @ self.pend_lam2[:excess]
             self.W_old = self.W_old + W_f
             for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2"):
                 setattr(self, name, getattr(self, name)[excess:])
@@ -597,6 +760,10 @@ class DualSVGP(Engine):
         zeros = x.new_zeros(x.shape[0], self.output_dims)
         n_b = bx.shape[0]
         z_moved = 0
+        informative = cfg.hyper_steps > 0 and spans_space(bx, cfg.lengthscale)
+        if informative and cfg.learn_hyperparameters and not bool(self.hyper_learned) and n_b > 2:
+            # The first batch that can teach hyperparameters starts the noise at the data's own estimate.
+            self.likelihood.initialise_noise(difference_noise_estimate(by).clamp(1e-6, 1.0))
         if not bool(self.z_fixed):
             z_moved = int(self._reselect_inducing(bx))
         hx = torch.cat([self.mem_x, bx])
@@ -610,13 +777,16 @@ class DualSVGP(Engine):
         V = self._features(L, hx)
         lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, fresh, cfg.n_steps, cfg.rho)
         steps, objective = 0, 0.0
-        if cfg.hyper_steps > 0:  # _learn_hyperparameters decides what (theta, Z or nothing) is learned
+        # _learn_hyperparameters decides what (theta, Z or nothing) is learned; nothing from a batch at rest
+        if informative:
             n_old = self.num_seen - n_pend  # data seen before this batch
             weights = torch.ones(hx.shape[0], dtype=torch.float64, device=self.device)
             if n_mem:
                 weights[:n_mem] = n_old / n_mem
-            steps, objective = self._learn_hyperparameters(hx, hy, lam1, lam2, weights)
+            budget = self._hyper_budget(n_b)
+            steps, objective = self._learn_hyperparameters(hx, hy, lam1, lam2, weights, budget)
             if steps:
+                self.hyper_learned.fill_(True)
                 kxx = self.kernel.diag(hx)
                 L = self._chol_K()
                 V = self._features(L, hx)
@@ -646,6 +816,7 @@ class DualSVGP(Engine):
         leave[kept] = False
         a_f, W_f = _site_sums(V[:, leave], lam1[leave], lam2[leave])
         self.a_w_old = self.a_w_old + a_f
+        self.b_w_old = self.b_w_old + V[:, leave] @ lam2[leave]
         self.W_old = self.W_old + W_f
         self.mem_x, self.mem_y = hx[kept], hy[kept]
         self.mem_lam1, self.mem_lam2 = lam1[kept], lam2[kept]
@@ -707,4 +878,14 @@ class DualSVGP(Engine):
             self.y_std.copy_(torch.as_tensor(target_scale, dtype=torch.float64).reshape(p))
             self.standardised.fill_(True)
             self.num_seen_t.fill_(int(num_seen))
+            # The merged sites are a pseudo-likelihood on u: a shift of the targets' origin moves them along
+            # B K^{-1} 1 (whitened: W L^{-1} 1), and the running statistics start at the merged scale.
+            self._drop_caches()
+            e_w = torch.linalg.solve_triangular(self._chol_K(), torch.ones(m, 1, dtype=torch.float64, device=dev),
+                                                upper=False)[:, 0]
+            self.b_w_old = (self.W_old @ e_w).T.clone()
+            self.y_count.fill_(float(num_seen))
+            self.y_run_mean.copy_(self.y_mean)
+            self.y_run_m2.copy_(self.y_std ** 2 * float(num_seen))
+            self.hyper_learned.fill_(True)
         self._refresh_cache()

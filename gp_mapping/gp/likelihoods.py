@@ -30,7 +30,7 @@ VAR_FLOOR = 1e-12
 class Likelihood(nn.Module):
     """p(y|f) for ``num_outputs`` independent outputs; the generic paths use Gauss-Hermite quadrature."""
 
-    #: whether targets are standardised (mean/std from the first batch) before they reach the likelihood
+    #: whether targets are standardised (running mean/std of the data seen) before they reach the likelihood
     standardise_targets: bool = True
 
     def __init__(self, num_outputs: int, quadrature_points: int = 20) -> None:
@@ -44,6 +44,13 @@ class Likelihood(nn.Module):
     def validate_targets(self, y: torch.Tensor) -> str | None:
         """None when the targets are valid for this likelihood, else a message saying what is wrong."""
         return None
+
+    def initialise_noise(self, variance: torch.Tensor) -> None:
+        """Start the noise scale (P,) at a data-based estimate (standardised units). No-op without one."""
+
+    def rescale_targets(self, factor: torch.Tensor) -> None:
+        """The targets' unit changes so that y_new = factor * y_old + c (per output): re-express the noise
+        exactly (its scale is the sensor's, which data at rest measure well). No-op without a noise scale."""
 
     def log_prob(self, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
         """log p(y|f) elementwise; y and f are (N, P) or (N, P, S) with S quadrature points."""
@@ -89,6 +96,12 @@ class GaussianLikelihood(Likelihood):
     def noise_variance(self) -> torch.Tensor:
         return self.noise_param.value
 
+    def initialise_noise(self, variance: torch.Tensor) -> None:
+        self.noise_param.set(variance)
+
+    def rescale_targets(self, factor: torch.Tensor) -> None:
+        self.noise_param.set(self.noise_variance.detach() * factor ** 2)
+
     def log_prob(self, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
         s2 = self._per_output(self.noise_variance, f)
         return -0.5 * (math.log(2 * math.pi) + torch.log(s2) + (y - f) ** 2 / s2)
@@ -120,6 +133,12 @@ class StudentTLikelihood(Likelihood):
     @property
     def scale_variance(self) -> torch.Tensor:
         return self.scale_param.value
+
+    def initialise_noise(self, variance: torch.Tensor) -> None:
+        self.scale_param.set(variance)
+
+    def rescale_targets(self, factor: torch.Tensor) -> None:
+        self.scale_param.set(self.scale_variance.detach() * factor ** 2)
 
     def log_prob(self, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
         nu = self.dof

@@ -37,8 +37,10 @@ frozen afterwards (a later tile relearning it would move every other tile's map 
 
 Target scaling. Shared hyperparameters live in standardised units, so every tile must standardise alike:
 the wrapper keeps running per-output means and variances of every sample it has seen, and a new tile gets
-the current values (the first tile: its first batch's, as a single engine would). A tile keeps its scaling
-(changing it later would need the same transport as a hyperparameter change).
+the current values (the first tile: its first batch's). A tile keeps that scale: the engines' own adaptive
+re-scaling (model.* of issue 13) would put each tile in its own unit. continual_mogp: set_standardisation
+fixes it; dual_svgp has no such setter yet, so its scale buffers are written and its running statistics given
+a pseudo-count that its own data cannot move.
 
 Blending (partition of unity). Per axis, with r(u) = 6u^5 - 15u^4 + 10u^3 on u clamped to [0, 1] (C^2,
 r(0) = 0, r(1) = 1, r(u) + r(1 - u) = 1, flat at both ends), tile i's weight at coordinate x is
@@ -358,11 +360,18 @@ class TiledModel(nn.Module):
         if setter is not None:
             setter(mean, std)
             return
-        # dual_svgp has no public setter yet: its standardisation buffers (tensors of its state_dict).
+        # dual_svgp has no public setter yet: its standardisation buffers (tensors of its state_dict). Its running
+        # statistics get a pseudo-count so large that the tile's own data never move them: the scale stays fixed
+        # (a tile's own adaptive re-scaling would put the shared hyperparameters in another unit in every tile).
+        pseudo = 1e15
         with torch.no_grad():
             engine.y_mean.copy_(mean)
             engine.y_std.copy_(std)
             engine.standardised.fill_(True)
+            if hasattr(engine, "y_count"):
+                engine.y_count.fill_(pseudo)
+                engine.y_run_mean.copy_(mean)
+                engine.y_run_m2.copy_(std * std * pseudo)
 
     # ------------------------------------------------------------------ tiles
     def _tile_config(self, index: tuple[int, ...]) -> ModelConfig:

@@ -338,7 +338,11 @@ class Mapper:
         ``stamp``, ``num_seen``), one dict per successful update, oldest first; a failed update counts against
         ``max_updates`` and is handled as the module docstring says.
         """
-        self._collect()
+        b = self.config.batching
+        # In count mode nothing can be updated before a batch's worth of samples is held: deciding them one
+        # message at a time (a replay calls this after every message) would cost more than the model.
+        if b.mode != "count" or self._pending_count + self._sync.num_held >= b.size:
+            self._collect()
         out: list[dict[str, Any]] = []
         attempts = 0
         while max_updates is None or attempts < max_updates:
@@ -358,6 +362,7 @@ class Mapper:
         mid-stream (before saving, say) and keep them waiting."""
         if end_of_stream:
             self._sync.finish()
+        self._collect()
         out = self.process()
         if self._pending_count:
             stats = self._update(self._take(self._pending_count))
@@ -374,6 +379,7 @@ class Mapper:
         the config check refuses one that could)."""
         if self._fixed_spec is not None:
             return self._fixed_spec
+        self._collect()  # the map covers every sample decided so far
         g = self.config.grid
         bounds = self._coverage.grow_bounds(g)
         if bounds is None:
@@ -445,6 +451,7 @@ class Mapper:
     @property
     def trajectory(self) -> np.ndarray:
         """``(K, 2)`` accepted sensor positions, decimated (bounded), for plots."""
+        self._collect()
         return self._trajectory.array()
 
     def add_trajectory(self, xy) -> None:

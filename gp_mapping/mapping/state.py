@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 FORMAT = "gp_mapping.map_state"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: engines keep running target statistics and Adam moments (issue 13)
 MODEL_PREFIX = "model/"
 MAPPER_PREFIX = "mapper/"
 

@@ -338,6 +338,12 @@ class MeasurementSync:
         return len(self._waiting)
 
     @property
+    def num_held(self) -> int:
+        """Samples given and neither returned by ``pop_ready`` nor refused yet, decided or not: what a
+        ``pop_ready`` could return at most. Deciding nothing, it costs nothing."""
+        return len(self._waiting) + self._ready_count
+
+    @property
     def num_ready(self) -> int:
         """Accepted samples not yet returned by ``pop_ready``."""
         self._decide_waiting()
