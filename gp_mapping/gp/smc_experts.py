@@ -62,6 +62,8 @@ from .likelihoods import GaussianLikelihood
 LOG_2PI = math.log(2.0 * math.pi)
 #: smallest noise variance an expert may have, relative to the running target variance
 NOISE_FLOOR = 1e-6
+#: an expert whose gate is below this at every test point of a chunk is not predicted (its weight is dropped)
+GATE_NEGLIGIBLE = 1e-10
 #: prediction works on chunks of test points whose (J, K, M, G, D) temporaries hold about this many numbers
 PREDICT_CHUNK_ELEMENTS = 1 << 22
 
@@ -247,48 +249,58 @@ class SMCExperts(Engine):
         return max(1, int((mc > 0).sum(-1).max())) if mc.numel() else 1
 
     def _refresh(self, jj: torch.Tensor | None = None, kk: torch.Tensor | None = None) -> None:
-        """Recompute the cached factors of experts (jj, kk) (all when None). Free entries have identity rows."""
-        if jj is None or not self._cache_ok:
-            j, k, m = self.num_particles, self.max_experts, self.expert_memory
-            self._chol = torch.eye(m, dtype=torch.float64, device=self.device).repeat(j, k, 1, 1)
-            self._ly = torch.zeros(j, k, m, self.output_dims, dtype=torch.float64, device=self.device)
-            self._l1 = torch.zeros(j, k, m, dtype=torch.float64, device=self.device)
+        """Recompute the cached factors of experts (jj, kk) (all when None, or when the memories in use have
+        outgrown the cache). The cache covers the used prefix of the memories (U entries), free entries with
+        identity rows, so its size follows the data, not smc_expert_memory."""
+        u = self._used_memory(self.mem_c)
+        if jj is None or not self._cache_ok or self._chol.shape[-1] < u:
+            j, k = self.num_particles, self.max_experts
             jj, kk = [t.flatten() for t in torch.meshgrid(torch.arange(j, device=self.device),
                                                           torch.arange(k, device=self.device), indexing="ij")]
+            self._chol = torch.eye(u, dtype=torch.float64, device=self.device).repeat(j, k, 1, 1)
+            self._ly = torch.zeros(j, k, u, self.output_dims, dtype=torch.float64, device=self.device)
+            self._l1 = torch.zeros(j, k, u, dtype=torch.float64, device=self.device)
             self._cache_ok = True
         if jj.numel() == 0:
             return
-        u = self._used_memory(self.mem_c[jj, kk])
+        u = self._chol.shape[-1]
         mx, mc = self.mem_x[jj, kk, :u], self.mem_c[jj, kk, :u]
         L, _ = jittered_cholesky(self._gram(mx, mc, self.theta[jj, kk]), 0.0)
         vf = (mc > 0).to(mx.dtype)
-        full = torch.eye(self.expert_memory, dtype=L.dtype, device=L.device).repeat(jj.shape[0], 1, 1)
-        full[:, :u, :u] = L
-        self._chol[jj, kk] = full
-        ly = torch.zeros(jj.shape[0], self.expert_memory, self.output_dims, dtype=L.dtype, device=L.device)
-        ly[:, :u] = torch.linalg.solve_triangular(L, self.mem_y[jj, kk, :u] * vf[..., None], upper=False)
-        self._ly[jj, kk] = ly
-        l1 = torch.zeros(jj.shape[0], self.expert_memory, dtype=L.dtype, device=L.device)
-        l1[:, :u] = torch.linalg.solve_triangular(L, vf[..., None], upper=False)[..., 0]
-        self._l1[jj, kk] = l1
+        self._chol[jj, kk] = L
+        self._ly[jj, kk] = torch.linalg.solve_triangular(L, self.mem_y[jj, kk, :u] * vf[..., None], upper=False)
+        self._l1[jj, kk] = torch.linalg.solve_triangular(L, vf[..., None], upper=False)[..., 0]
 
     def _ensure_cache(self) -> None:
         if not self._cache_ok:
             self._refresh()
 
-    def _expert_predict(self, x: torch.Tensor, jj=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Standardised latent mean and variance of every expert at inputs x (G, D): (J, K, G, P), (J, K, G)."""
+    def _expert_predict(self, x: torch.Tensor, active: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent mean and variance (work units) of the experts at inputs x (G, D): (J, K, G, P), (J, K, G).
+        With ``active`` (J, K) only those experts are computed; the others get mean 0 and their prior variance
+        (the caller gives them no weight)."""
         mean_y, ratio, _ = self._work_scale()
-        th = self.theta
         u = self._used_memory(self.mem_c)
-        mx = self.mem_x[:, :, :u]
-        ks = self._kernel(mx, x.expand(*mx.shape[:2], *x.shape), th)                    # (J, K, u, G)
-        ks = ks * (self.mem_c[:, :, :u] > 0).to(ks.dtype)[..., None]
-        v = torch.linalg.solve_triangular(self._chol[:, :, :u, :u], ks, upper=False)
-        wy = (self._ly[:, :, :u] - mean_y * self._l1[:, :, :u, None]) * ratio           # (J, K, u, P)
-        mean = torch.einsum("jkmg,jkmp->jkgp", v, wy)
+        if active is None:
+            sel = (slice(None), slice(None))
+        else:
+            sel = tuple(torch.nonzero(active, as_tuple=True))
+        th = self.theta[sel]
+        mx = self.mem_x[sel][..., :u, :]
+        ks = self._kernel(mx, x.expand(*mx.shape[:-2], *x.shape), th)                   # (..., u, G)
+        ks = ks * (self.mem_c[sel][..., :u] > 0).to(ks.dtype)[..., None]
+        v = torch.linalg.solve_triangular(self._chol[sel][..., :u, :u], ks, upper=False)
+        wy = (self._ly[sel][..., :u, :] - mean_y * self._l1[sel][..., :u, None]) * ratio  # (..., u, P)
+        mean = torch.einsum("...mg,...mp->...gp", v, wy)
         var = (self._prior_var(th)[..., None] - (v * v).sum(-2)).clamp_min(0.0)
-        return mean, var
+        if active is None:
+            return mean, var
+        j, k, g = active.shape[0], active.shape[1], x.shape[0]
+        full_mean = torch.zeros(j, k, g, self.output_dims, dtype=mean.dtype, device=mean.device)
+        full_var = self._prior_var(self.theta)[..., None].expand(j, k, g).clone()
+        full_mean[sel], full_var[sel] = mean, var
+        return full_mean, full_var
 
     # ------------------------------------------------------------------ gating
     def _decayed(self, t: float) -> torch.Tensor:
@@ -552,7 +564,9 @@ class SMCExperts(Engine):
             t = 0.0
         log_gate = self._gate_log(x, t)
         g = torch.exp(log_gate - torch.logsumexp(log_gate, 1, keepdim=True))
-        mean, var = self._expert_predict(x)
+        # Only experts with a say somewhere in x are predicted (gates are local: a few per particle).
+        active = (g[:, :-1, :] > GATE_NEGLIGIBLE).any(-1) & (self.count > 0)
+        mean, var = self._expert_predict(x, active)
         j, _, n, p = mean.shape
         std = self.config.smc_hyper_prior_std
         pm = self._prior_now()
