@@ -94,7 +94,7 @@ class ModelConfig:
                                 "recording and hurts on the demo bag (bench/README.md)")
     inducing_lr: float = option(0.01, doc="Adam learning rate for the inducing inputs [m per step]", low=0.0,
                               low_open=True, high=100.0)
-    full_update_every: int = option(10, doc="every n-th update is a full update (memory, hyperparameters, "
+    full_update_every: int = option(1, doc="every n-th update is a full update (memory, hyperparameters, "
                                   "inducing re-selection); the others are fast conditioning (dual_svgp: Z still "
                                   "grows, and a batch that leaves a full Z's cover gets a full update)", low=1, high=1_000_000)
     jitter: float = option(1e-6, doc="initial diagonal jitter added to K before Cholesky", low=0.0, high=1.0)
@@ -107,7 +107,7 @@ class ModelConfig:
     latent_lengthscale_ratio: float = option(2.0, doc="continual_mogp: latent q starts at lengthscale * ratio ** "
                                            "(q - (Q - 1) / 2), so the latents cover several scales (1: all equal)",
                                            low=1.0, high=100.0)
-    vem_iterations: int = option(2, doc="continual_mogp: variational EM iterations (M-step of hyper_steps Adam "
+    vem_iterations: int = option(4, doc="continual_mogp: variational EM iterations (M-step of hyper_steps Adam "
                                "steps, inducing inputs re-placed, E-step) per full update", low=1, high=1000)
     mixing_learning: str = option("first", doc="continual_mogp: when the mixing weights are learned: only while a "
                                 "channel is first seen (no forgetting through them), in every full update (as "
