@@ -72,7 +72,7 @@ class ModelConfig:
     hyper_steps: int = option(20, doc="most Adam steps on the hyperparameters per full update (fewer by "
                                       "hyper_batch after the warm-up, or once a step gains less than hyper_tol; "
                                       "Adam's moments carry over between updates)", low=0, high=100_000)
-    hyper_warmup: int = option(100, doc="dual_svgp: a full update may take up to hyper_steps hyperparameter steps until "
+    hyper_warmup: int = option(400, doc="dual_svgp: a full update may take up to hyper_steps hyperparameter steps until "
                                         "the optimiser has taken this many in all (the map is small and the "
                                         "hyperparameters far off then); after that hyper_batch rules",
                                low=0, high=10_000_000)
