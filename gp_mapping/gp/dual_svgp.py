@@ -814,7 +814,9 @@ class DualSVGP(Engine):
         informative = cfg.hyper_steps > 0 and spans_space(bx, cfg.lengthscale)
         if informative and cfg.learn_hyperparameters and not bool(self.hyper_learned) and n_b > 2:
             # The first batch that can teach hyperparameters starts the noise at the data's own estimate.
-            self.likelihood.initialise_noise(difference_noise_estimate(by).clamp(1e-6, 1.0))
+            # (never below the configured initial value: on a moving robot the noise the map sees includes pose
+            # errors times the field's gradient, which successive differences of a dense path do not measure)
+            self.likelihood.initialise_noise(difference_noise_estimate(by).clamp(cfg.noise_variance, 1.0))
         if not bool(self.z_fixed):
             z_moved = int(self._reselect_inducing(bx))
         hx = torch.cat([self.mem_x, bx])
