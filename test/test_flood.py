@@ -76,7 +76,12 @@ def rss_mib(pid: int) -> float:
 
 def test_flood_keeps_the_node_responsive_with_bounded_queues_and_memory(tmp_path, ros_env):
     params = write_params(tmp_path / "params.yaml",
-                          model={"num_inducing": 64, "memory_size": 300, "hyper_steps": 20},
+                          # Every full update takes its 20 hyperparameter steps (no hyper_batch budget after a
+                          # warm-up), and a batch (10 ms of a 0.5 m/s circle: 2.5 mm from its centroid) spans more
+                          # than 3 % of the 0.05 m lengthscale, so it teaches hyperparameters: the mapper must
+                          # fall behind (with the shipped budget it keeps up with the flood: no drops to count).
+                          model={"num_inducing": 64, "memory_size": 300, "hyper_steps": 20,
+                                 "hyper_warmup": 10_000_000, "lengthscale": 0.05},
                           batching={"size": BATCH, "max_pending": MAX_PENDING},
                           grid={"mode": "grow", "resolution": 0.25, "unknown_distance": 0.5},
                           node={"publish_period": 0.5, "queue_depth": 100})
@@ -124,7 +129,8 @@ def test_flood_keeps_the_node_responsive_with_bounded_queues_and_memory(tmp_path
     assert sent >= 0.5 * RATE * DURATION, "the publisher could not flood on this machine"
     # Responsive: diagnostics (1 s) kept coming while the flood ran, and so did maps: each update's map went out
     # right after it, and no stretch of the flood went long without one. On two cores shared with the Python
-    # publisher, an update (0.15 s alone) takes 1-3 s: measured 14-19 maps, longest stretch 3-4 s. Before the
+    # publisher, an update (0.15 s alone) takes 1-3 s: measured 14-19 maps, longest stretch 3-4 s (62 maps, 1 s, once
+    the sync decided samples only when a batch could be full). Before the
     # engines were warmed up at start, the first update stalled 10 s importing torch._dynamo.
     assert diags_during >= DURATION / 2  # measured 31
     assert longest_gap <= 8, published
