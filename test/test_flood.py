@@ -129,9 +129,9 @@ def test_flood_keeps_the_node_responsive_with_bounded_queues_and_memory(tmp_path
     assert sent >= 0.5 * RATE * DURATION, "the publisher could not flood on this machine"
     # Responsive: diagnostics (1 s) kept coming while the flood ran, and so did maps: each update's map went out
     # right after it, and no stretch of the flood went long without one. On two cores shared with the Python
-    # publisher, an update (0.15 s alone) takes 1-3 s: measured 14-19 maps, longest stretch 3-4 s (62 maps, 1 s, once
-    the sync decided samples only when a batch could be full). Before the
-    # engines were warmed up at start, the first update stalled 10 s importing torch._dynamo.
+    # publisher, an update (0.15 s alone) took 1-3 s: measured 14-19 maps, longest stretch 3-4 s; 62 maps and 1 s
+    # once the sync decided samples only when a batch could be full. Before the engines were warmed up at start,
+    # the first update stalled 10 s importing torch._dynamo.
     assert diags_during >= DURATION / 2  # measured 31
     assert longest_gap <= 8, published
     assert maps_during >= DURATION / 4
