@@ -371,3 +371,33 @@ def test_vector_target_components_share_the_partition_and_keep_their_scales():
     print(rmse, ft.std(0))
     assert np.all(rmse < 0.2 * ft.std(0))
     assert model.log_predictive_density(xt, ft).shape == (40, 3)
+
+
+def test_kernel_gate_is_the_count_weighted_kernel_density_and_full_short_experts_split():
+    """smc_gate kernel: an expert's gate density is the count-weighted mean of N(x; x_i, h^2 I) over its memory
+    entries (closed form below); a full expert whose entries are farther apart than a quarter lengthscale splits
+    into two (no reading lost: counts and entries add up) instead of merging, while a long-lengthscale expert
+    merges."""
+    rng = np.random.default_rng(5)
+    x = np.column_stack([np.linspace(0, 4, 40), np.zeros(40)])
+    y = np.sin(6 * x[:, :1]) + 0.01 * rng.standard_normal((40, 1))
+    over = dict(smc_particles=2, smc_max_experts=4, smc_expert_memory=8, smc_gate="kernel", smc_gate_bandwidth=0.4,
+                smc_slice_steps=0, smc_hyper_prior_std=1e-3, smc_alpha_shape=1e-3, smc_alpha_rate=1e3)
+    short = engine(lengthscale=0.2, **over)
+    short.update(x, y)
+    j = 0
+    used = short.count[j] > 0
+    assert int(used.sum()) >= 2 and float(short.count[j].sum()) == pytest.approx(40.0)
+    assert float(short.mem_c[j].sum()) == pytest.approx(40.0)        # every reading held by exactly one entry
+    h = 0.4
+    xt = torch.as_tensor(rng.uniform(-0.5, 4.5, (7, 2)))
+    got = short._kernel_gate_log(xt)[j]
+    for k in torch.nonzero(used).flatten().tolist():
+        c = short.mem_c[j, k]
+        ent = short.mem_x[j, k][c > 0].numpy()
+        ref = np.log(sum(ci * stats.multivariate_normal(e, h * h * np.eye(2)).pdf(xt.numpy())
+                         for ci, e in zip(c[c > 0].numpy(), ent)) / float(c.sum()))
+        np.testing.assert_allclose(got[k].numpy(), ref, rtol=1e-9)
+    long = engine(lengthscale=20.0, **dict(over, smc_proposal="prior"))
+    long.update(x, 0.1 * x[:, :1])
+    assert int((long.count[0] > 0).sum()) == 1 and float(long.mem_c[0, 0].max()) > 1.0   # merged, not split

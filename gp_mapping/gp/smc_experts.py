@@ -66,6 +66,9 @@ NOISE_FLOOR = 1e-6
 GATE_NEGLIGIBLE = 1e-10
 #: prediction works on chunks of test points whose (J, K, M, G, D) temporaries hold about this many numbers
 PREDICT_CHUNK_ELEMENTS = 1 << 22
+#: a full expert whose closest memory entries are farther apart than this (in its shortest lengthscale) is split
+#: in two when its particle has a free expert slot, instead of merging them
+SPLIT_SPACING = 0.25
 
 
 class SMCExperts(Engine):
@@ -322,14 +325,17 @@ class SMCExperts(Engine):
         experts in use, log alpha + log T_0(x) for a new one (-inf when none can be opened)."""
         cfg = self.config
         d = self.input_dims
-        mu, L, nu = self._gate_params() if params is None else params
-        diff = x[None, None, :, :] - mu[:, :, None, :]                                   # (J, K, G, D)
-        sol = torch.linalg.solve_triangular(L, diff.transpose(-1, -2), upper=False)     # (J, K, D, G)
-        maha = (sol * sol).sum(-2)
-        logdet = 2.0 * torch.log(torch.diagonal(L, dim1=-2, dim2=-1)).sum(-1)
-        const = (torch.lgamma(0.5 * (nu + d)) - torch.lgamma(0.5 * nu) - 0.5 * d * (torch.log(nu) + math.log(math.pi))
-                 - 0.5 * logdet)
-        log_t = const[..., None] - 0.5 * (nu + d)[..., None] * torch.log1p(maha / nu[..., None])
+        if cfg.smc_gate == "kernel":
+            log_t = self._kernel_gate_log(x)
+        else:
+            mu, L, nu = self._gate_params() if params is None else params
+            diff = x[None, None, :, :] - mu[:, :, None, :]                               # (J, K, G, D)
+            sol = torch.linalg.solve_triangular(L, diff.transpose(-1, -2), upper=False)  # (J, K, D, G)
+            maha = (sol * sol).sum(-2)
+            logdet = 2.0 * torch.log(torch.diagonal(L, dim1=-2, dim2=-1)).sum(-1)
+            const = (torch.lgamma(0.5 * (nu + d)) - torch.lgamma(0.5 * nu)
+                     - 0.5 * d * (torch.log(nu) + math.log(math.pi)) - 0.5 * logdet)
+            log_t = const[..., None] - 0.5 * (nu + d)[..., None] * torch.log1p(maha / nu[..., None])
         w = self._decayed(t)
         used = self.count > 0
         log_old = torch.where(used[..., None], torch.log(w.clamp_min(1e-300))[..., None] + log_t,
@@ -338,6 +344,23 @@ class SMCExperts(Engine):
         can_open = (~used).any(1) | bool(cfg.gate_on_time)
         log_new = torch.where(can_open[:, None], log_new, torch.full_like(log_new, -math.inf))
         return torch.cat([log_old, log_new[:, None, :]], dim=1)
+
+    def _kernel_gate_log(self, x: torch.Tensor) -> torch.Tensor:
+        """log of an expert's input density at x (J, K, G) for ``smc_gate: kernel``: the count-weighted mean of
+        Gaussian kernels N(x; x_i, h^2 I) over its memory entries (merged entries count their readings), so an
+        expert's gate follows the readings it holds rather than a Gaussian blob around them (a distance-dependent
+        CRP, Blei & Frazier 2011). On a lawnmower drive an expert's readings lie in lanes, its NIW blob spreads
+        over the neighbouring experts' lanes and a test point between them was gated to an expert that holds no
+        reading near it; the kernel gate gives it to the experts of the nearest readings. Free experts get -inf
+        (the caller masks them anyway)."""
+        h = float(self.config.smc_gate_bandwidth)
+        u = self._used_memory(self.mem_c)
+        mc = self.mem_c[..., :u]
+        d2 = _squared_distances(self.mem_x[..., :u, :], x)                              # (J, K, u, G)
+        logc = torch.log(mc.clamp_min(1e-300)).masked_fill(mc <= 0, -math.inf)
+        tot = torch.log(mc.sum(-1).clamp_min(1e-300))                                   # (J, K)
+        lk = torch.logsumexp(logc[..., None] - 0.5 * d2 / (h * h), -2)                  # (J, K, G)
+        return lk - tot[..., None] - 0.5 * self.input_dims * math.log(2.0 * math.pi * h * h)
 
     def _log_t0(self, x: torch.Tensor) -> torch.Tensor:
         """Prior predictive of a new expert's input (G,): at its centre with a local prior mean."""
@@ -438,6 +461,8 @@ class SMCExperts(Engine):
             self.crp_t[jn, kn] = t
             self.theta[jn, kn] = theta_new[is_new]
             self.g_mu0[jn, kn] = x if cfg.smc_gate_prior_mean == "local" else 0.0
+        if cfg.smc_gate == "kernel":
+            z = self._split_full(z, x, t)
         # Gating statistics and CRP weights.
         self.count[ar, z], self.g_mean[ar, z], self.g_scatter[ar, z] = niw_add(
             self.count[ar, z], self.g_mean[ar, z], self.g_scatter[ar, z], x.expand(j, -1))
@@ -484,6 +509,77 @@ class SMCExperts(Engine):
         self._chol, self._ly, self._l1 = self._chol[idx].clone(), self._ly[idx].clone(), self._l1[idx].clone()
         self.log_w = torch.full_like(self.log_w, -math.log(self.num_particles))
         self.resamples_t += 1
+
+    def _split_full(self, z: torch.Tensor, x: torch.Tensor, t: float) -> torch.Tensor:
+        """Before reading x joins expert z_j: where that expert's memory is full, its entries are farther apart
+        than SPLIT_SPACING of its shortest lengthscale (merging the closest pair would blur detail the expert
+        resolves) and the particle has a free slot, split the expert in two at the count-weighted median of its
+        entries along their principal axis. Both halves keep the hyperparameters and are exact GPs on their
+        entries; the gating statistics are recomputed from the entries (their within-entry spread is lost), the
+        CRP weight is shared by count. x then joins the half holding the nearest entry. Returns the new z (J,).
+        So memory goes where the field needs it: a smooth expert (long lengthscale) merges its readings and a
+        short-lengthscale one grows into more experts instead of averaging neighbouring readings away. Only with
+        ``smc_gate: kernel``: the NIW gate of a half rebuilt from merged entries misplaces it (measured worse)."""
+        m = self.expert_memory
+        ar = torch.arange(self.num_particles, device=self.device)
+        zc = z.clamp_max(self.max_experts - 1)
+        mc = self.mem_c[ar, zc]
+        full = (mc > 0).all(1) & (self.count == 0).any(1)
+        if not bool(full.any()):
+            return z
+        jb = ar[full]
+        kb = zc[full]
+        mx = self.mem_x[jb, kb]
+        ls = torch.exp(self.theta[jb, kb, :self.num_ls].min(-1).values)
+        d2 = _squared_distances(mx, mx) / (ls * ls)[:, None, None]
+        d2 = d2 + torch.diag_embed(torch.full(mx.shape[:2], math.inf, dtype=d2.dtype, device=d2.device))
+        coarse = d2.flatten(1).min(1).values > SPLIT_SPACING ** 2
+        if not bool(coarse.any()):
+            return z
+        z = z.clone()
+        for j, k in zip(jb[coarse].tolist(), kb[coarse].tolist()):
+            f = int(torch.argmax((self.count[j] == 0).to(torch.int8)))
+            ex, ec = self.mem_x[j, k].clone(), self.mem_c[j, k].clone()
+            w = ec / ec.sum()
+            centre = (w[:, None] * ex).sum(0)
+            dev = ex - centre
+            cov = (w[:, None, None] * dev[:, :, None] * dev[:, None, :]).sum(0)
+            axis = torch.linalg.eigh(cov)[1][:, -1]
+            proj = dev @ axis
+            order = torch.argsort(proj)
+            cum = torch.cumsum(ec[order], 0)
+            cut = int(torch.searchsorted(cum, 0.5 * cum[-1]).clamp(0, m - 2)) + 1
+            a_idx, b_idx = order[:cut], order[cut:]
+            for name in ("mem_x", "mem_y", "mem_c", "mem_s"):
+                buf = getattr(self, name)
+                old = buf[j, k].clone()
+                buf[j, k] = 0.0
+                buf[j, f] = 0.0
+                buf[j, k, :cut] = old[a_idx]
+                buf[j, f, :m - cut] = old[b_idx]
+            total = float(self.count[j, k])
+            for slot in (k, f):
+                c = self.mem_c[j, slot]
+                valid = c > 0
+                cx = self.mem_x[j, slot][valid]
+                cw = c[valid]
+                share = float(cw.sum()) / float(ec.sum())
+                mean = (cw[:, None] * cx).sum(0) / cw.sum()
+                dx = cx - mean
+                self.g_mean[j, slot] = mean
+                self.g_scatter[j, slot] = (cw[:, None, None] * dx[:, :, None] * dx[:, None, :]).sum(0)
+                self.count[j, slot] = total * share
+                self.g_mu0[j, slot] = mean if self.config.smc_gate_prior_mean == "local" else 0.0
+            w_old = float(self.crp_w[j, k])
+            self.crp_w[j, f] = w_old * float(self.count[j, f]) / total
+            self.crp_w[j, k] = w_old * float(self.count[j, k]) / total
+            self.crp_t[j, f] = self.crp_t[j, k]
+            self.theta[j, f] = self.theta[j, k]
+            near = torch.argmin(((ex - x) ** 2).sum(-1))
+            if bool((b_idx == near).any()):
+                z[j] = f
+            self._refresh(torch.tensor([j, j], device=self.device), torch.tensor([k, f], device=self.device))
+        return z
 
     def _insert(self, ar: torch.Tensor, z: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
         """Put (x, y) into the memory of expert z_j of every particle j, merging the closest pair of
