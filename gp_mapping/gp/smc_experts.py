@@ -69,6 +69,9 @@ PREDICT_CHUNK_ELEMENTS = 1 << 22
 #: a full expert whose closest memory entries are farther apart than this (in its shortest lengthscale) is split
 #: in two when its particle has a free expert slot, instead of merging them
 SPLIT_SPACING = 0.25
+#: to split, a particle without a free slot frees that of its smallest expert if it holds at most
+#: expert_memory / SMALL_EXPERT_FRACTION readings (they join their neighbour expert)
+SMALL_EXPERT_FRACTION = 8
 
 
 class SMCExperts(Engine):
@@ -524,7 +527,9 @@ class SMCExperts(Engine):
         ar = torch.arange(self.num_particles, device=self.device)
         zc = z.clamp_max(self.max_experts - 1)
         mc = self.mem_c[ar, zc]
-        full = (mc > 0).all(1) & (self.count == 0).any(1)
+        small = (self.count > 0) & (self.count <= max(1, m // SMALL_EXPERT_FRACTION))
+        small[ar, zc] = False
+        full = (mc > 0).all(1) & ((self.count == 0).any(1) | small.any(1))
         if not bool(full.any()):
             return z
         jb = ar[full]
@@ -538,7 +543,11 @@ class SMCExperts(Engine):
             return z
         z = z.clone()
         for j, k in zip(jb[coarse].tolist(), kb[coarse].tolist()):
-            f = int(torch.argmax((self.count[j] == 0).to(torch.int8)))
+            if bool((self.count[j] == 0).any()):
+                f = int(torch.argmax((self.count[j] == 0).to(torch.int8)))
+            else:
+                f = int(torch.argmin(torch.where(small[j], self.count[j], torch.full_like(self.count[j], math.inf))))
+                self._absorb(j, f, t)
             ex, ec = self.mem_x[j, k].clone(), self.mem_c[j, k].clone()
             w = ec / ec.sum()
             centre = (w[:, None] * ex).sum(0)
@@ -581,12 +590,43 @@ class SMCExperts(Engine):
             self._refresh(torch.tensor([j, j], device=self.device), torch.tensor([k, f], device=self.device))
         return z
 
+    def _absorb(self, j: int, r: int, t: float) -> None:
+        """Free slot r of particle j by moving its entries (a small expert: at most expert_memory /
+        SMALL_EXPERT_FRACTION readings) into the expert whose gate is highest at their mean, as readings of it
+        (counts, gating statistics and CRP weight move along; its hyperparameters stay)."""
+        valid = self.mem_c[j, r] > 0
+        ex, ey, ec = self.mem_x[j, r][valid], self.mem_y[j, r][valid], self.mem_c[j, r][valid]
+        centre = (ec[:, None] * ex).sum(0) / ec.sum()
+        score = self._kernel_gate_log(centre[None])[j, :, 0] + torch.log(self._decayed(t)[j].clamp_min(1e-300))
+        score = torch.where(self.count[j] > 0, score, torch.full_like(score, -math.inf))
+        score[r] = -math.inf
+        nb = int(torch.argmax(score))
+        if not math.isfinite(float(score[nb])):
+            nb = int(torch.argmax(torch.where(torch.arange(self.max_experts, device=self.device) == r,
+                                              torch.zeros_like(self.count[j]), self.count[j])))
+        jj, kk = torch.tensor([j], device=self.device), torch.tensor([nb], device=self.device)
+        w_r = float(self._decayed(t)[j, r])
+        for i in range(ex.shape[0]):
+            self._insert(jj, kk, ex[i], ey[i])
+            self.count[j, nb], self.g_mean[j, nb], self.g_scatter[j, nb] = niw_add(
+                self.count[j, nb], self.g_mean[j, nb], self.g_scatter[j, nb], ex[i])
+        if self.config.gate_on_time:
+            self.crp_w[j, nb] = self._decayed(t)[j, nb] + w_r
+            self.crp_t[j, nb] = t
+        else:
+            self.crp_w[j, nb] = self.count[j, nb]
+        for buf in (self.count, self.crp_w, self.g_mean, self.g_scatter, self.mem_x, self.mem_y, self.mem_c,
+                    self.mem_s):
+            buf[j, r] = 0.0
+        self._refresh(jj, kk)
+
     def _insert(self, ar: torch.Tensor, z: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
         """Put (x, y) into the memory of expert z_j of every particle j, merging the closest pair of
         [memory; new] (Euclidean) where the memory is full."""
         m = self.expert_memory
         mx, my, mc, ms = self.mem_x[ar, z], self.mem_y[ar, z], self.mem_c[ar, z], self.mem_s[ar, z]
         j = ar.shape[0]
+        rows = torch.arange(j, device=ar.device)
         ex = torch.cat([mx, x.expand(j, 1, -1)], 1)
         ey = torch.cat([my, y.expand(j, 1, -1)], 1)
         ec = torch.cat([mc, torch.ones(j, 1, dtype=mc.dtype, device=mc.device)], 1)
@@ -599,11 +639,11 @@ class SMCExperts(Engine):
         d2 = d2 + torch.diag_embed(torch.full((j, m + 1), math.inf, dtype=d2.dtype, device=d2.device))
         flat = torch.argmin(d2.reshape(j, -1), 1)
         p, q = torch.minimum(flat // (m + 1), flat % (m + 1)), torch.maximum(flat // (m + 1), flat % (m + 1))
-        ca, cb = ec[ar, p], ec[ar, q]
+        ca, cb = ec[rows, p], ec[rows, q]
         c = ca + cb
-        xm = (ca[:, None] * ex[ar, p] + cb[:, None] * ex[ar, q]) / c[:, None]
-        ym = (ca[:, None] * ey[ar, p] + cb[:, None] * ey[ar, q]) / c[:, None]
-        sm = es[ar, p] + es[ar, q] + (ca * cb / c)[:, None] * (ey[ar, p] - ey[ar, q]) ** 2
+        xm = (ca[:, None] * ex[rows, p] + cb[:, None] * ex[rows, q]) / c[:, None]
+        ym = (ca[:, None] * ey[rows, p] + cb[:, None] * ey[rows, q]) / c[:, None]
+        sm = es[rows, p] + es[rows, q] + (ca * cb / c)[:, None] * (ey[rows, p] - ey[rows, q]) ** 2
         # Full: merged pair into p, the new entry (index m) into q when q < m. Not full: new entry into a free slot.
         slot_free = torch.argmax(free.to(torch.int8), 1)
         tgt1 = torch.where(has_free, slot_free, p)
@@ -612,9 +652,9 @@ class SMCExperts(Engine):
         v1c = torch.where(has_free, torch.ones_like(c), c)
         v1s = torch.where(has_free[:, None], torch.zeros_like(sm), sm)
         second = (~has_free) & (q < m)
-        mx[ar, tgt1], my[ar, tgt1], mc[ar, tgt1], ms[ar, tgt1] = v1x, v1y, v1c, v1s
+        mx[rows, tgt1], my[rows, tgt1], mc[rows, tgt1], ms[rows, tgt1] = v1x, v1y, v1c, v1s
         if bool(second.any()):
-            js, qs = ar[second], q[second]
+            js, qs = rows[second], q[second]
             mx[js, qs], my[js, qs], mc[js, qs], ms[js, qs] = x, y, 1.0, 0.0
         self.mem_x[ar, z], self.mem_y[ar, z], self.mem_c[ar, z], self.mem_s[ar, z] = mx, my, mc, ms
 
