@@ -62,8 +62,14 @@ from .likelihoods import GaussianLikelihood
 LOG_2PI = math.log(2.0 * math.pi)
 #: smallest noise variance an expert may have, relative to the running target variance
 NOISE_FLOOR = 1e-6
-#: an expert whose gate is below this at every test point of a chunk is not predicted (its weight is dropped)
-GATE_NEGLIGIBLE = 1e-10
+#: an expert whose gate is below this at every test point of a group is not predicted there: its gate weight
+#: goes to its prior (mean 0, prior variance), which moves the mixture mean by at most this fraction of the
+#: expert's deviation from the prior; the NIW gate's Student-t tails would otherwise make every expert of a
+#: particle count everywhere (22 of 32 at 1e-10, 6 at 1e-4)
+GATE_NEGLIGIBLE = 1e-4
+#: test points per group of one prediction GEMM: smaller groups need fewer experts each (their union over the
+#: group), larger ones fewer calls
+PREDICT_GROUP = 128
 #: prediction works on chunks of test points whose (J, K, M, G, D) temporaries hold about this many numbers
 PREDICT_CHUNK_ELEMENTS = 1 << 22
 #: a full expert whose closest memory entries are farther apart than this (in its shortest lengthscale) is split
@@ -141,6 +147,10 @@ class SMCExperts(Engine):
         self._ly = torch.zeros(0)
         self._l1 = torch.zeros(0)
         self._cache_ok = False
+        # prediction cache (rebuilt after any change): L^-1 (J, K, U, U) and K^-1 y (J, K, U, P) per expert
+        self._linv = torch.zeros(0)
+        self._kiy = torch.zeros(0)
+        self._pred_ok = False
         self.to(resolve_device(cfg.device))
 
     # ------------------------------------------------------------------ properties
@@ -184,6 +194,7 @@ class SMCExperts(Engine):
     def _drop_caches(self) -> None:
         super()._drop_caches()
         self._cache_ok = False
+        self._pred_ok = False
 
     def _loaded(self) -> None:
         self._generator.set_state(self.rng_state.detach().to("cpu", torch.uint8))
@@ -308,6 +319,54 @@ class SMCExperts(Engine):
         full_mean[sel], full_var[sel] = mean, var
         return full_mean, full_var
 
+    def _ensure_pred_cache(self) -> None:
+        """The prediction cache: the distinct experts (resampling copies experts into several particles, and a
+        copy stays identical until it takes a reading: on a mapping drive 510 experts in use were 53 distinct),
+        each with L^-1 and K^-1 (y - mean) r in work units, so that predicting at G points is one kernel
+        evaluation and two batched matrix products per group of distinct experts (no triangular solve per map):
+        mean = k*^T K^-1 y and var = k** - |L^-1 k*|^2. ``_rep`` (J, K) gives each expert's distinct index (-1:
+        free slot). Rebuilt after every update (hyperparameters, memories and the running target scale change
+        there), once per map at most."""
+        if self._pred_ok:
+            return
+        self._ensure_cache()
+        mean_y, ratio, _ = self._work_scale()
+        u = self._chol.shape[-1]
+        used = self.count > 0
+        jj, kk = torch.nonzero(used, as_tuple=True)
+        feat = torch.cat([self.theta[jj, kk], self.mem_x[jj, kk, :u].flatten(1), self.mem_y[jj, kk, :u].flatten(1),
+                          self.mem_c[jj, kk, :u], self.mem_s[jj, kk, :u].flatten(1)], 1)
+        if feat.shape[0]:
+            _, inverse = torch.unique(feat, dim=0, return_inverse=True)
+        else:
+            inverse = torch.zeros(0, dtype=torch.int64, device=self.device)
+        n_rep = int(inverse.max()) + 1 if inverse.numel() else 0
+        first = torch.full((n_rep,), feat.shape[0], dtype=torch.int64, device=self.device)
+        first = first.scatter_reduce(0, inverse, torch.arange(feat.shape[0], device=self.device), "amin")
+        rj, rk = jj[first], kk[first]
+        self._rep = torch.full(used.shape, -1, dtype=torch.int64, device=self.device)
+        self._rep[jj, kk] = inverse
+        self._rep_jk = (rj, rk)
+        eye = torch.eye(u, dtype=torch.float64, device=self.device)
+        chol = self._chol[rj, rk]
+        self._linv = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
+        wy = (self._ly[rj, rk] - mean_y * self._l1[rj, rk][..., None]) * ratio              # L^-1 y (R, U, P)
+        self._kiy = self._linv.transpose(-1, -2) @ wy
+        self._pred_ok = True
+
+    def _predict_selected(self, reps: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent mean (A, G, P) and variance (A, G) in work units of the distinct experts ``reps`` (A,) at x
+        (G, D), from the prediction cache: one kernel evaluation and two batched GEMMs for the whole group."""
+        u = self._linv.shape[-1]
+        jj, kk = self._rep_jk[0][reps], self._rep_jk[1][reps]
+        th = self.theta[jj, kk]
+        mx = self.mem_x[jj, kk, :u]
+        ks = self._kernel(mx, x, th) * (self.mem_c[jj, kk, :u] > 0).to(x.dtype)[..., None]  # (A, U, G)
+        mean = ks.transpose(-1, -2) @ self._kiy[reps]                                     # (A, G, P)
+        v = self._linv[reps] @ ks                                                         # (A, U, G)
+        var = (self._prior_var(th)[:, None] - (v * v).sum(-2)).clamp_min(0.0)
+        return mean, var
+
     # ------------------------------------------------------------------ gating
     def _decayed(self, t: float) -> torch.Tensor:
         """CRP weights at stamp t (J, K)."""
@@ -358,12 +417,20 @@ class SMCExperts(Engine):
         (the caller masks them anyway)."""
         h = float(self.config.smc_gate_bandwidth)
         u = self._used_memory(self.mem_c)
-        mc = self.mem_c[..., :u]
-        d2 = _squared_distances(self.mem_x[..., :u, :], x)                              # (J, K, u, G)
+        mx, mc = self.mem_x[..., :u, :], self.mem_c[..., :u]
+        if self._pred_ok:  # a map: only the distinct experts (see _ensure_pred_cache)
+            rj, rk = self._rep_jk
+            mx, mc = mx[rj, rk], mc[rj, rk]
+        d2 = _squared_distances(mx, x)                                                  # (..., u, G)
         logc = torch.log(mc.clamp_min(1e-300)).masked_fill(mc <= 0, -math.inf)
-        tot = torch.log(mc.sum(-1).clamp_min(1e-300))                                   # (J, K)
-        lk = torch.logsumexp(logc[..., None] - 0.5 * d2 / (h * h), -2)                  # (J, K, G)
-        return lk - tot[..., None] - 0.5 * self.input_dims * math.log(2.0 * math.pi * h * h)
+        tot = torch.log(mc.sum(-1).clamp_min(1e-300))
+        lk = torch.logsumexp(logc[..., None] - 0.5 * d2 / (h * h), -2)                  # (..., G)
+        out = lk - tot[..., None] - 0.5 * self.input_dims * math.log(2.0 * math.pi * h * h)
+        if self._pred_ok:
+            rep = self._rep
+            out = torch.where((rep >= 0)[..., None], out[rep.clamp_min(0)],
+                              torch.full((), -math.inf, dtype=out.dtype, device=out.device))
+        return out
 
     def _log_t0(self, x: torch.Tensor) -> torch.Tensor:
         """Prior predictive of a new expert's input (G,): at its centre with a local prior mean."""
@@ -393,6 +460,7 @@ class SMCExperts(Engine):
         stats = {"mode": "smc", "n_batch": int(xt.shape[0]), "resampled": 0, "new_experts": 0,
                  "slice_evaluations": 0}
         if xt.shape[0]:
+            self._pred_ok = False
             with torch.no_grad():
                 self._ensure_cache()
                 touched = torch.zeros(self.num_particles, self.max_experts, dtype=torch.float64,
@@ -698,12 +766,32 @@ class SMCExperts(Engine):
         t = float(self.last_t) if t is None else float(t)
         if not math.isfinite(t):
             t = 0.0
+        self._ensure_pred_cache()
         log_gate = self._gate_log(x, t)
         g = torch.exp(log_gate - torch.logsumexp(log_gate, 1, keepdim=True))
-        # Only experts with a say somewhere in x are predicted (gates are local: a few per particle).
-        active = (g[:, :-1, :] > GATE_NEGLIGIBLE).any(-1) & (self.count > 0)
-        mean, var = self._expert_predict(x, active)
-        j, _, n, p = mean.shape
+        # Only experts with a say somewhere in a group of points are predicted there (gates are local: a few per
+        # particle); groups are as large as PREDICT_CHUNK_ELEMENTS allows for the experts they need.
+        self._ensure_pred_cache()
+        j, k, n, p = self.num_particles, self.max_experts, x.shape[0], self.output_dims
+        u = self._linv.shape[-1]
+        mean = torch.zeros(j, k, n, p, dtype=torch.float64, device=self.device)
+        var = self._prior_var(self.theta)[..., None].expand(j, k, n).clone()
+        used = self.count > 0
+        start, step = 0, min(n, PREDICT_GROUP)
+        while start < n:
+            stop = min(n, start + step)
+            active = (g[:, :-1, start:stop] > GATE_NEGLIGIBLE).any(-1) & used
+            size = int(torch.unique(self._rep[active]).numel()) * u * (stop - start)
+            if size > PREDICT_CHUNK_ELEMENTS and stop - start > 1:
+                step = max(1, (stop - start) // 2)
+                continue
+            if size:
+                jj, kk = torch.nonzero(active, as_tuple=True)
+                reps, inverse = torch.unique(self._rep[jj, kk], return_inverse=True)
+                m_a, v_a = self._predict_selected(reps, x[start:stop])
+                mean[jj, kk, start:stop] = m_a[inverse]
+                var[jj, kk, start:stop] = v_a[inverse]
+            start = stop
         std = self.config.smc_hyper_prior_std
         pm = self._prior_now()
         prior_var = math.exp(float(pm[self.num_ls]) + 0.5 * std ** 2)
@@ -717,13 +805,18 @@ class SMCExperts(Engine):
         return self.weights, g, mean, var, noise
 
     def _chunks(self, n: int) -> int:
-        per_point = self.num_particles * self.max_experts * self.expert_memory
-        return max(1, min(n, PREDICT_CHUNK_ELEMENTS // max(per_point * self.input_dims, 1)))
+        """Test points per chunk: the gates' temporaries (J, K, U, G) for the kernel gate, (J, K, D, G) and the
+        per-component outputs (J, K, G, P) otherwise, hold about PREDICT_CHUNK_ELEMENTS numbers."""
+        width = self._used_memory(self.mem_c) if self.config.smc_gate == "kernel" else self.input_dims
+        per_point = self.num_particles * (self.max_experts + 1) * max(width, self.output_dims + 2)
+        return max(1, min(n, PREDICT_CHUNK_ELEMENTS // max(per_point, 1)))
 
     def _latent(self, x: torch.Tensor, t=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Mixture mean and variance (law of total variance) of f at checked inputs, standardised units."""
         sbar = self._work_scale()[2]
         out_m, out_v = [], []
+        order = _spatial_order(x)
+        x = x[order]
         with torch.no_grad():
             step = self._chunks(x.shape[0])
             for s in range(0, x.shape[0], step):
@@ -736,7 +829,9 @@ class SMCExperts(Engine):
         if not out_m:
             empty = torch.zeros(0, self.output_dims, dtype=torch.float64, device=self.device)
             return empty, empty.clone()
-        return torch.cat(out_m) / sbar, torch.cat(out_v) / sbar ** 2
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.shape[0], device=order.device)
+        return torch.cat(out_m)[back] / sbar, torch.cat(out_v)[back] / sbar ** 2
 
     def predict(self, x, t=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and variance (G, P) of the latent f at x, original units; gate at stamp t (default: newest)."""
@@ -751,7 +846,8 @@ class SMCExperts(Engine):
         xt = self._check_x(x)
         yt = self._check_y(y, xt.shape[0])
         mean_y, ratio, _ = self._work_scale()
-        ys = (yt - mean_y) * ratio
+        order = _spatial_order(xt)
+        xt, ys = xt[order], ((yt - mean_y) * ratio)[order]
         out = []
         with torch.no_grad():
             step = self._chunks(xt.shape[0])
@@ -763,7 +859,9 @@ class SMCExperts(Engine):
                 out.append(torch.logsumexp((logw + comp).flatten(0, 1), 0))
         if not out:
             return torch.zeros(0, self.output_dims, dtype=torch.float64, device=self.device)
-        return torch.cat(out) + torch.log(ratio)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.shape[0], device=order.device)
+        return torch.cat(out)[back] + torch.log(ratio)
 
     def extra_repr(self) -> str:
         return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, particles={self.num_particles}, "
@@ -778,3 +876,21 @@ def _squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         diff = a[..., :, None, d] - b[..., None, :, d]
         r2 = diff * diff if r2 is None else r2 + diff * diff
     return r2
+
+
+def _spatial_order(x: torch.Tensor, bits: int = 10) -> torch.Tensor:
+    """A permutation of the points x (G, D) along a Z-order (Morton) curve over their first (up to three)
+    coordinates, so that consecutive points are close at every scale: a group of them needs the experts of a
+    small area, not of a whole grid row."""
+    n = x.shape[0]
+    if n < 2:
+        return torch.arange(n, device=x.device)
+    c = x[:, :min(3, x.shape[1])]
+    lo, hi = c.min(0).values, c.max(0).values
+    q = ((c - lo) / (hi - lo).clamp_min(1e-300) * (2 ** bits - 1)).round().to(torch.int64)
+    key = torch.zeros(n, dtype=torch.int64, device=x.device)
+    dims = q.shape[1]
+    for b in range(bits):
+        for d in range(dims):
+            key |= ((q[:, d] >> b) & 1) << (b * dims + d)
+    return torch.argsort(key, stable=True)
