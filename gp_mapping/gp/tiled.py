@@ -71,7 +71,6 @@ tiles are updated and predicted one after another (a batch touches at most 2^D o
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import time
@@ -79,9 +78,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .base import check_inputs, resolve_device, to_float64_tensor
+from .base import Engine, resolve_device
 from .config import ModelConfig
-from .errors import ConfigError, ModelInputError
+from .errors import ConfigError
 
 #: the hyperparameter attributes tiles share, by engine class name (an engine may declare its own with a
 #: class attribute ``SHARED_HYPERPARAMETERS``)
@@ -186,18 +185,19 @@ class _Tile(nn.Module):
         self.register_buffer("theta", theta.detach().clone())
 
 
-class TiledModel(nn.Module):
+class TiledModel(Engine):
     """Overlapping tiles of local engines with shared hyperparameters; see the module docstring.
 
-    ``factory(config, input_dims, output_dims)`` builds one engine (a registered ``model.engine``).
+    ``factory(config, input_dims, output_dims)`` builds one engine (a registered ``model.engine``). An engine
+    itself (:class:`~gp_mapping.gp.base.Engine`: the same checks, counters and device), with one difference:
+    its ``_latent`` is the blend of the tiles in the targets' own units (each tile keeps the target scale it
+    was created with, so there is no common standardised unit), and ``predict`` returns it unscaled.
     """
 
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int,
                  factory: Callable[[ModelConfig, int, int], nn.Module]) -> None:
-        super().__init__()
-        self.config = copy.deepcopy(config)
-        self.input_dims = d = int(input_dims)
-        self.output_dims = p = int(output_dims)
+        super().__init__(config, input_dims, output_dims)
+        d, p = self.input_dims, self.output_dims
         self._factory = factory
         sizes = [float(config.tile_size)] * 2
         if d == 3 and float(config.tile_height) > 0:
@@ -228,19 +228,7 @@ class TiledModel(nn.Module):
         self.to(self._device)
 
     # ------------------------------------------------------------------ properties
-    @property
-    def device(self) -> torch.device:
-        return self.num_seen_t.device
-
-    @property
-    def num_seen(self) -> int:
-        """Samples seen (each counted once, however many tiles it went to)."""
-        return int(self.num_seen_t)
-
-    @property
-    def num_updates(self) -> int:
-        return int(self.num_updates_t)
-
+    # num_seen (Engine) counts samples once, however many tiles a sample went to.
     @property
     def num_tiles(self) -> int:
         return len(self.tiles)
@@ -407,20 +395,14 @@ class TiledModel(nn.Module):
         with torch.no_grad():
             for name, value in journal["buffers"].items():
                 self._buffers[name].copy_(value)
-        self._after_load()
+        self._loaded()
 
     # ------------------------------------------------------------------ update
-    def _check_y(self, y, n: int) -> torch.Tensor:
-        t = to_float64_tensor(y, "y", self.device)
-        if t.dim() == 1 and self.output_dims == 1:
-            t = t[:, None]
-        if t.dim() != 2 or t.shape[1] != self.output_dims:
-            raise ModelInputError(f"y must have shape (N, {self.output_dims}), got {tuple(t.shape)}")
-        if t.shape[0] != n:
-            raise ModelInputError(f"x has {n} rows but y has {t.shape[0]}")
-        if bool(torch.isinf(t).any()):
-            raise ModelInputError(f"y holds +-Inf in {int(torch.isinf(t).any(1).sum())} rows")
-        return t
+    def _check_y(self, y, n: int, name: str = "y") -> torch.Tensor:
+        """Targets (N, P) with NaN kept where a channel is missing: the tiles' engines decide whether they
+        take missing channels (continual_mogp does, dual_svgp refuses them)."""
+        filled, mask = self._check_targets(y, n, name, allow_missing=True)
+        return torch.where(mask, filled, torch.full_like(filled, math.nan))
 
     def update(self, x, y, mode: str | None = None) -> dict:
         """Condition on a batch: each sample goes to every tile whose span holds it (see the module docstring).
@@ -428,7 +410,7 @@ class TiledModel(nn.Module):
         start = time.perf_counter()
         if mode not in (None, "fast", "full"):
             raise ValueError(f"update mode must be 'fast', 'full' or None, got {mode!r}")
-        xt = check_inputs(x, self.input_dims, self.device)
+        xt = self._check_x(x)
         yt = self._check_y(y, xt.shape[0])
         stats: dict[str, Any] = {"mode": mode or "fast", "n_batch": int(xt.shape[0]), "tiles_touched": 0,
                                  "tiles_created": 0, "z_moved": 0, "hyper_steps": 0}
@@ -521,23 +503,27 @@ class TiledModel(nn.Module):
 
     def predict(self, x) -> tuple[torch.Tensor, torch.Tensor]:
         """Blended mean and variance (G, P) of the latent f: the mixture's moments (module docstring)."""
-        xt = check_inputs(x, self.input_dims, self.device)
-        g, p = xt.shape[0], self.output_dims
+        xt = self._check_x(x)
         with torch.no_grad():
-            parts = [(rows, w[:, None], *engine.predict(xt[rows])) for rows, engine, w in self._each_tile(xt)]
-            mean = torch.zeros(g, p, dtype=torch.float64, device=xt.device)
-            for rows, w, m, _ in parts:
-                mean.index_add_(0, rows, w * m)
-            # sum_t w_t (v_t + (m_t - m)^2) = sum_t w_t (v_t + m_t^2) - m^2 without the cancellation
-            var = torch.zeros(g, p, dtype=torch.float64, device=xt.device)
-            for rows, w, m, v in parts:
-                dev = m - mean[rows]
-                var.index_add_(0, rows, w * (v + dev * dev))
-            return mean, var.clamp_min(0.0)
+            return self._latent(xt)
+
+    def _latent(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixture's moments at checked inputs, in the targets' units (each tile predicts in its own)."""
+        g, p = xt.shape[0], self.output_dims
+        parts = [(rows, w[:, None], *engine.predict(xt[rows])) for rows, engine, w in self._each_tile(xt)]
+        mean = torch.zeros(g, p, dtype=torch.float64, device=xt.device)
+        for rows, w, m, _ in parts:
+            mean.index_add_(0, rows, w * m)
+        # sum_t w_t (v_t + (m_t - m)^2) = sum_t w_t (v_t + m_t^2) - m^2 without the cancellation
+        var = torch.zeros(g, p, dtype=torch.float64, device=xt.device)
+        for rows, w, m, v in parts:
+            dev = m - mean[rows]
+            var.index_add_(0, rows, w * (v + dev * dev))
+        return mean, var.clamp_min(0.0)
 
     def log_predictive_density(self, x, y) -> torch.Tensor:
         """log p(y*|x*) (N, P) of the blend: log sum_t w_t p_t(y*|x*) (a log-sum-exp over the tiles)."""
-        xt = check_inputs(x, self.input_dims, self.device)
+        xt = self._check_x(x)
         yt = self._check_y(y, xt.shape[0])
         with torch.no_grad():
             parts = [(rows, torch.log(w)[:, None] + engine.log_predictive_density(xt[rows], yt[rows]))
@@ -576,10 +562,9 @@ class TiledModel(nn.Module):
         # The shared parts appear under every tile too (one module): every copy holds the same values.
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         self._journal = None
-        self._after_load()
         return result
 
-    def _after_load(self) -> None:
+    def _loaded(self) -> None:  # Engine: called once a state is loaded
         self._freeze_after_first_update()
 
     def extra_repr(self) -> str:
