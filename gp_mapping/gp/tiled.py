@@ -78,7 +78,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .base import Engine, resolve_device
+from .base import Engine, merge_moments, moments_scale, resolve_device
 from .config import ModelConfig
 from .errors import ConfigError
 
@@ -314,34 +314,11 @@ class TiledModel(Engine):
         slot.theta.copy_(current)
 
     # ------------------------------------------------------------------ target scaling
-    def _running_scaling(self) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.target_count
-        mean = self.target_mean
-        var = torch.where(n > 1, self.target_m2 / n.clamp_min(1.0), torch.zeros_like(n))
-        std = var.clamp_min(0.0).sqrt()
-        ok = std > 1e-9 * mean.abs().clamp_min(1.0)
-        return mean.clone(), torch.where(ok, std, torch.ones_like(std))
-
-    def _observe_targets(self, y: torch.Tensor) -> None:
-        """Chan et al.'s parallel update of the running mean and sum of squares (NaN entries are missing)."""
-        mask = ~torch.isnan(y)
-        nb = mask.sum(0).to(torch.float64)
-        yz = torch.where(mask, y, torch.zeros_like(y))
-        mean_b = yz.sum(0) / nb.clamp_min(1.0)
-        m2_b = (torch.where(mask, y - mean_b, torch.zeros_like(y)) ** 2).sum(0)
-        n = self.target_count
-        tot = n + nb
-        delta = mean_b - self.target_mean
-        frac = torch.where(tot > 0, nb / tot.clamp_min(1.0), torch.zeros_like(tot))
-        self.target_mean += delta * frac
-        self.target_m2 += m2_b + delta * delta * n * frac
-        self.target_count += nb
-
     def _scale(self, engine: nn.Module) -> None:
         """Give an engine the running target scaling (engines without standardised targets keep theirs)."""
         if not getattr(engine.likelihood, "standardise_targets", True):
             return
-        mean, std = self._running_scaling()
+        mean, std = moments_scale(self.target_count, self.target_mean, self.target_m2)
         engine.set_standardisation(mean, std)
 
     # ------------------------------------------------------------------ tiles
@@ -432,7 +409,7 @@ class TiledModel(Engine):
 
     def _update_tiles(self, xt: torch.Tensor, yt: torch.Tensor, mode: str | None, stats: dict) -> None:
         with torch.no_grad():
-            self._observe_targets(yt)
+            merge_moments(self.target_count, self.target_mean, self.target_m2, yt, ~torch.isnan(yt))
         pts, tiles = self.layout.memberships(xt)
         keys_t, inverse = torch.unique(tiles, dim=0, return_inverse=True)
         most = int(torch.bincount(inverse).max())
