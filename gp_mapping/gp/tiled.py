@@ -35,6 +35,15 @@ under), so publishing a map never changes the model: the node and the replay giv
 their publication timing. The mixing matrix of continual_mogp is learned in the first tile's first update and
 frozen afterwards (a later tile relearning it would move every other tile's map without data).
 
+Hyperparameter budget. ``model.hyper_warmup`` (up to ``hyper_steps`` steps per full update while the
+hyperparameters are young, then one per ``hyper_batch`` new samples) is the shared hyperparameters' warm-up:
+it counts the steps of all tiles together (``hyper_steps_t``), and each touched tile's engine is given the
+warm-up (``model.hyper_warmup``) while that count is below it, none after. With each engine's own count every
+new tile restarted the warm-up, so a drive into new ground kept paying up to ``hyper_steps`` steps per tile
+update for hyperparameters already learned (measured over the 30-minute ``large`` drive: 40 steps per update
+early and late, against 2 with the shared count, and 3.6 x the CPU time per update), and an update in a
+tile that had filled up (all M inducing points, a full memory) cost more than one in a young tile.
+
 Target scaling. Shared hyperparameters live in standardised units, so every tile must standardise alike:
 the wrapper keeps running per-output means and variances of every sample it has seen, and a new tile gets
 the current values (the first tile: its first batch's). A tile keeps that scale: the engines' own adaptive
@@ -224,6 +233,8 @@ class TiledModel(Engine):
         self.register_buffer("target_mean", torch.zeros(p, **f64))
         self.register_buffer("target_m2", torch.zeros(p, **f64))
         self.register_buffer("max_jitter", torch.tensor(float(config.jitter), **f64))
+        # Hyperparameter steps taken by all tiles together: the age of the shared hyperparameters.
+        self.register_buffer("hyper_steps_t", torch.tensor(0, dtype=torch.int64))
         self._journal: dict[str, Any] | None = None
         self.to(self._device)
 
@@ -322,6 +333,12 @@ class TiledModel(Engine):
         engine.set_standardisation(mean, std)
 
     # ------------------------------------------------------------------ tiles
+    @property
+    def hyperparameters_young(self) -> bool:
+        """Whether the shared hyperparameters are still in their warm-up: fewer than ``model.hyper_warmup``
+        steps taken by all tiles together (module docstring, 'Hyperparameter budget')."""
+        return int(self.hyper_steps_t) < int(self.config.hyper_warmup)
+
     def _tile_config(self, index: tuple[int, ...]) -> ModelConfig:
         cfg = dataclasses.replace(self.config, tile_size=0.0)
         seed = (int(self.config.seed) + sum((k + 1) * 1_000_003 * int(i) for k, i in enumerate(index))) % (2 ** 31)
@@ -424,6 +441,9 @@ class TiledModel(Engine):
                 stats["tiles_created"] += 1
             slot = self.tiles[key]
             self._bring_up_to_date(slot)
+            warmup = int(self.config.hyper_warmup) if self.hyperparameters_young else 0
+            if slot.engine.config.hyper_warmup != warmup:  # the warm-up is the shared hyperparameters'
+                slot.engine.config = dataclasses.replace(slot.engine.config, hyper_warmup=warmup)
             # A tile that only clips a corner of the batch conditions fast; its samples wait (the engine's
             # pending data) for its next full update, when the robot is in it.
             tile_mode = mode
@@ -441,6 +461,7 @@ class TiledModel(Engine):
             modes.append(out.get("mode"))
             stats["z_moved"] += int(out.get("z_moved", 0))
             stats["hyper_steps"] += int(out.get("hyper_steps", 0))
+            self.hyper_steps_t += int(out.get("hyper_steps", 0))
             jitter = out.get("jitter", getattr(slot.engine, "jitter", None))
             if jitter is not None and float(jitter) > float(self.max_jitter):
                 self.max_jitter.fill_(float(jitter))
@@ -536,6 +557,11 @@ class TiledModel(Engine):
                     raise RuntimeError(f"Error(s) in loading state_dict for TiledModel: tile {key!r} has "
                                        f"{len(index)} indices, this layout tiles {self.layout.dims} axes")
                 self.tiles[key] = self._new_tile(index)
+        if "hyper_steps_t" not in state_dict:
+            # A state saved before the shared warm-up was counted: every step the tiles took was a shared one.
+            steps = sum(int(v) for k, v in state_dict.items()
+                        if k.startswith(_TILE_PREFIX) and k.endswith(".engine.adam_step"))
+            state_dict = {**state_dict, "hyper_steps_t": torch.tensor(steps, dtype=torch.int64)}
         # The shared parts appear under every tile too (one module): every copy holds the same values.
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         self._journal = None
