@@ -203,6 +203,33 @@ def test_state_dict_round_trip_with_any_number_of_tiles(drive):
         assert torch.equal(tb, tc)
 
 
+def test_warm_up_belongs_to_the_shared_hyperparameters(drive):
+    """model.hyper_warmup counts the steps of all tiles together: once they have taken it, every tile -- a
+    new one included -- takes the post-warm-up budget (one step per hyper_batch new samples), so an update
+    costs the same in the hundredth tile as in the second (a tile's own count would restart the warm-up).
+    hyper_batch here exceeds any tile's batch and pending samples together: one step per full tile update."""
+    x, y = samples(drive)
+    cfg = model_config(hyper_steps=10, hyper_warmup=30, hyper_batch=1000, hyper_tol=0.0)
+    model = build_model(cfg, 2, 1)
+    young, grown = [], []
+    for i in range(0, len(x), 50):
+        was_young = model.hyperparameters_young
+        before = model.num_tiles
+        stats = model.update(x[i:i + 50], y[i:i + 50])
+        (young if was_young else grown).append((stats, model.num_tiles - before))
+    assert not model.hyperparameters_young and int(model.hyper_steps_t) >= 30
+    assert max(s["hyper_steps"] for s, _ in young) > 2  # the warm-up takes up to hyper_steps per tile
+    # After it: at most one step per touched tile, new tiles too.
+    assert all(s["hyper_steps"] <= s["tiles_touched"] for s, _ in grown)
+    assert any(made for _, made in grown)
+    # A state saved before the count existed loads with the tiles' own step counts summed.
+    state = {k: v for k, v in model.state_dict().items() if k != "hyper_steps_t"}
+    again = build_model(cfg, 2, 1)
+    again.load_state_dict(state)
+    total = sum(int(model.tile(i).adam_step) for i in model.tile_indices())
+    assert int(again.hyper_steps_t) == total == int(model.hyper_steps_t)
+
+
 def test_mapper_checkpoint_round_trip_and_grid_with_tiles(drive, tmp_path):
     cfg = config_from_dict({"model": dataclasses.asdict(model_config(hyper_steps=5)),
                             "batching": {"size": 50},
