@@ -66,8 +66,8 @@ class ModelConfig:
     memory_per_batch: int = option(10, doc="samples drawn into memory from each batch", low=0, high=100_000)
     memory_selection: str = option("leverage", doc="how memory samples are drawn from a batch",
                                  choices=("leverage", "random"))
-    rho: float = option(0.9, doc="natural-gradient damping step", low=0.0, low_open=True, high=1.0)
-    n_steps: int = option(2, doc="natural-gradient steps per update", low=1, high=1000)
+    rho: float = option(0.9, doc="natural-gradient damping step (non-Gaussian likelihoods: Gaussian sites are exact at once)", low=0.0, low_open=True, high=1.0)
+    n_steps: int = option(2, doc="natural-gradient steps per full update (non-Gaussian likelihoods)", low=1, high=1000)
     learn_hyperparameters: bool = option(True, doc="learn kernel and noise hyperparameters online (full mode)")
     hyper_steps: int = option(20, doc="most Adam steps on the hyperparameters per full update (fewer by "
                                       "hyper_batch after the warm-up, or once a step gains less than hyper_tol; "
