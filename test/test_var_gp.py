@@ -357,3 +357,34 @@ def test_two_task_classification_keeps_task_one_where_a_global_inducing_set_forg
     assert acc[0][0] > 0.9 and acc[0][1] > 0.9, acc
     assert abs(acc[1][0] - acc[0][0]) <= 0.02, acc
     assert acc[1][1] < 0.5, acc  # the global set predicts task 2's rule on task 1's region
+
+
+def test_mapper_maps_saves_and_reloads_with_var_gp(tmp_path):
+    """The Mapper (node and replay share it) runs the engine unchanged: vector field target, grid, state file."""
+    from gp_mapping.config import config_from_dict
+    from gp_mapping.mapping.frames import quaternion_from_rpy
+    from gp_mapping.mapping.mapper import Mapper
+
+    cfg = config_from_dict({"model": {"engine": "var_gp", "device": "cpu", "num_inducing": 64,
+                                      "vargp_block_size": 16, "lengthscale": 0.5, "hyper_steps": 3},
+                            "batching": {"mode": "count", "size": 40},
+                            "grid": {"resolution": 0.2, "margin": 0.2, "unknown_distance": 0.4}})
+    mapper = Mapper(cfg)
+    t = np.arange(0.0, 12.0, 0.05)
+    xy = np.stack([0.3 * t, np.sin(0.4 * t)], 1)
+    for i, (s, p) in enumerate(zip(t, xy)):
+        mapper.add_pose(s, [p[0], p[1], 0.0], quaternion_from_rpy(0.0, 0.0, 0.0))
+        if 1 <= i < len(t) - 1:
+            b = 40.0 + 3.0 * np.sin(2.0 * p[0]) + np.cos(1.5 * p[1])
+            mapper.add_magnetic_field(s + 0.01, [b * 1e-6, 2e-6, -30e-6])
+        mapper.process()
+    mapper.flush()
+    assert mapper.model.num_blocks >= 2
+    grid = mapper.grid()
+    name = next(iter(grid.layers))
+    mean = grid.layers[name][0]
+    assert np.isfinite(mean[grid.known]).all()
+    path = tmp_path / "map.safetensors"
+    mapper.save(path)
+    loaded = Mapper.load(path)
+    np.testing.assert_array_equal(loaded.grid().layers[name][0], mean)
