@@ -145,6 +145,25 @@ def moments_scale(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> 
     return mean.clone(), torch.where(ok, std, torch.ones_like(std))
 
 
+#: Running target statistics re-express a model in new units when their standard deviation leaves
+#: [1/RESCALE_FACTOR, RESCALE_FACTOR] x the current scale or their mean moves by more than RESCALE_SHIFT scales.
+RESCALE_FACTOR = 2.0
+RESCALE_SHIFT = 0.5
+
+
+def scale_drifted(mean: torch.Tensor, std: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether running moments (mean, std) (P,) have drifted from the standardisation in use (offset, scale) by
+    the rule above, for any output."""
+    ratio = std / scale
+    return bool(((ratio > RESCALE_FACTOR) | (ratio < 1.0 / RESCALE_FACTOR)
+                 | ((mean - offset).abs() > RESCALE_SHIFT * scale)).any())
+
+
+def symmetrise(a: torch.Tensor) -> torch.Tensor:
+    """(A + A^T) / 2 over the last two dimensions (removes the round-off asymmetry of products)."""
+    return 0.5 * (a + a.transpose(-1, -2))
+
+
 class Engine(nn.Module, abc.ABC):
     """Base class of the GP engines (see the module docstring for the contract)."""
 
