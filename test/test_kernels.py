@@ -118,3 +118,24 @@ def test_jittered_cholesky_raises_clear_errors():
         jittered_cholesky(torch.tensor([[1.0, float("nan")], [0.0, 1.0]], dtype=torch.float64), 1e-6)
     with pytest.raises(GPNumericalError, match="failed even with jitter"):
         jittered_cholesky(-torch.eye(3, dtype=torch.float64), 1e-6)
+
+
+@pytest.mark.parametrize("name", ["matern12", "matern32", "matern52", "rbf"])
+def test_the_in_place_path_without_gradients_equals_the_differentiable_one(name):
+    """Prediction evaluates kernels under no_grad through in-place buffers; training through autograd. Both must
+    give the same matrix (to round-off), with and without the constant kernel, coincident points included."""
+    rng = np.random.default_rng(3)
+    x1 = torch.as_tensor(rng.uniform(-3, 3, (40, 3)))
+    x2 = torch.cat([x1[:5], torch.as_tensor(rng.uniform(-3, 3, (20, 3)))])
+    for constant in (False, True):
+        kernel = build_kernel(ModelConfig(kernel=name, lengthscale=0.7, signal_variance=2.0, constant_kernel=constant,
+                                          constant_variance=0.3), 3)
+        tracked = kernel(x1, x2)
+        assert tracked.requires_grad
+        with torch.no_grad():
+            untracked = kernel(x1, x2)
+        np.testing.assert_allclose(untracked.numpy(), tracked.detach().numpy(), rtol=1e-14, atol=1e-15)
+        # the closed form, away from the autograd path altogether
+        ls = np.full(3, 0.7)
+        expected = 2.0 * CLOSED_FORMS[type(kernel.parts[0] if constant else kernel)](_scaled_r(x1.numpy(), x2.numpy(), ls))
+        np.testing.assert_allclose(untracked.numpy(), expected + (0.3 if constant else 0.0), rtol=1e-12)

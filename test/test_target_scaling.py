@@ -13,7 +13,7 @@ import torch
 
 from gp_mapping.config import ModelConfig
 from gp_mapping.gp import build_model
-from gp_mapping.gp.base import difference_noise_estimate, spans_space
+from gp_mapping.gp.base import difference_noise_estimate, merge_moments, moments_scale, spans_space
 from gp_mapping.sim import SensorConfig, TrajectoryConfig, WorldConfig, simulate
 
 REST_SAMPLES = 100  # 2 s at 50 Hz
@@ -76,6 +76,27 @@ def test_running_statistics_are_those_of_every_target_seen():
     run_std = y_all.std(0)
     assert np.all(model.y_std.numpy() > run_std / 2) and np.all(model.y_std.numpy() < 2 * run_std)
     assert 1 <= model.rescalings <= 4
+
+
+def test_merged_moments_with_missing_entries_are_those_of_the_entries_present():
+    """The one running-moment merge every engine uses (gp.base.merge_moments), against numpy per column."""
+    rng = np.random.default_rng(4)
+    batches = [rng.normal(3.0, s, (n, 2)) for s, n in ((0.1, 1), (2.0, 7), (10.0, 30))]
+    masks = [rng.random(b.shape) > 0.3 for b in batches]
+    masks[0][:] = [True, False]  # the second column starts unseen
+    count, mean, m2 = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64), \
+        torch.zeros(2, dtype=torch.float64)
+    for b, m in zip(batches, masks):
+        merge_moments(count, mean, m2, torch.as_tensor(np.where(m, b, np.nan)), torch.as_tensor(m))
+    for col in range(2):
+        present = np.concatenate([b[m[:, col], col] for b, m in zip(batches, masks)])
+        assert count[col] == len(present)
+        np.testing.assert_allclose(float(mean[col]), present.mean(), rtol=1e-12)
+        np.testing.assert_allclose(float(m2[col]) / len(present), present.var(), rtol=1e-10)
+    # no spread yet: the scale is 1 (the original units), not 0
+    one, mu, zero = torch.ones(1, dtype=torch.float64), torch.full((1,), 7.0, dtype=torch.float64), \
+        torch.zeros(1, dtype=torch.float64)
+    assert float(moments_scale(one, mu, zero)[1]) == 1.0
 
 
 def test_dual_svgp_rescaling_re_expresses_the_data_exactly():

@@ -86,6 +86,18 @@ def test_a_point_goes_to_one_tile_in_a_core_two_in_a_band_four_at_a_corner_eight
     assert len(pts) == 8
 
 
+@pytest.mark.parametrize("dims", [2, 3])
+def test_grouping_of_rows_by_tile_matches_torch_unique(dims):
+    gen = torch.Generator().manual_seed(dims)
+    tiles = torch.randint(-7, 9, (500, dims), generator=gen)
+    keys, inverse = torch.unique(tiles, dim=0, return_inverse=True)
+    groups = TileLayout.group(tiles)
+    assert [index for index, _ in groups] == [tuple(k) for k in keys.tolist()]
+    for u, (_, rows) in enumerate(groups):
+        assert torch.equal(rows, torch.nonzero(inverse == u, as_tuple=True)[0])
+    assert TileLayout.group(tiles[:0]) == []
+
+
 def test_blending_weight_is_smooth_across_a_border():
     layout = TileLayout((4.0, 4.0), 2.0)
     xs = torch.linspace(2.0, 6.0, 4001, dtype=torch.float64)
@@ -201,6 +213,57 @@ def test_state_dict_round_trip_with_any_number_of_tiles(drive):
     c.load_state_dict(few)
     for tb, tc in zip(b.predict(test_x), c.predict(test_x)):
         assert torch.equal(tb, tc)
+
+
+def test_warm_up_belongs_to_the_shared_hyperparameters(drive):
+    """model.hyper_warmup counts the steps of all tiles together: once they have taken it, every tile -- a
+    new one included -- takes the post-warm-up budget (one step per hyper_batch new samples), so an update
+    costs the same in the hundredth tile as in the second (a tile's own count would restart the warm-up).
+    hyper_batch here exceeds any tile's batch and pending samples together: one step per full tile update."""
+    x, y = samples(drive)
+    cfg = model_config(hyper_steps=10, hyper_warmup=30, hyper_batch=1000, hyper_tol=0.0)
+    model = build_model(cfg, 2, 1)
+    young, grown = [], []
+    for i in range(0, len(x), 50):
+        was_young = model.hyperparameters_young
+        before = model.num_tiles
+        stats = model.update(x[i:i + 50], y[i:i + 50])
+        (young if was_young else grown).append((stats, model.num_tiles - before))
+    assert not model.hyperparameters_young and int(model.hyper_steps_t) >= 30
+    assert max(s["hyper_steps"] for s, _ in young) > 2  # the warm-up takes up to hyper_steps per tile
+    # After it: at most one step per touched tile, new tiles too.
+    assert all(s["hyper_steps"] <= s["tiles_touched"] for s, _ in grown)
+    assert any(made for _, made in grown)
+    # A state saved before the count existed loads with the tiles' own step counts summed.
+    state = {k: v for k, v in model.state_dict().items() if k != "hyper_steps_t"}
+    again = build_model(cfg, 2, 1)
+    again.load_state_dict(state)
+    total = sum(int(model.tile(i).adam_step) for i in model.tile_indices())
+    assert int(again.hyper_steps_t) == total == int(model.hyper_steps_t)
+
+
+def test_an_update_touches_only_the_tiles_its_batch_falls_in(drive):
+    """The same batch on the same map, once with all its tiles and once with only the tiles the batch falls in:
+    bit-identical tiles afterwards, and the other tiles' own state unchanged (the cost cannot depend on them; the
+    bench section 'large' times it)."""
+    x, y = samples(drive)
+    model = stream(build_model(model_config(), 2, 1), x[:500], y[:500])
+    bx, by = x[500:550], y[500:550]
+    _, members = model.layout.memberships(torch.as_tensor(bx))
+    touched = {"_".join(map(str, row)) for row in members.tolist()}
+    assert 0 < len(touched) < model.num_tiles - 3
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    few = {k: v for k, v in state.items() if not k.startswith("tiles.") or k.split(".", 2)[1] in touched}
+    other = build_model(model_config(), 2, 1)
+    other.load_state_dict(few)
+    model.update(bx, by)
+    other.update(bx, by)
+    after, after_few = model.state_dict(), other.state_dict()
+    for k, v in after.items():
+        if not k.startswith("tiles.") or k.split(".", 2)[1] in touched:
+            assert torch.equal(v, after_few[k]), k
+        elif k.split(".")[2:4] not in (["engine", "kernel"], ["engine", "likelihood"]):  # shared: the consensus
+            assert torch.equal(v, state[k]), k
 
 
 def test_mapper_checkpoint_round_trip_and_grid_with_tiles(drive, tmp_path):

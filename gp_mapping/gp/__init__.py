@@ -18,6 +18,7 @@ from .errors import ConfigError, GPNumericalError, ModelInputError
 from .likelihoods import BernoulliLikelihood, GaussianLikelihood, StudentTLikelihood
 from .smc_experts import SMCExperts
 from .tiled import TiledModel
+from .var_gp import VARGP
 
 EngineFactory = Callable[[ModelConfig, int, int], Any]
 
@@ -38,6 +39,7 @@ def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
 register_engine("dual_svgp")(DualSVGP)
 register_engine("continual_mogp")(ContinualMOGP)
 register_engine("smc_experts")(SMCExperts)
+register_engine("var_gp")(VARGP)
 
 
 def build_model(model_config: ModelConfig | Mapping[str, Any], input_dims: int, output_dims: int):
@@ -70,4 +72,4 @@ def warm_up() -> None:
 
 __all__ = ["BernoulliLikelihood", "ConfigError", "ContinualMOGP", "DualSVGP", "ENGINES", "Engine", "GPNumericalError",
            "GaussianLikelihood", "ModelConfig", "ModelInputError", "SMCExperts", "StudentTLikelihood", "TiledModel",
-           "build_model", "register_engine", "resolve_device", "warm_up"]
+           "VARGP", "build_model", "register_engine", "resolve_device", "warm_up"]

@@ -116,6 +116,54 @@ def difference_noise_estimate(y: torch.Tensor) -> torch.Tensor:
     return 0.5 * (d * d).mean(0)
 
 
+def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, y: torch.Tensor,
+                  mask: torch.Tensor | None = None) -> None:
+    """Fold a batch y (N, P) into running moments in place: ``count`` (scalar or (P,)), ``mean`` and ``m2`` (sum
+    of squared deviations) (P,). Chan et al.'s pairwise merge (1979), exact and stable for any batch sizes;
+    with ``mask`` (N, P) only the True entries count (a missing channel; their values are never read)."""
+    if mask is None:
+        n_b = torch.full_like(count, float(y.shape[0]))
+        mean_b = y.mean(0)
+        m2_b = ((y - mean_b) ** 2).sum(0)
+    else:
+        n_b = mask.sum(0).to(count.dtype)
+        mean_b = torch.where(mask, y, torch.zeros_like(y)).sum(0) / n_b.clamp_min(1.0)
+        m2_b = (torch.where(mask, y - mean_b, torch.zeros_like(y)) ** 2).sum(0)
+    total = count + n_b
+    share = torch.where(total > 0, n_b / total.clamp_min(1.0), torch.zeros_like(total))
+    delta = mean_b - mean
+    mean += delta * share
+    m2 += m2_b + delta * delta * count * share
+    count.copy_(total)
+
+
+def moments_scale(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offset, scale) (P,) for standardising from running moments: the mean and the standard deviation; an
+    output with no spread yet (one sample, or a constant) keeps scale 1, i.e. its original units."""
+    std = torch.sqrt(m2 / count.clamp_min(1.0))
+    ok = std > 1e-9 * mean.abs().clamp_min(1.0)
+    return mean.clone(), torch.where(ok, std, torch.ones_like(std))
+
+
+#: Running target statistics re-express a model in new units when their standard deviation leaves
+#: [1/RESCALE_FACTOR, RESCALE_FACTOR] x the current scale or their mean moves by more than RESCALE_SHIFT scales.
+RESCALE_FACTOR = 2.0
+RESCALE_SHIFT = 0.5
+
+
+def scale_drifted(mean: torch.Tensor, std: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether running moments (mean, std) (P,) have drifted from the standardisation in use (offset, scale) by
+    the rule above, for any output."""
+    ratio = std / scale
+    return bool(((ratio > RESCALE_FACTOR) | (ratio < 1.0 / RESCALE_FACTOR)
+                 | ((mean - offset).abs() > RESCALE_SHIFT * scale)).any())
+
+
+def symmetrise(a: torch.Tensor) -> torch.Tensor:
+    """(A + A^T) / 2 over the last two dimensions (removes the round-off asymmetry of products)."""
+    return 0.5 * (a + a.transpose(-1, -2))
+
+
 class Engine(nn.Module, abc.ABC):
     """Base class of the GP engines (see the module docstring for the contract)."""
 

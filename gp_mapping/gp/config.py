@@ -42,8 +42,11 @@ class ModelConfig:
     engine: str = option("dual_svgp", doc="GP engine: dual_svgp (memory-based dual SVGP, Chang et al. 2023; a vector "
                          "target gets independent latents sharing Z), continual_mogp (continual multi-output GP with a "
                          "linear model of coregionalisation, Moreno-Munoz et al. 2019) or smc_experts (sequential Monte "
-                         "Carlo mixture of GP experts for nonstationary and changing fields, Zhang et al. 2019)",
-                         choices=("dual_svgp", "continual_mogp", "smc_experts"))
+                         "Carlo mixture of GP experts for nonstationary and changing fields, Zhang et al. 2019) or var_gp "
+                         "(variational auto-regressive GP: region blocks of inducing points and a distribution over "
+                         "the kernel hyperparameters, Kapoor et al. 2021; a vector target gets independent latents "
+                         "sharing the blocks)",
+                         choices=("dual_svgp", "continual_mogp", "smc_experts", "var_gp"))
     kernel: str = option("matern52", doc="stationary kernel", choices=("matern12", "matern32", "matern52", "rbf"))
     ard: bool = option(True, doc="one lengthscale per input dimension")
     constant_kernel: bool = option(True, doc="add a learned constant (bias) kernel")
@@ -56,7 +59,8 @@ class ModelConfig:
     noise_variance: float = option(0.01, doc="initial noise variance (standardised)", low=0.0, low_open=True,
                                  high=1e2)
     student_t_dof: float = option(4.0, doc="Student-t degrees of freedom", low=0.0, low_open=True, high=1e3)
-    num_inducing: int = option(256, doc="number of inducing points M", low=1, high=8192)
+    num_inducing: int = option(256, doc="number of inducing points M (var_gp: the most over all its blocks; "
+                               "above it the oldest blocks are distilled)", low=1, high=8192)
     inducing: str = option("pivoted_cholesky", doc="inducing-point policy: re-selected by pivoted Cholesky "
                          "over [Z; X_new], or a fixed grid over inducing_bounds",
                          choices=("pivoted_cholesky", "grid"))
@@ -66,22 +70,22 @@ class ModelConfig:
     memory_per_batch: int = option(10, doc="samples drawn into memory from each batch", low=0, high=100_000)
     memory_selection: str = option("leverage", doc="how memory samples are drawn from a batch",
                                  choices=("leverage", "random"))
-    rho: float = option(0.9, doc="natural-gradient damping step", low=0.0, low_open=True, high=1.0)
-    n_steps: int = option(2, doc="natural-gradient steps per update", low=1, high=1000)
+    rho: float = option(0.9, doc="natural-gradient damping step (non-Gaussian likelihoods: Gaussian sites are exact at once)", low=0.0, low_open=True, high=1.0)
+    n_steps: int = option(2, doc="natural-gradient steps per full update (non-Gaussian likelihoods)", low=1, high=1000)
     learn_hyperparameters: bool = option(True, doc="learn kernel and noise hyperparameters online (full mode)")
     hyper_steps: int = option(20, doc="most Adam steps on the hyperparameters per full update (fewer by "
                                       "hyper_batch after the warm-up, or once a step gains less than hyper_tol; "
                                       "Adam's moments carry over between updates)", low=0, high=100_000)
-    hyper_warmup: int = option(400, doc="dual_svgp: a full update may take up to hyper_steps hyperparameter steps until "
-                                        "the optimiser has taken this many in all (the map is small and the "
+    hyper_warmup: int = option(400, doc="dual_svgp and var_gp: a full update may take up to hyper_steps "
+                                        "hyperparameter steps until the optimiser has taken this many in all (the map is small and the "
                                         "hyperparameters far off then); after that hyper_batch rules",
                                low=0, high=10_000_000)
     hyper_batch: int = option(50, doc="after the warm-up a full update takes one hyperparameter step per this "
                                       "many new samples (at least one, at most hyper_steps), so learning keeps "
                                       "pace with the data whatever full_update_every is, and a 1-second batch "
                                       "costs a step or two", low=1, high=1_000_000)
-    hyper_points: int = option(256, doc="dual_svgp: hyperparameter steps see at most this many held samples "
-                                        "(a uniform sample of the memory and of the batch, weighted to stand for "
+    hyper_points: int = option(256, doc="dual_svgp and var_gp: hyperparameter steps see at most this many "
+                                        "held samples (a uniform sample of the memory and of the batch, weighted to stand for "
                                         "the rest, whose information stays in q), so a step costs the same "
                                         "however large the batch", low=1, high=1_000_000)
     hyper_tol: float = option(1e-4, doc="stop a full update's hyperparameter steps when the objective per "
@@ -114,7 +118,8 @@ class ModelConfig:
                                 "the paper), or never", choices=MIXING_LEARNING_CHOICES)
     variational_steps: int = option(100, doc="continual_mogp, non-Gaussian likelihoods: Adam steps on q(u) per "
                                   "E-step (a Gaussian likelihood has a closed-form E-step)", low=1, high=100_000)
-    variational_lr: float = option(0.02, doc="continual_mogp, non-Gaussian likelihoods: Adam learning rate on q(u)",
+    variational_lr: float = option(0.02, doc="continual_mogp (non-Gaussian likelihoods) and var_gp: Adam learning "
+                                   "rate on q(u)",
                                  low=0.0, low_open=True, high=10.0)
     smc_particles: int = option(16, doc="smc_experts: number J of particles (partitions of the data into experts)",
                               low=1, high=100_000)
@@ -166,6 +171,24 @@ class ModelConfig:
                               "and the map prefers it")
     smc_time_scale: float = option(300.0, doc="smc_experts with gate_on_time: decay time of an expert's gate weight "
                                  "[s of sample stamps]", low=0.0, low_open=True, high=1e9)
+    vargp_block_size: int = option(64, doc="var_gp: most inducing points in one region block (at most half of "
+                                   "num_inducing: distillation merges two blocks into one)", low=1, high=4096)
+    vargp_new_block: float = option(0.1, doc="var_gp: a new block is opened when, after the current block is full, "
+                                    "a batch input keeps more than this fraction of its prior variance given all "
+                                    "blocks' inducing inputs", low=0.0, low_open=True, high=1.0)
+    vargp_neighbours: int = option(4, doc="var_gp: a block is conditioned on this many nearest earlier blocks "
+                                   "(bounded cost); 0: on all earlier blocks, as in the paper", low=0, high=4096)
+    vargp_beta: float = option(1.0, doc="var_gp: tempering factor beta of KL[q_t(theta) || q_t-1(theta)]",
+                               low=0.0, high=1e6)
+    vargp_hyper_prior_std: float = option(1.0, doc="var_gp: standard deviation of the log-normal prior of each "
+                                          "kernel hyperparameter, centred on the configured value (q(theta) "
+                                          "starts at the same centre, narrower: 0.05)", low=0.0, low_open=True, high=100.0)
+    vargp_samples: int = option(2, doc="var_gp: draws of q(theta) per hyperparameter step (2: an antithetic pair)",
+                                low=1, high=64)
+    vargp_predict_samples: int = option(4, doc="var_gp: fixed draws of q(theta) that a prediction averages "
+                                        "(1: the mean)", low=1, high=64)
+    vargp_block_memory: int = option(1024, doc="var_gp: most samples of the current block's data kept for its "
+                                     "bound (a uniform weighted sample above it)", low=1, high=1_000_000)
     tile_size: float = option(0.0, doc="local submaps: side of the square tiles that each hold their own engine "
                               "with num_inducing points, for areas larger than a room (README 'Large areas'); 0: one "
                               "global engine [m]", low=0.0, high=1e5)

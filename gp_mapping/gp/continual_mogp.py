@@ -73,7 +73,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Engine, difference_noise_estimate, resolve_device, spans_space
+from .base import Engine, difference_noise_estimate, merge_moments, moments_scale, resolve_device, spans_space
 from .config import MIXING_LEARNING_CHOICES, ModelConfig
 from .errors import GPNumericalError, ModelInputError
 from .inducing import DEFAULT_REL_TOL, pivoted_cholesky
@@ -319,20 +319,10 @@ class ContinualMOGP(Engine):
         if not self.likelihood.standardise_targets:
             self.channel_seen |= mask.any(0)
             return
-        w = mask.to(torch.float64)
-        n_b = w.sum(0)
-        mean_b = (y * w).sum(0) / n_b.clamp_min(1.0)
-        m2_b = (((y - mean_b) ** 2) * w).sum(0)
-        total = self.y_count + n_b
-        delta = mean_b - self.y_run_mean
-        self.y_run_mean.copy_(torch.where(n_b > 0, self.y_run_mean + delta * n_b / total.clamp_min(1.0),
-                                          self.y_run_mean))
-        self.y_run_m2.copy_(self.y_run_m2 + m2_b + delta ** 2 * self.y_count * n_b / total.clamp_min(1.0))
-        self.y_count.copy_(total)
-        std = torch.sqrt(self.y_run_m2 / self.y_count.clamp_min(1.0))
-        # A channel with no spread yet has no scale: keep its original units.
-        std = torch.where(std > 1e-9 * torch.clamp(self.y_run_mean.abs(), min=1.0), std, torch.ones_like(std))
-        first = (n_b > 0) & ~self.channel_seen
+        count_before = self.y_count.clone()
+        merge_moments(self.y_count, self.y_run_mean, self.y_run_m2, y, mask)
+        _, std = moments_scale(self.y_count, self.y_run_mean, self.y_run_m2)
+        first = (self.y_count > count_before) & ~self.channel_seen
         self.y_mean.copy_(torch.where(first, self.y_run_mean, self.y_mean))
         self.y_std.copy_(torch.where(first, std, self.y_std))
         self.channel_seen |= first

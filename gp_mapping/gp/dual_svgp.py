@@ -88,7 +88,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .base import difference_noise_estimate, spans_space, Engine, resolve_device
+from .base import Engine, difference_noise_estimate, merge_moments, moments_scale, resolve_device, spans_space
 from .config import ModelConfig
 from .errors import ConfigError, GPNumericalError, ModelInputError
 from .inducing import DEFAULT_REL_TOL, grid_points, pivoted_cholesky
@@ -239,19 +239,11 @@ class DualSVGP(Engine):
             raise ModelInputError("standardisation mean must be finite and std finite and positive")
         with torch.no_grad():
             if bool(self.standardised) and not (torch.equal(m, self.y_mean) and torch.equal(sd, self.y_std)):
-                self._rescale_targets(m, sd)
-                self.rescalings_t -= 1  # not an adaptation
+                self._rescale_targets(m, sd, adaptation=False)
             self.y_mean.copy_(m)
             self.y_std.copy_(sd)
             self.standardised.fill_(True)
             self.scale_fixed.fill_(True)
-
-    def _running_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, std) of every target seen; an output with no spread yet keeps std 1 (original units)."""
-        mean = self.y_run_mean
-        std = torch.sqrt(self.y_run_m2 / self.y_count.clamp_min(1.0))
-        ok = std > 1e-9 * torch.clamp(mean.abs(), min=1.0)
-        return mean, torch.where(ok, std, torch.ones_like(std))
 
     def _track_targets(self, y: torch.Tensor) -> None:
         """Fold the batch into the running target statistics and re-express the model in new units when they
@@ -265,18 +257,10 @@ class DualSVGP(Engine):
         if not self.likelihood.standardise_targets:
             self.standardised.fill_(True)
             return
-        n_b = float(y.shape[0])
-        mean_b = y.mean(0)
-        m2_b = ((y - mean_b) ** 2).sum(0)
-        n_a = float(self.y_count)
-        delta = mean_b - self.y_run_mean
-        total = n_a + n_b
-        self.y_run_mean.copy_(self.y_run_mean + delta * (n_b / total))
-        self.y_run_m2.copy_(self.y_run_m2 + m2_b + delta ** 2 * (n_a * n_b / total))
-        self.y_count.fill_(total)
+        merge_moments(self.y_count, self.y_run_mean, self.y_run_m2, y)
         if bool(self.scale_fixed):
             return
-        mean, std = self._running_scale()
+        mean, std = moments_scale(self.y_count, self.y_run_mean, self.y_run_m2)
         if not bool(self.standardised):
             self.y_mean.copy_(mean)
             self.y_std.copy_(std)
@@ -288,7 +272,7 @@ class DualSVGP(Engine):
         if bool(drift.any()):
             self._rescale_targets(mean, std)
 
-    def _rescale_targets(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+    def _rescale_targets(self, mean: torch.Tensor, std: torch.Tensor, adaptation: bool = True) -> None:
         """Standardise with (mean, std) from now on: y_new = alpha (y_old - d), alpha = std_old / std, d = (mean -
         mean_old) / std_old, per output.
 
@@ -314,7 +298,8 @@ class DualSVGP(Engine):
             self.likelihood.rescale_targets(alpha)
         self.y_mean.copy_(mean)
         self.y_std.copy_(std)
-        self.rescalings_t += 1
+        if adaptation:  # (a scale set from outside is not counted in ``rescalings``)
+            self.rescalings_t += 1
         if self.num_inducing:
             self._recompute_totals(self._chol_K())
         self._drop_caches()
@@ -426,8 +411,12 @@ class DualSVGP(Engine):
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Damped BLR steps (eq. 23) on the held data's sites, the old part fixed; V = L^{-1} K_ZH.
 
-        ``fresh`` marks data without a site yet (lambda = 0): their first step is undamped.
+        ``fresh`` marks data without a site yet (lambda = 0): their first step is undamped. A conjugate
+        likelihood's sites do not depend on q, so they are set to that fixed point at once (what the damped steps
+        converge to, without the posterior each step needs).
         """
+        if self.likelihood.conjugate:
+            return self.likelihood.dual_sites(y, None, None)
         for step in range(n_steps):
             a_h, W_h = _site_sums(V, lam1, lam2)
             R, c = self._posterior(self.a_w_old + a_h, self.W_old + W_h)

@@ -53,6 +53,14 @@ class Kernel(nn.Module):
     def diag(self, x: torch.Tensor) -> torch.Tensor:  # (N,)
         raise NotImplementedError
 
+    def add_to_(self, out: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """out += k(x1, x2) in place (no gradient tracked); a kernel may skip building the matrix."""
+        return out.add_(self(x1, x2))
+
+
+def _tracks_gradients(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
 
 class StationaryKernel(Kernel):
     """sigma^2 * g(r) with r the lengthscale-scaled Euclidean distance; subclasses define g."""
@@ -77,6 +85,8 @@ class StationaryKernel(Kernel):
         # expansion for the few dimensions of a map; (N1, N2, D) temporaries are several times slower.
         a = x1 / self.lengthscale
         b = x2 / self.lengthscale
+        if not _tracks_gradients(a, b):
+            return self._scaled_distance_in_place(a, b)
         r2 = None
         for d in range(a.shape[1]):
             diff = a[:, d, None] - b[None, :, d]
@@ -84,11 +94,29 @@ class StationaryKernel(Kernel):
         # The clamp keeps d(sqrt)/dr2 finite at r = 0 (its gradient is then zero, which is the true value).
         return torch.sqrt(r2.clamp_min(1e-36))
 
+    @staticmethod
+    def _scaled_distance_in_place(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The same distances in one (N1, N2) buffer: no autograd graph to keep, so no temporaries (a grid of
+        cells against the inducing points is memory-bound; this is ~4x faster)."""
+        r2 = a[:, 0, None] - b[None, :, 0]
+        r2.square_()
+        for d in range(1, a.shape[1]):
+            diff = a[:, d, None] - b[None, :, d]
+            r2.addcmul_(diff, diff)
+        return r2.sqrt_()
+
     def profile(self, r: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def profile_(self, r: torch.Tensor) -> torch.Tensor:
+        """g(r), overwriting r (called only where no gradient is tracked)."""
+        return self.profile(r)
+
     def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-        return self.variance * self.profile(self.scaled_distance(x1, x2))
+        r = self.scaled_distance(x1, x2)
+        if _tracks_gradients(r, self.variance):
+            return self.variance * self.profile(r)
+        return self.profile_(r).mul_(self.variance)
 
     def diag(self, x: torch.Tensor) -> torch.Tensor:
         return self.variance.expand(x.shape[0]).clone()
@@ -100,6 +128,9 @@ class Matern12Kernel(StationaryKernel):
     def profile(self, r: torch.Tensor) -> torch.Tensor:
         return torch.exp(-r)
 
+    def profile_(self, r: torch.Tensor) -> torch.Tensor:
+        return r.neg_().exp_()
+
 
 class Matern32Kernel(StationaryKernel):
     """Matern nu=3/2: (1 + sqrt3 r) exp(-sqrt3 r)."""
@@ -107,6 +138,11 @@ class Matern32Kernel(StationaryKernel):
     def profile(self, r: torch.Tensor) -> torch.Tensor:
         s = math.sqrt(3.0) * r
         return (1.0 + s) * torch.exp(-s)
+
+    def profile_(self, r: torch.Tensor) -> torch.Tensor:
+        s = r.mul_(math.sqrt(3.0))
+        poly = s + 1.0
+        return poly.mul_(s.neg_().exp_())
 
 
 class Matern52Kernel(StationaryKernel):
@@ -116,12 +152,21 @@ class Matern52Kernel(StationaryKernel):
         s = math.sqrt(5.0) * r
         return (1.0 + s + s * s / 3.0) * torch.exp(-s)
 
+    def profile_(self, r: torch.Tensor) -> torch.Tensor:
+        s = r.mul_(math.sqrt(5.0))
+        poly = s * s
+        poly.div_(3.0).add_(s).add_(1.0)
+        return poly.mul_(s.neg_().exp_())
+
 
 class RBFKernel(StationaryKernel):
     """Squared exponential: exp(-r^2 / 2)."""
 
     def profile(self, r: torch.Tensor) -> torch.Tensor:
         return torch.exp(-0.5 * r * r)
+
+    def profile_(self, r: torch.Tensor) -> torch.Tensor:
+        return r.square_().mul_(-0.5).exp_()
 
 
 class ConstantKernel(Kernel):
@@ -138,6 +183,9 @@ class ConstantKernel(Kernel):
     def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         return self.variance.expand(x1.shape[0], x2.shape[0]).clone()
 
+    def add_to_(self, out: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        return out.add_(self.variance)
+
     def diag(self, x: torch.Tensor) -> torch.Tensor:
         return self.variance.expand(x.shape[0]).clone()
 
@@ -153,8 +201,12 @@ class SumKernel(Kernel):
 
     def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         out = self.parts[0](x1, x2)
-        for part in self.parts[1:]:
-            out = out + part(x1, x2)
+        if _tracks_gradients(out, *self.parameters()):
+            for part in self.parts[1:]:
+                out = out + part(x1, x2)
+            return out
+        for part in self.parts[1:]:  # without gradients: accumulated in the first part's fresh buffer
+            part.add_to_(out, x1, x2)
         return out
 
     def diag(self, x: torch.Tensor) -> torch.Tensor:

@@ -981,12 +981,16 @@ class _MapperCore:
 
     # ---------------------------------------------------------------------------------------------- stop
 
-    def close(self) -> None:
-        """Stop the update thread, write a last checkpoint (when they are on) and destroy the node."""
+    def _stop(self) -> None:
+        """Stop the update thread and write a last checkpoint (when they are on)."""
         if self._active:
             self._deactivate()
         if self.mapper is not None and self.config.node.checkpoint_interval_s > 0:
             self.write_checkpoint()
+
+    def close(self) -> None:
+        """Shut down from whatever state the node is in (:meth:`_stop`), then destroy it."""
+        self._stop()
         self.destroy_node()
 
 
@@ -1046,19 +1050,8 @@ class LifecycleMapperNode(_MapperCore, LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
-        if self._active:
-            self._deactivate()
-        if self.mapper is not None and self.config.node.checkpoint_interval_s > 0:
-            self.write_checkpoint()
+        self._stop()
         return TransitionCallbackReturn.SUCCESS
-
-    def close(self) -> None:
-        """Shut down from whatever state the node is in, then destroy it."""
-        if self._active:
-            self._deactivate()
-        if self.mapper is not None and self.config.node.checkpoint_interval_s > 0:
-            self.write_checkpoint()
-        self.destroy_node()
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
@@ -1097,28 +1090,41 @@ def run(args: argparse.Namespace) -> int:
 
 
 def spin(argv: list[str], lifecycle: bool = False, autostart: bool = False) -> int:
-    """Start ROS with ``argv``, run the node until shutdown, and return the exit status. ``lifecycle``: the
+    """Start ROS with ``argv``, run the mapper until shutdown, and return the exit status. ``lifecycle``: the
     managed node, waiting for configure and activate (``autostart``: it does both itself)."""
-    try:
-        rclpy.init(args=argv)
-    except Exception as err:  # rcl refuses malformed --ros-args or an unparsable params file
-        print(f"gp_mapping mapper: cannot start ROS: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    try:
-        try:
-            node = LifecycleMapperNode() if lifecycle else MapperNode()
-        except NodeStartError as err:  # at once: a bad parameter does not wait for the warm-up below
-            rclpy.logging.get_logger(NODE_NAME).fatal(str(err))
-            return EXIT_BAD_CONFIG
+
+    def prepare(node) -> bool:
         # Before the executor takes any message (or /clock): the first update must not stall on the imports
         # torch makes on first use.
         warm_up_engines()
         if lifecycle and autostart:
             if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
-                node.destroy_node()
-                return EXIT_BAD_CONFIG
+                return False
             node.trigger_activate()
-        # Single-threaded: every callback is short (the updates run on the node's own thread). rclpy's
+        return True
+
+    return spin_node(argv, "mapper", NODE_NAME, LifecycleMapperNode if lifecycle else MapperNode, prepare)
+
+
+def spin_node(argv: list[str], program: str, logger_name: str, make_node: Callable[[], Any],
+              prepare: Callable[[Any], bool] | None = None) -> int:
+    """The process around a gp_mapping node: start ROS with ``argv``, build the node (a NodeStartError is a bad
+    configuration, exit 2), ``prepare`` it (False: exit 2), spin until Ctrl-C or shutdown, ``close()`` it, exit 0."""
+    try:
+        rclpy.init(args=argv)
+    except Exception as err:  # rcl refuses malformed --ros-args or an unparsable params file
+        print(f"gp_mapping {program}: cannot start ROS: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    try:
+        try:
+            node = make_node()
+        except NodeStartError as err:  # at once: a bad parameter does not wait for any warm-up
+            rclpy.logging.get_logger(logger_name).fatal(str(err))
+            return EXIT_BAD_CONFIG
+        if prepare is not None and not prepare(node):
+            node.destroy_node()
+            return EXIT_BAD_CONFIG
+        # Single-threaded: every callback is short (the mapper's updates run on the node's own thread). rclpy's
         # MultiThreadedExecutor took about 400 of 30 000 messages under a 1 kHz flood on two cores.
         executor = SingleThreadedExecutor()
         executor.add_node(node)

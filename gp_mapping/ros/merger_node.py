@@ -34,7 +34,6 @@ import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import ParameterDescriptor, ParameterType
 from rclpy.exceptions import ParameterUninitializedException
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.parameter import Parameter
 from rclpy.node import Node
 from std_msgs.msg import UInt8MultiArray
@@ -43,8 +42,8 @@ from gp_mapping.gp.recyclable import MergeError
 from gp_mapping.mapping import publication
 from gp_mapping.mapping.merge import (DuplicateSourceError, MapSource, SummaryError, check_compatible, check_lineage,
                                       decode_summary, merge_maps, parse_transform)
-from gp_mapping.ros.mapper_node import (EXIT_BAD_CONFIG, EXIT_OK, MAP_QOS, NodeStartError, create_map_publishers,
-                                        publish_map_layout)
+from gp_mapping.ros.mapper_node import (EXIT_BAD_CONFIG, MAP_QOS, NodeStartError, create_map_publishers,
+                                        publish_map_layout, spin_node)
 
 MERGER_NAME = "merger"
 DIAGNOSTICS_PERIOD = 1.0
@@ -230,31 +229,14 @@ class MergerNode(Node):
         msg.header.stamp = self.get_clock().now().to_msg()
         self._diag_pub.publish(msg)
 
+    def close(self) -> None:
+        """Nothing to stop or write: the merged map is rebuilt from the sources' summaries."""
+        self.destroy_node()
+
 
 def spin(argv: list[str]) -> int:
-    try:
-        rclpy.init(args=argv)
-    except Exception as err:
-        print(f"gp_mapping merger: cannot start ROS: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    try:
-        try:
-            node = MergerNode()
-        except NodeStartError as err:
-            rclpy.logging.get_logger(MERGER_NAME).fatal(str(err))
-            return EXIT_BAD_CONFIG
-        executor = SingleThreadedExecutor()
-        executor.add_node(node)
-        try:
-            executor.spin()
-        except (KeyboardInterrupt, ExternalShutdownException):
-            pass
-        finally:
-            executor.shutdown()
-            node.destroy_node()
-        return EXIT_OK
-    finally:
-        rclpy.try_shutdown()
+    """Start ROS with ``argv`` and run the merger until shutdown; returns the exit status."""
+    return spin_node(argv, "merger", MERGER_NAME, MergerNode)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
