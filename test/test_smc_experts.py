@@ -405,7 +405,8 @@ def test_kernel_gate_is_the_count_weighted_kernel_density_and_full_short_experts
 
 @pytest.mark.parametrize("gate", ["niw", "kernel"])
 def test_fast_prediction_matches_the_dense_mixture(gate):
-    """Maps are predicted from the distinct experts only (copies made by resampling are computed once), in
+    """Maps are predicted from the distinct experts only (copies made by resampling, and copies that took the
+    same readings since, are computed once: expert ids), in
     Z-order groups, with experts of negligible gate (< 1e-4 everywhere in a group) left at their prior: the
     result matches the dense mixture over every expert of every particle (triangular solves, no grouping)."""
     x, y = stream(n=120, seed=3)
@@ -418,7 +419,10 @@ def test_fast_prediction_matches_the_dense_mixture(gate):
     model._ensure_pred_cache()
     assert int((model._rep >= 0).sum()) == int((model.count > 0).sum())
     assert int(model._rep.max()) + 1 < int((model.count > 0).sum())          # resampling made copies
-    model._pred_ok = False                                                   # the dense reference:
+    # the dense reference: every expert of every particle computed on its own (ids all distinct)
+    model.expert_id = torch.arange(model.expert_id.numel()).view_as(model.expert_id)
+    model._refresh()
+    model._pred_ok = False
     log_gate = model._gate_log(xt, float(model.last_t))
     g = torch.exp(log_gate - torch.logsumexp(log_gate, 1, keepdim=True))
     mu, v = model._expert_predict(xt)
