@@ -594,7 +594,9 @@ class SMCExperts(Engine):
 
     def _add_to_scale(self, y: torch.Tensor) -> None:
         """Welford update of the running target mean and spread; the scale is their standard deviation (1 until
-        two readings differ)."""
+        two readings differ). With ``smc_target_scaling: none`` the targets are used as given (mean 0, scale 1)."""
+        if self.config.smc_target_scaling == "none":
+            return
         n = self.y_count + 1.0
         delta = y - self.y_mean
         self.y_mean = self.y_mean + delta / n
