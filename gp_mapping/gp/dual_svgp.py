@@ -411,8 +411,12 @@ class DualSVGP(Engine):
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Damped BLR steps (eq. 23) on the held data's sites, the old part fixed; V = L^{-1} K_ZH.
 
-        ``fresh`` marks data without a site yet (lambda = 0): their first step is undamped.
+        ``fresh`` marks data without a site yet (lambda = 0): their first step is undamped. A conjugate
+        likelihood's sites do not depend on q, so they are set to that fixed point at once (what the damped steps
+        converge to, without the posterior each step needs).
         """
+        if self.likelihood.conjugate:
+            return self.likelihood.dual_sites(y, None, None)
         for step in range(n_steps):
             a_h, W_h = _site_sums(V, lam1, lam2)
             R, c = self._posterior(self.a_w_old + a_h, self.W_old + W_h)

@@ -32,6 +32,8 @@ class Likelihood(nn.Module):
 
     #: whether targets are standardised (running mean/std of the data seen) before they reach the likelihood
     standardise_targets: bool = True
+    #: whether :meth:`dual_sites` ignores q (a conjugate likelihood: one undamped step is the exact fixed point)
+    conjugate: bool = False
 
     def __init__(self, num_outputs: int, quadrature_points: int = 20) -> None:
         super().__init__()
@@ -87,6 +89,8 @@ class Likelihood(nn.Module):
 
 class GaussianLikelihood(Likelihood):
     """y = f + eps, eps ~ N(0, sigma_p^2), one learned noise variance per output. Everything in closed form."""
+
+    conjugate = True
 
     def __init__(self, num_outputs: int, noise_variance: float = 0.01, **kw) -> None:
         super().__init__(num_outputs, **kw)
