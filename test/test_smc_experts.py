@@ -218,6 +218,9 @@ def test_determinism_by_seed():
 
 
 def test_checkpoint_round_trip_resizes_and_continues_identically():
+    """A saved state loads into an engine of other sizes and continues as the original. Identically up to
+    rounding: the cached factors are as wide as the longest memory ever used, so a loaded engine (its cache as
+    wide as the longest memory now, after splits) factorises matrices of another size."""
     x, y = stream()
     model = engine(smc_particles=5, smc_max_experts=7, smc_expert_memory=9, gate_on_time=True, smc_time_scale=2.0)
     model.update(x[:40], y[:40], t=np.arange(40) * 0.1)
@@ -227,13 +230,14 @@ def test_checkpoint_round_trip_resizes_and_continues_identically():
     assert fresh.num_particles == 5 and fresh.max_experts == 7 and fresh.expert_memory == 9
     xt = np.random.default_rng(1).uniform(0, 3, (11, 2))
     for a, b in zip(model.predict(xt), fresh.predict(xt)):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     model.update(x[40:], y[40:], t=4 + np.arange(20) * 0.1)
     fresh.update(x[40:], y[40:], t=4 + np.arange(20) * 0.1)
     for a, b in zip(model.predict(xt), fresh.predict(xt)):
-        assert torch.equal(a, b)
-    assert torch.equal(model.log_predictive_density(xt, np.zeros((11, 1))),
-                       fresh.log_predictive_density(xt, np.zeros((11, 1))))
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(model.log_predictive_density(xt, np.zeros((11, 1))),
+                               fresh.log_predictive_density(xt, np.zeros((11, 1))), rtol=1e-10, atol=1e-12)
+    assert torch.equal(model.count, fresh.count) and torch.equal(model.expert_id, fresh.expert_id)
 
 
 def test_bad_settings_and_inputs_are_refused():
@@ -280,8 +284,9 @@ def test_target_scaling_is_not_frozen_by_a_robot_at_rest():
     for seed in range(8):
         for name, parts in {"drive": [(xy, y, t + 2.0)], "rest": [(rest_xy, rest_y, np.arange(20) * 0.1),
                                                                   (xy, y, t + 2.0)]}.items():
+            # the NIW gate, with which the 5 % were measured (the scaling does not depend on the gate)
             model = engine(smc_particles=8, smc_max_experts=8, smc_expert_memory=48, smc_niw_psi=0.5,
-                           smc_slice_steps=2, lengthscale=0.5, seed=seed)
+                           smc_slice_steps=2, lengthscale=0.5, seed=seed, smc_gate="niw")
             for px, py, pt in parts:
                 for s in range(0, len(px), 20):  # 2 s batches
                     model.update(px[s:s + 20], py[s:s + 20, None], t=pt[s:s + 20])

@@ -43,7 +43,8 @@ PAPER = {"mcycle": {"ll": (-72.157, 3.841), "mse": (0.417, 0.019)},
          "Nile": {"ll": (-147.531, 4.369), "mse": (0.740, 0.005)}}
 MEMBERS = {"mcycle": "resources/rdata/csv/MASS/mcycle.csv", "Nile": "resources/rdata/csv/datasets/Nile.csv"}
 #: the engine settings of the paper protocol (standardised inputs and targets, RBF experts as in the paper)
-PAPER_SMC = dict(engine="smc_experts", kernel="rbf", ard=False, constant_kernel=False, smc_gate_prior_mean="zero",
+PAPER_SMC = dict(engine="smc_experts", smc_gate="niw", kernel="rbf", ard=False, constant_kernel=False,
+                 smc_gate_prior_mean="zero",
                  smc_niw_psi=0.5, smc_niw_dof=3.0, smc_niw_prior_count=1.0, smc_alpha_shape=1.0, smc_alpha_rate=1.0,
                  smc_expert_memory=128, smc_max_experts=24, lengthscale=0.3, signal_variance=1.0, noise_variance=0.1,
                  smc_hyper_prior_std=1.5, smc_slice_steps=1, smc_slice_experts=1, smc_resampling="multinomial",
@@ -190,8 +191,8 @@ def score(model, xy, truth, noise_sd) -> dict[str, float]:
 
 
 def smc_map_config(**over) -> dict:
-    cfg = dict(engine="smc_experts", device="cpu", smc_particles=16, smc_max_experts=16, smc_expert_memory=32,
-               lengthscale=0.5, noise_variance=0.01, smc_niw_psi=1.0, smc_niw_dof=5.0, smc_slice_steps=2)
+    cfg = dict(engine="smc_experts", device="cpu", smc_gate="niw", smc_particles=16, smc_max_experts=16,
+               smc_expert_memory=32, lengthscale=0.5, noise_variance=0.01, smc_niw_psi=1.0, smc_niw_dof=5.0, smc_slice_steps=2)
     cfg.update(over)
     return cfg
 

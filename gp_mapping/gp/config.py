@@ -138,7 +138,7 @@ class ModelConfig:
                                     "that opens it (local: any place can open an expert, for maps that grow) or "
                                     "at the origin (zero: for standardised inputs, as in the paper's experiments)",
                                     choices=("local", "zero"))
-    smc_gate: str = option("niw", doc="smc_experts: the gate, the density of an expert's inputs: niw (a Normal-"
+    smc_gate: str = option("kernel", doc="smc_experts: the gate, the density of an expert's inputs: niw (a Normal-"
                          "inverse-Wishart cluster, the paper's) or kernel (a Gaussian kernel of width "
                          "smc_gate_bandwidth around each of its readings, a distance-dependent CRP: an expert "
                          "claims the places where its readings are, whatever their shape; a full expert with short "
