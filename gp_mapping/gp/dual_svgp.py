@@ -855,8 +855,10 @@ class DualSVGP(Engine):
                     self._noise_m_step(V, kxx, hy, lam1, lam2, weights)
                     lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, torch.zeros_like(fresh), cfg.n_steps,
                                                  cfg.rho)
-        # Memory: candidates from the batch, then the reservoir over old members and candidates.
-        k = min(cfg.memory_per_batch, n_b) if cfg.memory_size > 0 else 0
+        # Memory: candidates from the batch, then the reservoir over old members and candidates. A batch at rest
+        # gives none: the memory is what hyperparameters (and the noise's M-step) learn from, and a robot at rest
+        # says nothing about them (its readings' spread is the sensor's at rest); its data go to the old part.
+        k = min(cfg.memory_per_batch, n_b) if cfg.memory_size > 0 and spans_space(bx, cfg.lengthscale) else 0
         if k > 0:
             if cfg.memory_selection == "leverage":
                 a_h, W_h = _site_sums(V, lam1, lam2)
