@@ -18,7 +18,7 @@ from conftest import REPO_ROOT, SHARED_DATA, shared_data
 pytest.importorskip("gpytorch")
 pytestmark = pytest.mark.slow
 
-SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore", "merge")
+SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore", "merge", "forgetting")
 STREAMING = ("dual_svgp_full", "dual_svgp_fast", "dual_svgp_fast_only", "bui2017_osgpr", "nearest_neighbour",
              "constant_mean")
 OFFLINE = ("offline_svgp", "exact_gp")
@@ -192,3 +192,24 @@ def test_quick_bench_merge_section(quick_run):
     assert all(r["closed_form_seconds"] > 0 and r["learned_seconds"] > 0 and _finite(r["rmse_covered"])
                for r in sec["timing"])
     assert "## Merging maps" in quick_run["md"]
+
+
+def test_quick_bench_forgetting_section(quick_run):
+    """var_gp's section: the forgetting curve near the first batch's path (when the recording is there) and the
+    drive that keeps opening and distilling blocks (the quick world is small: structure and sanity only)."""
+    sec = quick_run["json"]["sections"]["forgetting"]
+    d = sec["drive"]
+    assert d["blocks_opened"] > 1 and d["distillations"] >= 1 and d["blocks"] >= 2
+    assert d["updates"] > 5 and _finite(d["rmse"]) and 0 < d["rmse"] < 10.0 and _finite(d["latency_ratio"])
+    assert "## Forgetting" in quick_run["md"]
+    c = sec["curve"]
+    if not SHARED_DATA.joinpath("solin2018_invensense").exists():
+        assert "skipped" in c
+        return
+    n = quick_run["json"]["plan"]["p1_batches"]
+    assert {"var_gp", "dual_svgp_full", "bui2017_osgpr"} <= set(c["methods"]) and c["test_points"] > 0
+    for name, r in c["methods"].items():
+        assert r["curve"]["batch"] == list(range(1, n + 1)), name
+        assert all(_finite(v) and v > 0 for v in r["curve"]["rmse_first_region"]), name
+        assert _finite(r["forgetting"]) and _finite(r["final_rmse_all"]), name
+    assert (quick_run["out"] / "forgetting.png").stat().st_size > 1000

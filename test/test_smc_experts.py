@@ -371,3 +371,63 @@ def test_vector_target_components_share_the_partition_and_keep_their_scales():
     print(rmse, ft.std(0))
     assert np.all(rmse < 0.2 * ft.std(0))
     assert model.log_predictive_density(xt, ft).shape == (40, 3)
+
+
+def test_kernel_gate_is_the_count_weighted_kernel_density_and_full_short_experts_split():
+    """smc_gate kernel: an expert's gate density is the count-weighted mean of N(x; x_i, h^2 I) over its memory
+    entries (closed form below); a full expert whose entries are farther apart than a quarter lengthscale splits
+    into two (no reading lost: counts and entries add up) instead of merging, while a long-lengthscale expert
+    merges."""
+    rng = np.random.default_rng(5)
+    x = np.column_stack([np.linspace(0, 4, 40), np.zeros(40)])
+    y = np.sin(6 * x[:, :1]) + 0.01 * rng.standard_normal((40, 1))
+    over = dict(smc_particles=2, smc_max_experts=4, smc_expert_memory=8, smc_gate="kernel", smc_gate_bandwidth=0.4,
+                smc_slice_steps=0, smc_hyper_prior_std=1e-3, smc_alpha_shape=1e-3, smc_alpha_rate=1e3)
+    short = engine(lengthscale=0.2, **over)
+    short.update(x, y)
+    j = 0
+    used = short.count[j] > 0
+    assert int(used.sum()) >= 2 and float(short.count[j].sum()) == pytest.approx(40.0)
+    assert float(short.mem_c[j].sum()) == pytest.approx(40.0)        # every reading held by exactly one entry
+    h = 0.4
+    xt = torch.as_tensor(rng.uniform(-0.5, 4.5, (7, 2)))
+    got = short._kernel_gate_log(xt)[j]
+    for k in torch.nonzero(used).flatten().tolist():
+        c = short.mem_c[j, k]
+        ent = short.mem_x[j, k][c > 0].numpy()
+        ref = np.log(sum(ci * stats.multivariate_normal(e, h * h * np.eye(2)).pdf(xt.numpy())
+                         for ci, e in zip(c[c > 0].numpy(), ent)) / float(c.sum()))
+        np.testing.assert_allclose(got[k].numpy(), ref, rtol=1e-9)
+    long = engine(lengthscale=20.0, **dict(over, smc_proposal="prior"))
+    long.update(x, 0.1 * x[:, :1])
+    assert int((long.count[0] > 0).sum()) == 1 and float(long.mem_c[0, 0].max()) > 1.0   # merged, not split
+
+
+@pytest.mark.parametrize("gate", ["niw", "kernel"])
+def test_fast_prediction_matches_the_dense_mixture(gate):
+    """Maps are predicted from the distinct experts only (copies made by resampling are computed once), in
+    Z-order groups, with experts of negligible gate (< 1e-4 everywhere in a group) left at their prior: the
+    result matches the dense mixture over every expert of every particle (triangular solves, no grouping)."""
+    x, y = stream(n=120, seed=3)
+    model = engine(smc_gate=gate, smc_particles=8, smc_expert_memory=16)
+    for s in range(0, 120, 10):
+        model.update(x[s:s + 10], y[s:s + 10])
+    rng = np.random.default_rng(9)
+    xt = torch.as_tensor(rng.uniform(-0.5, 3.5, (300, 2)))
+    mean, var = model.predict(xt)
+    model._ensure_pred_cache()
+    assert int((model._rep >= 0).sum()) == int((model.count > 0).sum())
+    assert int(model._rep.max()) + 1 < int((model.count > 0).sum())          # resampling made copies
+    model._pred_ok = False                                                   # the dense reference:
+    log_gate = model._gate_log(xt, float(model.last_t))
+    g = torch.exp(log_gate - torch.logsumexp(log_gate, 1, keepdim=True))
+    mu, v = model._expert_predict(xt)
+    _, _, mu_full, var_full, _ = model._mixture(xt[:1], None)               # the new expert's prior variance
+    mu = torch.cat([mu, torch.zeros_like(mu[:, :1])], 1)[..., 0]
+    v = torch.cat([v, var_full[:, -1:, :1].expand(-1, 1, xt.shape[0])], 1)
+    wg = model.weights[:, None, None] * g
+    m_ref = (wg * mu).sum((0, 1))
+    v_ref = (wg * (mu * mu + v)).sum((0, 1)) - m_ref ** 2
+    sd = float(model.y_std[0])  # one output: work units are the readings less their running mean
+    np.testing.assert_allclose((mean[:, 0] - model.y_mean[0]).numpy(), m_ref.numpy(), atol=2e-3 * sd)
+    np.testing.assert_allclose(var[:, 0].numpy(), v_ref.numpy(), rtol=2e-2, atol=1e-6 * sd ** 2)

@@ -9,7 +9,8 @@ Methods (same M and kernel everywhere; targets standardised inside each model):
   update full; ``fast``: fast conditioning with a full update every ``fast_full_every``-th batch, as a robot
   runs it; ``fast only``: one full update on the first batch, then only fast conditioning: Z and the
   hyperparameters frozen), the continual multi-output GP when registered (fast schedule: its full update
-  runs variational EM and costs seconds), the streaming sparse GP of Bui et al. (2017), nearest neighbour and constant mean (both refitted on all data seen so far);
+  runs variational EM and costs seconds), the VAR-GP region blocks when registered (full updates), the streaming
+  sparse GP of Bui et al. (2017), nearest neighbour and constant mean (both refitted on all data seen so far);
 * offline, trained once on all streamed data: batch SVGP (GPyTorch, the gold standard) and the exact GP
   (on a seeded subsample when the data do not fit the plan's size). Their scores are constant lines.
 
@@ -146,6 +147,9 @@ def streaming_methods(plan: dict, notes: list[str], area=None) -> list[_Streamin
             notes.append(f"continual_mogp is registered but could not be built: {type(err).__name__}: {err}")
     else:
         notes.append("continual_mogp is not registered in gp_mapping.gp.ENGINES: skipped")
+    if "var_gp" in ENGINES:  # region blocks (Kapoor et al. 2021), every update full (its closed form is cheap)
+        methods.append(_engine_method("var_gp", "VAR-GP, region blocks, full updates", engine_config(engine="var_gp"),
+                                      lambda i: "full"))
     methods.append(_osgpr_method(cfg, int(plan["osgpr_iterations"])))
     if area is not None:
         methods.extend(_hsgp_method(cfg, area, m) for m in plan.get("hsgp_basis", HSGP_BASIS))

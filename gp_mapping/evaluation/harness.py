@@ -9,7 +9,9 @@ recording is absent), ``speed`` (engine latency over M, grid prediction, replay 
 GPU; skipped without CUDA), ``large`` (local submaps against one engine over a 100 m x 60 m simulated building,
 30 minutes, 2-D and 3-D inputs), ``explore`` (a 30-minute exploration of 200 m x 200 m at 50 Hz through the
 node's update-thread schedule: map rate, resident memory, how far the model falls behind) and ``merge`` (two
-robots' maps merged against one mapper; merge time against the number of sources, 1-16). A section that fails is
+robots' maps merged against one mapper; merge time against the number of sources, 1-16) and ``forgetting`` (the
+region-block engine var_gp: RMSE near the first batch's path after every batch of protocol 1 against the other
+engines and Bui et al., and its update latency over a 30-minute drive that keeps opening blocks). A section that fails is
 recorded with its error and the others still run; the
 exit status is then 1. Everything in the outputs is regenerated from code on every run.
 """
@@ -29,7 +31,7 @@ import torch
 
 from gp_mapping.evaluation.common import default_results_dir, jsonable, machine_info
 
-SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore", "merge")
+SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore", "merge", "forgetting")
 JSON_NAME = "bench.json"
 MD_NAME = "bench.md"
 
@@ -49,12 +51,13 @@ FULL = {
        "large_tile": 10.0, "large_overlap": 2.0, "large_m": 64, "large_memory": 100, "large_untiled_m": 128,
        "large_exact_points": 6000, "large_exact_hyper_points": 1500, "large_exact_iterations": 50,
        "large_test_every": 6, "large_sample_every": 500, "large_warmup_seconds": 60.0, "large_seed": 0,
-       "large_dims": (2, 3)},
+       "large_dims": (2, 3), "large_vargp_seconds": 300.0, "large_vargp_m": 4480},
     **{"explore_area": 200.0, "explore_lane": 20.0, "explore_seconds": 1800.0, "explore_rate": 50.0,
        "explore_warmup_seconds": 180.0, "explore_seed": 0, "explore_window": None},
     **{"merge_seconds": 120.0, "merge_rate": 10.0, "merge_batch": 50, "merge_m": 64, "merge_steps": 100,
        "merge_sources": (1, 2, 4, 8, 16), "merge_strip_seconds": 60.0, "merge_strip_m": 32, "merge_resolution": 0.25,
        "merge_seed": 3},
+    **{"forget_radius": 0.1, "forget_variants": 1, "vargp_drive_seconds": 1800.0, "vargp_drive_m": 256},
 }
 QUICK = {
     "p1_batches": 10, "p2_batch_seconds": 20.0, "p2_eval_every": 3, "fast_full_every": 10,
@@ -70,12 +73,13 @@ QUICK = {
        "large_tile": 8.0, "large_overlap": 2.0, "large_m": 24, "large_memory": 100, "large_untiled_m": 32,
        "large_exact_points": 300, "large_exact_hyper_points": 200, "large_exact_iterations": 5,
        "large_test_every": 6, "large_sample_every": 50, "large_warmup_seconds": 0.0, "large_seed": 0,
-       "large_dims": (2,)},
+       "large_dims": (2,), "large_vargp_seconds": 0.0, "large_vargp_m": 96},
     **{"explore_area": 30.0, "explore_lane": 10.0, "explore_seconds": 30.0, "explore_rate": 50.0,
        "explore_warmup_seconds": 5.0, "explore_seed": 0, "explore_window": None},
     **{"merge_seconds": 30.0, "merge_rate": 5.0, "merge_batch": 25, "merge_m": 24, "merge_steps": 10,
        "merge_sources": (1, 2, 4), "merge_strip_seconds": 15.0, "merge_strip_m": 12, "merge_resolution": 0.5,
        "merge_seed": 3},
+    **{"forget_radius": 0.1, "forget_variants": 0, "vargp_drive_seconds": 60.0, "vargp_drive_m": 32},
 }
 
 
@@ -92,7 +96,7 @@ def _data_root(given: Path | None) -> tuple[Path | None, str | None]:
 
 
 def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[[str], None]) -> dict[str, Any]:
-    from gp_mapping.evaluation import accuracy, explore, growth, large, merge, speed
+    from gp_mapping.evaluation import accuracy, explore, forgetting, growth, large, merge, speed
 
     results: dict[str, Any] = {"machine": machine_info(), "plan": plan, "sections": {}}
     root, why = _data_root(data)
@@ -133,6 +137,8 @@ def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[
                 out = explore.run(plan, log)
             elif section == "merge":
                 out = merge.run(plan, log)
+            elif section == "forgetting":
+                out = forgetting.run(plan, root, why, log)
             else:
                 raise ValueError(f"unknown section {section!r}; choose from {', '.join(SECTIONS)}")
         except Exception as err:  # one broken section must not hide the others' numbers
@@ -265,6 +271,11 @@ def markdown(results: dict[str, Any]) -> str:
         from gp_mapping.evaluation import merge
 
         lines += merge.markdown(mg)
+    fg = sec.get("forgetting")
+    if fg is not None:
+        from gp_mapping.evaluation import forgetting
+
+        lines += forgetting.markdown(fg)
     cu = sec.get("cuda")
     if cu is not None:
         lines += ["## CUDA", ""]
@@ -281,7 +292,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def plots(results: dict[str, Any], out: Path) -> list[str]:
-    """protocol1.png, protocol2.png (RMSE and NLPD against samples seen) and growth.png."""
+    """protocol1.png, protocol2.png (RMSE and NLPD against samples seen), growth.png and forgetting.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -337,6 +348,11 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "growth.png", dpi=110)
         plt.close(fig)
         written.append("growth.png")
+    fg = results["sections"].get("forgetting", {})
+    if fg and "error" not in fg:
+        from gp_mapping.evaluation import forgetting
+
+        written += forgetting.plot(fg, out)
     return written
 
 

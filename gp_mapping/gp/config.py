@@ -138,6 +138,15 @@ class ModelConfig:
                                     "that opens it (local: any place can open an expert, for maps that grow) or "
                                     "at the origin (zero: for standardised inputs, as in the paper's experiments)",
                                     choices=("local", "zero"))
+    smc_gate: str = option("niw", doc="smc_experts: the gate, the density of an expert's inputs: niw (a Normal-"
+                         "inverse-Wishart cluster, the paper's) or kernel (a Gaussian kernel of width "
+                         "smc_gate_bandwidth around each of its readings, a distance-dependent CRP: an expert "
+                         "claims the places where its readings are, whatever their shape; a full expert with short "
+                         "lengthscale is then split in two instead of merging readings)",
+                         choices=("niw", "kernel"))
+    smc_gate_bandwidth: float = option(0.3, doc="smc_experts with smc_gate kernel: width of the kernel around each "
+                                     "reading [input units]; about the spacing of neighbouring tracks",
+                                     low=0.0, low_open=True, high=1e6)
     smc_alpha_shape: float = option(1.0, doc="smc_experts: Gamma prior shape a0 of the DP concentration alpha",
                                   low=0.0, low_open=True, high=1e6)
     smc_alpha_rate: float = option(1.0, doc="smc_experts: Gamma prior rate b0 of alpha", low=0.0, low_open=True,

@@ -62,10 +62,22 @@ from .likelihoods import GaussianLikelihood
 LOG_2PI = math.log(2.0 * math.pi)
 #: smallest noise variance an expert may have, relative to the running target variance
 NOISE_FLOOR = 1e-6
-#: an expert whose gate is below this at every test point of a chunk is not predicted (its weight is dropped)
-GATE_NEGLIGIBLE = 1e-10
+#: an expert whose gate is below this at every test point of a group is not predicted there: its gate weight
+#: goes to its prior (mean 0, prior variance), which moves the mixture mean by at most this fraction of the
+#: expert's deviation from the prior; the NIW gate's Student-t tails would otherwise make every expert of a
+#: particle count everywhere (22 of 32 at 1e-10, 6 at 1e-4)
+GATE_NEGLIGIBLE = 1e-4
+#: test points per group of one prediction GEMM: smaller groups need fewer experts each (their union over the
+#: group), larger ones fewer calls
+PREDICT_GROUP = 128
 #: prediction works on chunks of test points whose (J, K, M, G, D) temporaries hold about this many numbers
 PREDICT_CHUNK_ELEMENTS = 1 << 22
+#: a full expert whose closest memory entries are farther apart than this (in its shortest lengthscale) is split
+#: in two when its particle has a free expert slot, instead of merging them
+SPLIT_SPACING = 0.25
+#: to split, a particle without a free slot frees that of its smallest expert if it holds at most
+#: expert_memory / SMALL_EXPERT_FRACTION readings (they join their neighbour expert)
+SMALL_EXPERT_FRACTION = 8
 
 
 class SMCExperts(Engine):
@@ -135,6 +147,10 @@ class SMCExperts(Engine):
         self._ly = torch.zeros(0)
         self._l1 = torch.zeros(0)
         self._cache_ok = False
+        # prediction cache (rebuilt after any change): L^-1 (J, K, U, U) and K^-1 y (J, K, U, P) per expert
+        self._linv = torch.zeros(0)
+        self._kiy = torch.zeros(0)
+        self._pred_ok = False
         self.to(resolve_device(cfg.device))
 
     # ------------------------------------------------------------------ properties
@@ -178,6 +194,7 @@ class SMCExperts(Engine):
     def _drop_caches(self) -> None:
         super()._drop_caches()
         self._cache_ok = False
+        self._pred_ok = False
 
     def _loaded(self) -> None:
         self._generator.set_state(self.rng_state.detach().to("cpu", torch.uint8))
@@ -302,6 +319,54 @@ class SMCExperts(Engine):
         full_mean[sel], full_var[sel] = mean, var
         return full_mean, full_var
 
+    def _ensure_pred_cache(self) -> None:
+        """The prediction cache: the distinct experts (resampling copies experts into several particles, and a
+        copy stays identical until it takes a reading: on a mapping drive 510 experts in use were 53 distinct),
+        each with L^-1 and K^-1 (y - mean) r in work units, so that predicting at G points is one kernel
+        evaluation and two batched matrix products per group of distinct experts (no triangular solve per map):
+        mean = k*^T K^-1 y and var = k** - |L^-1 k*|^2. ``_rep`` (J, K) gives each expert's distinct index (-1:
+        free slot). Rebuilt after every update (hyperparameters, memories and the running target scale change
+        there), once per map at most."""
+        if self._pred_ok:
+            return
+        self._ensure_cache()
+        mean_y, ratio, _ = self._work_scale()
+        u = self._chol.shape[-1]
+        used = self.count > 0
+        jj, kk = torch.nonzero(used, as_tuple=True)
+        feat = torch.cat([self.theta[jj, kk], self.mem_x[jj, kk, :u].flatten(1), self.mem_y[jj, kk, :u].flatten(1),
+                          self.mem_c[jj, kk, :u], self.mem_s[jj, kk, :u].flatten(1)], 1)
+        if feat.shape[0]:
+            _, inverse = torch.unique(feat, dim=0, return_inverse=True)
+        else:
+            inverse = torch.zeros(0, dtype=torch.int64, device=self.device)
+        n_rep = int(inverse.max()) + 1 if inverse.numel() else 0
+        first = torch.full((n_rep,), feat.shape[0], dtype=torch.int64, device=self.device)
+        first = first.scatter_reduce(0, inverse, torch.arange(feat.shape[0], device=self.device), "amin")
+        rj, rk = jj[first], kk[first]
+        self._rep = torch.full(used.shape, -1, dtype=torch.int64, device=self.device)
+        self._rep[jj, kk] = inverse
+        self._rep_jk = (rj, rk)
+        eye = torch.eye(u, dtype=torch.float64, device=self.device)
+        chol = self._chol[rj, rk]
+        self._linv = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
+        wy = (self._ly[rj, rk] - mean_y * self._l1[rj, rk][..., None]) * ratio              # L^-1 y (R, U, P)
+        self._kiy = self._linv.transpose(-1, -2) @ wy
+        self._pred_ok = True
+
+    def _predict_selected(self, reps: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent mean (A, G, P) and variance (A, G) in work units of the distinct experts ``reps`` (A,) at x
+        (G, D), from the prediction cache: one kernel evaluation and two batched GEMMs for the whole group."""
+        u = self._linv.shape[-1]
+        jj, kk = self._rep_jk[0][reps], self._rep_jk[1][reps]
+        th = self.theta[jj, kk]
+        mx = self.mem_x[jj, kk, :u]
+        ks = self._kernel(mx, x, th) * (self.mem_c[jj, kk, :u] > 0).to(x.dtype)[..., None]  # (A, U, G)
+        mean = ks.transpose(-1, -2) @ self._kiy[reps]                                     # (A, G, P)
+        v = self._linv[reps] @ ks                                                         # (A, U, G)
+        var = (self._prior_var(th)[:, None] - (v * v).sum(-2)).clamp_min(0.0)
+        return mean, var
+
     # ------------------------------------------------------------------ gating
     def _decayed(self, t: float) -> torch.Tensor:
         """CRP weights at stamp t (J, K)."""
@@ -322,14 +387,17 @@ class SMCExperts(Engine):
         experts in use, log alpha + log T_0(x) for a new one (-inf when none can be opened)."""
         cfg = self.config
         d = self.input_dims
-        mu, L, nu = self._gate_params() if params is None else params
-        diff = x[None, None, :, :] - mu[:, :, None, :]                                   # (J, K, G, D)
-        sol = torch.linalg.solve_triangular(L, diff.transpose(-1, -2), upper=False)     # (J, K, D, G)
-        maha = (sol * sol).sum(-2)
-        logdet = 2.0 * torch.log(torch.diagonal(L, dim1=-2, dim2=-1)).sum(-1)
-        const = (torch.lgamma(0.5 * (nu + d)) - torch.lgamma(0.5 * nu) - 0.5 * d * (torch.log(nu) + math.log(math.pi))
-                 - 0.5 * logdet)
-        log_t = const[..., None] - 0.5 * (nu + d)[..., None] * torch.log1p(maha / nu[..., None])
+        if cfg.smc_gate == "kernel":
+            log_t = self._kernel_gate_log(x)
+        else:
+            mu, L, nu = self._gate_params() if params is None else params
+            diff = x[None, None, :, :] - mu[:, :, None, :]                               # (J, K, G, D)
+            sol = torch.linalg.solve_triangular(L, diff.transpose(-1, -2), upper=False)  # (J, K, D, G)
+            maha = (sol * sol).sum(-2)
+            logdet = 2.0 * torch.log(torch.diagonal(L, dim1=-2, dim2=-1)).sum(-1)
+            const = (torch.lgamma(0.5 * (nu + d)) - torch.lgamma(0.5 * nu)
+                     - 0.5 * d * (torch.log(nu) + math.log(math.pi)) - 0.5 * logdet)
+            log_t = const[..., None] - 0.5 * (nu + d)[..., None] * torch.log1p(maha / nu[..., None])
         w = self._decayed(t)
         used = self.count > 0
         log_old = torch.where(used[..., None], torch.log(w.clamp_min(1e-300))[..., None] + log_t,
@@ -338,6 +406,31 @@ class SMCExperts(Engine):
         can_open = (~used).any(1) | bool(cfg.gate_on_time)
         log_new = torch.where(can_open[:, None], log_new, torch.full_like(log_new, -math.inf))
         return torch.cat([log_old, log_new[:, None, :]], dim=1)
+
+    def _kernel_gate_log(self, x: torch.Tensor) -> torch.Tensor:
+        """log of an expert's input density at x (J, K, G) for ``smc_gate: kernel``: the count-weighted mean of
+        Gaussian kernels N(x; x_i, h^2 I) over its memory entries (merged entries count their readings), so an
+        expert's gate follows the readings it holds rather than a Gaussian blob around them (a distance-dependent
+        CRP, Blei & Frazier 2011). On a lawnmower drive an expert's readings lie in lanes, its NIW blob spreads
+        over the neighbouring experts' lanes and a test point between them was gated to an expert that holds no
+        reading near it; the kernel gate gives it to the experts of the nearest readings. Free experts get -inf
+        (the caller masks them anyway)."""
+        h = float(self.config.smc_gate_bandwidth)
+        u = self._used_memory(self.mem_c)
+        mx, mc = self.mem_x[..., :u, :], self.mem_c[..., :u]
+        if self._pred_ok:  # a map: only the distinct experts (see _ensure_pred_cache)
+            rj, rk = self._rep_jk
+            mx, mc = mx[rj, rk], mc[rj, rk]
+        d2 = _squared_distances(mx, x)                                                  # (..., u, G)
+        logc = torch.log(mc.clamp_min(1e-300)).masked_fill(mc <= 0, -math.inf)
+        tot = torch.log(mc.sum(-1).clamp_min(1e-300))
+        lk = torch.logsumexp(logc[..., None] - 0.5 * d2 / (h * h), -2)                  # (..., G)
+        out = lk - tot[..., None] - 0.5 * self.input_dims * math.log(2.0 * math.pi * h * h)
+        if self._pred_ok:
+            rep = self._rep
+            out = torch.where((rep >= 0)[..., None], out[rep.clamp_min(0)],
+                              torch.full((), -math.inf, dtype=out.dtype, device=out.device))
+        return out
 
     def _log_t0(self, x: torch.Tensor) -> torch.Tensor:
         """Prior predictive of a new expert's input (G,): at its centre with a local prior mean."""
@@ -367,6 +460,7 @@ class SMCExperts(Engine):
         stats = {"mode": "smc", "n_batch": int(xt.shape[0]), "resampled": 0, "new_experts": 0,
                  "slice_evaluations": 0}
         if xt.shape[0]:
+            self._pred_ok = False
             with torch.no_grad():
                 self._ensure_cache()
                 touched = torch.zeros(self.num_particles, self.max_experts, dtype=torch.float64,
@@ -438,6 +532,8 @@ class SMCExperts(Engine):
             self.crp_t[jn, kn] = t
             self.theta[jn, kn] = theta_new[is_new]
             self.g_mu0[jn, kn] = x if cfg.smc_gate_prior_mean == "local" else 0.0
+        if cfg.smc_gate == "kernel":
+            z = self._split_full(z, x, t)
         # Gating statistics and CRP weights.
         self.count[ar, z], self.g_mean[ar, z], self.g_scatter[ar, z] = niw_add(
             self.count[ar, z], self.g_mean[ar, z], self.g_scatter[ar, z], x.expand(j, -1))
@@ -485,12 +581,120 @@ class SMCExperts(Engine):
         self.log_w = torch.full_like(self.log_w, -math.log(self.num_particles))
         self.resamples_t += 1
 
+    def _split_full(self, z: torch.Tensor, x: torch.Tensor, t: float) -> torch.Tensor:
+        """Before reading x joins expert z_j: where that expert's memory is full, its entries are farther apart
+        than SPLIT_SPACING of its shortest lengthscale (merging the closest pair would blur detail the expert
+        resolves) and the particle has a free slot, split the expert in two at the count-weighted median of its
+        entries along their principal axis. Both halves keep the hyperparameters and are exact GPs on their
+        entries; the gating statistics are recomputed from the entries (their within-entry spread is lost), the
+        CRP weight is shared by count. x then joins the half holding the nearest entry. Returns the new z (J,).
+        So memory goes where the field needs it: a smooth expert (long lengthscale) merges its readings and a
+        short-lengthscale one grows into more experts instead of averaging neighbouring readings away. Only with
+        ``smc_gate: kernel``: the NIW gate of a half rebuilt from merged entries misplaces it (measured worse)."""
+        m = self.expert_memory
+        ar = torch.arange(self.num_particles, device=self.device)
+        zc = z.clamp_max(self.max_experts - 1)
+        mc = self.mem_c[ar, zc]
+        small = (self.count > 0) & (self.count <= max(1, m // SMALL_EXPERT_FRACTION))
+        small[ar, zc] = False
+        full = (mc > 0).all(1) & ((self.count == 0).any(1) | small.any(1))
+        if not bool(full.any()):
+            return z
+        jb = ar[full]
+        kb = zc[full]
+        mx = self.mem_x[jb, kb]
+        ls = torch.exp(self.theta[jb, kb, :self.num_ls].min(-1).values)
+        d2 = _squared_distances(mx, mx) / (ls * ls)[:, None, None]
+        d2 = d2 + torch.diag_embed(torch.full(mx.shape[:2], math.inf, dtype=d2.dtype, device=d2.device))
+        coarse = d2.flatten(1).min(1).values > SPLIT_SPACING ** 2
+        if not bool(coarse.any()):
+            return z
+        z = z.clone()
+        for j, k in zip(jb[coarse].tolist(), kb[coarse].tolist()):
+            if bool((self.count[j] == 0).any()):
+                f = int(torch.argmax((self.count[j] == 0).to(torch.int8)))
+            else:
+                f = int(torch.argmin(torch.where(small[j], self.count[j], torch.full_like(self.count[j], math.inf))))
+                self._absorb(j, f, t)
+            ex, ec = self.mem_x[j, k].clone(), self.mem_c[j, k].clone()
+            w = ec / ec.sum()
+            centre = (w[:, None] * ex).sum(0)
+            dev = ex - centre
+            cov = (w[:, None, None] * dev[:, :, None] * dev[:, None, :]).sum(0)
+            axis = torch.linalg.eigh(cov)[1][:, -1]
+            proj = dev @ axis
+            order = torch.argsort(proj)
+            cum = torch.cumsum(ec[order], 0)
+            cut = int(torch.searchsorted(cum, 0.5 * cum[-1]).clamp(0, m - 2)) + 1
+            a_idx, b_idx = order[:cut], order[cut:]
+            for name in ("mem_x", "mem_y", "mem_c", "mem_s"):
+                buf = getattr(self, name)
+                old = buf[j, k].clone()
+                buf[j, k] = 0.0
+                buf[j, f] = 0.0
+                buf[j, k, :cut] = old[a_idx]
+                buf[j, f, :m - cut] = old[b_idx]
+            total = float(self.count[j, k])
+            for slot in (k, f):
+                c = self.mem_c[j, slot]
+                valid = c > 0
+                cx = self.mem_x[j, slot][valid]
+                cw = c[valid]
+                share = float(cw.sum()) / float(ec.sum())
+                mean = (cw[:, None] * cx).sum(0) / cw.sum()
+                dx = cx - mean
+                self.g_mean[j, slot] = mean
+                self.g_scatter[j, slot] = (cw[:, None, None] * dx[:, :, None] * dx[:, None, :]).sum(0)
+                self.count[j, slot] = total * share
+                self.g_mu0[j, slot] = mean if self.config.smc_gate_prior_mean == "local" else 0.0
+            w_old = float(self.crp_w[j, k])
+            self.crp_w[j, f] = w_old * float(self.count[j, f]) / total
+            self.crp_w[j, k] = w_old * float(self.count[j, k]) / total
+            self.crp_t[j, f] = self.crp_t[j, k]
+            self.theta[j, f] = self.theta[j, k]
+            near = torch.argmin(((ex - x) ** 2).sum(-1))
+            if bool((b_idx == near).any()):
+                z[j] = f
+            self._refresh(torch.tensor([j, j], device=self.device), torch.tensor([k, f], device=self.device))
+        return z
+
+    def _absorb(self, j: int, r: int, t: float) -> None:
+        """Free slot r of particle j by moving its entries (a small expert: at most expert_memory /
+        SMALL_EXPERT_FRACTION readings) into the expert whose gate is highest at their mean, as readings of it
+        (counts, gating statistics and CRP weight move along; its hyperparameters stay)."""
+        valid = self.mem_c[j, r] > 0
+        ex, ey, ec = self.mem_x[j, r][valid], self.mem_y[j, r][valid], self.mem_c[j, r][valid]
+        centre = (ec[:, None] * ex).sum(0) / ec.sum()
+        score = self._kernel_gate_log(centre[None])[j, :, 0] + torch.log(self._decayed(t)[j].clamp_min(1e-300))
+        score = torch.where(self.count[j] > 0, score, torch.full_like(score, -math.inf))
+        score[r] = -math.inf
+        nb = int(torch.argmax(score))
+        if not math.isfinite(float(score[nb])):
+            nb = int(torch.argmax(torch.where(torch.arange(self.max_experts, device=self.device) == r,
+                                              torch.zeros_like(self.count[j]), self.count[j])))
+        jj, kk = torch.tensor([j], device=self.device), torch.tensor([nb], device=self.device)
+        w_r = float(self._decayed(t)[j, r])
+        for i in range(ex.shape[0]):
+            self._insert(jj, kk, ex[i], ey[i])
+            self.count[j, nb], self.g_mean[j, nb], self.g_scatter[j, nb] = niw_add(
+                self.count[j, nb], self.g_mean[j, nb], self.g_scatter[j, nb], ex[i])
+        if self.config.gate_on_time:
+            self.crp_w[j, nb] = self._decayed(t)[j, nb] + w_r
+            self.crp_t[j, nb] = t
+        else:
+            self.crp_w[j, nb] = self.count[j, nb]
+        for buf in (self.count, self.crp_w, self.g_mean, self.g_scatter, self.mem_x, self.mem_y, self.mem_c,
+                    self.mem_s):
+            buf[j, r] = 0.0
+        self._refresh(jj, kk)
+
     def _insert(self, ar: torch.Tensor, z: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
         """Put (x, y) into the memory of expert z_j of every particle j, merging the closest pair of
         [memory; new] (Euclidean) where the memory is full."""
         m = self.expert_memory
         mx, my, mc, ms = self.mem_x[ar, z], self.mem_y[ar, z], self.mem_c[ar, z], self.mem_s[ar, z]
         j = ar.shape[0]
+        rows = torch.arange(j, device=ar.device)
         ex = torch.cat([mx, x.expand(j, 1, -1)], 1)
         ey = torch.cat([my, y.expand(j, 1, -1)], 1)
         ec = torch.cat([mc, torch.ones(j, 1, dtype=mc.dtype, device=mc.device)], 1)
@@ -503,11 +707,11 @@ class SMCExperts(Engine):
         d2 = d2 + torch.diag_embed(torch.full((j, m + 1), math.inf, dtype=d2.dtype, device=d2.device))
         flat = torch.argmin(d2.reshape(j, -1), 1)
         p, q = torch.minimum(flat // (m + 1), flat % (m + 1)), torch.maximum(flat // (m + 1), flat % (m + 1))
-        ca, cb = ec[ar, p], ec[ar, q]
+        ca, cb = ec[rows, p], ec[rows, q]
         c = ca + cb
-        xm = (ca[:, None] * ex[ar, p] + cb[:, None] * ex[ar, q]) / c[:, None]
-        ym = (ca[:, None] * ey[ar, p] + cb[:, None] * ey[ar, q]) / c[:, None]
-        sm = es[ar, p] + es[ar, q] + (ca * cb / c)[:, None] * (ey[ar, p] - ey[ar, q]) ** 2
+        xm = (ca[:, None] * ex[rows, p] + cb[:, None] * ex[rows, q]) / c[:, None]
+        ym = (ca[:, None] * ey[rows, p] + cb[:, None] * ey[rows, q]) / c[:, None]
+        sm = es[rows, p] + es[rows, q] + (ca * cb / c)[:, None] * (ey[rows, p] - ey[rows, q]) ** 2
         # Full: merged pair into p, the new entry (index m) into q when q < m. Not full: new entry into a free slot.
         slot_free = torch.argmax(free.to(torch.int8), 1)
         tgt1 = torch.where(has_free, slot_free, p)
@@ -516,9 +720,9 @@ class SMCExperts(Engine):
         v1c = torch.where(has_free, torch.ones_like(c), c)
         v1s = torch.where(has_free[:, None], torch.zeros_like(sm), sm)
         second = (~has_free) & (q < m)
-        mx[ar, tgt1], my[ar, tgt1], mc[ar, tgt1], ms[ar, tgt1] = v1x, v1y, v1c, v1s
+        mx[rows, tgt1], my[rows, tgt1], mc[rows, tgt1], ms[rows, tgt1] = v1x, v1y, v1c, v1s
         if bool(second.any()):
-            js, qs = ar[second], q[second]
+            js, qs = rows[second], q[second]
             mx[js, qs], my[js, qs], mc[js, qs], ms[js, qs] = x, y, 1.0, 0.0
         self.mem_x[ar, z], self.mem_y[ar, z], self.mem_c[ar, z], self.mem_s[ar, z] = mx, my, mc, ms
 
@@ -562,12 +766,32 @@ class SMCExperts(Engine):
         t = float(self.last_t) if t is None else float(t)
         if not math.isfinite(t):
             t = 0.0
+        self._ensure_pred_cache()
         log_gate = self._gate_log(x, t)
         g = torch.exp(log_gate - torch.logsumexp(log_gate, 1, keepdim=True))
-        # Only experts with a say somewhere in x are predicted (gates are local: a few per particle).
-        active = (g[:, :-1, :] > GATE_NEGLIGIBLE).any(-1) & (self.count > 0)
-        mean, var = self._expert_predict(x, active)
-        j, _, n, p = mean.shape
+        # Only experts with a say somewhere in a group of points are predicted there (gates are local: a few per
+        # particle); groups are as large as PREDICT_CHUNK_ELEMENTS allows for the experts they need.
+        self._ensure_pred_cache()
+        j, k, n, p = self.num_particles, self.max_experts, x.shape[0], self.output_dims
+        u = self._linv.shape[-1]
+        mean = torch.zeros(j, k, n, p, dtype=torch.float64, device=self.device)
+        var = self._prior_var(self.theta)[..., None].expand(j, k, n).clone()
+        used = self.count > 0
+        start, step = 0, min(n, PREDICT_GROUP)
+        while start < n:
+            stop = min(n, start + step)
+            active = (g[:, :-1, start:stop] > GATE_NEGLIGIBLE).any(-1) & used
+            size = int(torch.unique(self._rep[active]).numel()) * u * (stop - start)
+            if size > PREDICT_CHUNK_ELEMENTS and stop - start > 1:
+                step = max(1, (stop - start) // 2)
+                continue
+            if size:
+                jj, kk = torch.nonzero(active, as_tuple=True)
+                reps, inverse = torch.unique(self._rep[jj, kk], return_inverse=True)
+                m_a, v_a = self._predict_selected(reps, x[start:stop])
+                mean[jj, kk, start:stop] = m_a[inverse]
+                var[jj, kk, start:stop] = v_a[inverse]
+            start = stop
         std = self.config.smc_hyper_prior_std
         pm = self._prior_now()
         prior_var = math.exp(float(pm[self.num_ls]) + 0.5 * std ** 2)
@@ -581,13 +805,18 @@ class SMCExperts(Engine):
         return self.weights, g, mean, var, noise
 
     def _chunks(self, n: int) -> int:
-        per_point = self.num_particles * self.max_experts * self.expert_memory
-        return max(1, min(n, PREDICT_CHUNK_ELEMENTS // max(per_point * self.input_dims, 1)))
+        """Test points per chunk: the gates' temporaries (J, K, U, G) for the kernel gate, (J, K, D, G) and the
+        per-component outputs (J, K, G, P) otherwise, hold about PREDICT_CHUNK_ELEMENTS numbers."""
+        width = self._used_memory(self.mem_c) if self.config.smc_gate == "kernel" else self.input_dims
+        per_point = self.num_particles * (self.max_experts + 1) * max(width, self.output_dims + 2)
+        return max(1, min(n, PREDICT_CHUNK_ELEMENTS // max(per_point, 1)))
 
     def _latent(self, x: torch.Tensor, t=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Mixture mean and variance (law of total variance) of f at checked inputs, standardised units."""
         sbar = self._work_scale()[2]
         out_m, out_v = [], []
+        order = _spatial_order(x)
+        x = x[order]
         with torch.no_grad():
             step = self._chunks(x.shape[0])
             for s in range(0, x.shape[0], step):
@@ -600,7 +829,9 @@ class SMCExperts(Engine):
         if not out_m:
             empty = torch.zeros(0, self.output_dims, dtype=torch.float64, device=self.device)
             return empty, empty.clone()
-        return torch.cat(out_m) / sbar, torch.cat(out_v) / sbar ** 2
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.shape[0], device=order.device)
+        return torch.cat(out_m)[back] / sbar, torch.cat(out_v)[back] / sbar ** 2
 
     def predict(self, x, t=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and variance (G, P) of the latent f at x, original units; gate at stamp t (default: newest)."""
@@ -615,7 +846,8 @@ class SMCExperts(Engine):
         xt = self._check_x(x)
         yt = self._check_y(y, xt.shape[0])
         mean_y, ratio, _ = self._work_scale()
-        ys = (yt - mean_y) * ratio
+        order = _spatial_order(xt)
+        xt, ys = xt[order], ((yt - mean_y) * ratio)[order]
         out = []
         with torch.no_grad():
             step = self._chunks(xt.shape[0])
@@ -627,7 +859,9 @@ class SMCExperts(Engine):
                 out.append(torch.logsumexp((logw + comp).flatten(0, 1), 0))
         if not out:
             return torch.zeros(0, self.output_dims, dtype=torch.float64, device=self.device)
-        return torch.cat(out) + torch.log(ratio)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.shape[0], device=order.device)
+        return torch.cat(out)[back] + torch.log(ratio)
 
     def extra_repr(self) -> str:
         return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, particles={self.num_particles}, "
@@ -642,3 +876,21 @@ def _squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         diff = a[..., :, None, d] - b[..., None, :, d]
         r2 = diff * diff if r2 is None else r2 + diff * diff
     return r2
+
+
+def _spatial_order(x: torch.Tensor, bits: int = 10) -> torch.Tensor:
+    """A permutation of the points x (G, D) along a Z-order (Morton) curve over their first (up to three)
+    coordinates, so that consecutive points are close at every scale: a group of them needs the experts of a
+    small area, not of a whole grid row."""
+    n = x.shape[0]
+    if n < 2:
+        return torch.arange(n, device=x.device)
+    c = x[:, :min(3, x.shape[1])]
+    lo, hi = c.min(0).values, c.max(0).values
+    q = ((c - lo) / (hi - lo).clamp_min(1e-300) * (2 ** bits - 1)).round().to(torch.int64)
+    key = torch.zeros(n, dtype=torch.int64, device=x.device)
+    dims = q.shape[1]
+    for b in range(bits):
+        for d in range(dims):
+            key |= ((q[:, d] >> b) & 1) << (b * dims + d)
+    return torch.argsort(key, stable=True)
