@@ -170,19 +170,29 @@ def test_one_block_is_the_exact_sparse_gp_posterior_with_the_same_z():
     assert torch.allclose(mean, mean_ref, atol=1e-6) and torch.allclose(var[:, 0], var_ref, atol=1e-6)
 
 
-def test_blocks_open_where_the_map_is_not_covered_and_revisits_rewrite_nothing():
-    model = build_model(_fixed(vargp_neighbours=2), 2, 1)
-    _stream(model, segments=5)
-    assert model.num_blocks >= 3 and model.distillations_t == 0
-    assert int(model.parent_mask.sum(1).max()) <= 2
-    # driving back over the first segment opens nothing and leaves the frozen blocks as they were
-    frozen = (model.Z[:-1].clone(), model.m[:-1].clone(), model.S_chol[:-1].clone())
-    n_blocks = model.num_blocks
-    x = _path(0.0, 1.5, 60)
-    stats = model.update(x, _field(x))
-    assert stats["blocks_opened"] == 0 and model.num_blocks == n_blocks
-    assert torch.equal(model.Z[:-1], frozen[0]) and torch.equal(model.m[:-1], frozen[1])
-    assert torch.equal(model.S_chol[:-1], frozen[2])
+def test_blocks_open_where_the_map_is_not_covered_and_revisits_only_add_information():
+    grid = torch.as_tensor(_path(0.0, 7.5, 80, (0.0, 0.1)))
+    for revisits in ("freeze", "refine"):
+        model = build_model(_fixed(vargp_neighbours=2, vargp_revisits=revisits), 2, 1)
+        _stream(model, segments=5)
+        assert model.num_blocks >= 3 and model.distillations_t == 0
+        assert int(model.parent_mask.sum(1).max()) <= 2
+        frozen = (model.Z[:-1].clone(), model.m[:-1].clone(), model.S_chol[:-1].clone())
+        n_blocks = model.num_blocks
+        var0 = model.predict(grid)[1]
+        # driving back over the first segment opens no block
+        x = _path(0.0, 1.5, 60)
+        stats = model.update(x, _field(x))
+        assert stats["blocks_opened"] == 0 and model.num_blocks == n_blocks
+        assert torch.equal(model.Z[:-1], frozen[0])
+        if revisits == "freeze":  # the paper's frozen blocks: nothing rewritten
+            assert stats["revisit_points"] == 0
+            assert torch.equal(model.m[:-1], frozen[1]) and torch.equal(model.S_chol[:-1], frozen[2])
+        else:  # refined by streaming Bayes: the map is nowhere less certain than before, and more certain there
+            assert stats["revisit_points"] == 60
+            var1 = model.predict(grid)[1]
+            assert bool((var1 <= var0 * (1 + 1e-9) + 1e-12).all())
+            assert float((var1 / var0)[:10].max()) < 0.999
 
 
 def test_distillation_bounds_the_inducing_points_and_keeps_the_map():
