@@ -212,6 +212,39 @@ def test_distillation_bounds_the_inducing_points_and_keeps_the_map():
     assert rmse[120] < 0.05 and rmse[18] < 4 * rmse[120] + 0.05, rmse
 
 
+def test_distilling_without_dropping_points_keeps_the_map_mean():
+    """Distillation keeps the merged blocks' joint marginal and re-expresses the blocks conditioned on them with
+    their means exact: with the points kept (cap far away), the predictive mean does not move."""
+    model = build_model(_fixed(num_inducing=400), 2, 1)
+    _stream(model, segments=5)
+    assert model.num_blocks >= 3 and bool(model.parent_mask[2, 0] & model.parent_mask[2, 1])
+    x = torch.as_tensor(_path(0.0, 7.5, 60, (0.0, 0.2)))
+    mean0, var0 = model.predict(x)
+    blocks, points = model.num_blocks, model.num_inducing
+
+    def joint_mean():
+        fac, A = _prior_conditionals(model)
+        c = [s.stop - s.start for s in fac.slices]
+        mu, _ = ar_joint([model.m[j, :c[j]] for j in range(model.num_blocks)],
+                         [model.S_chol[j, :, :c[j], :c[j]] for j in range(model.num_blocks)], A)
+        return fac.Z, mu
+
+    z0, mu0 = joint_mean()
+    with torch.no_grad():
+        model._distil_oldest()
+    model._drop_caches()
+    # (a point that the merged set holds below pivoted Cholesky's threshold may go)
+    assert model.num_blocks == blocks - 1 and points - 1 <= model.num_inducing <= points
+    z1, mu1 = joint_mean()
+    match = (z1[:, None, :] == z0[None, :, :]).all(-1).float().argmax(1)
+    assert torch.equal(z0[match], z1) and torch.allclose(mu1, mu0[match], atol=1e-8)  # E[u] kept exactly
+    mean1, var1 = model.predict(x)
+    assert torch.allclose(mean1, mean0, atol=0.01)
+    ratio = var1 / var0  # the re-expressed covariance is approximate (the family fixes Cov(u_j, u_P) = A_j Cov(u_P))
+    print(f"variance ratio after distillation: {float(ratio.min()):.2f} .. {float(ratio.max()):.2f}")
+    assert bool((var1 > 0).all()) and 0.5 < float(ratio.min()) and float(ratio.max()) < 2.0
+
+
 def test_state_round_trip_resizes_and_continues_identically():
     cfg = ModelConfig(engine="var_gp", device="cpu", num_inducing=18, vargp_block_size=6, hyper_steps=3,
                       vargp_neighbours=2)

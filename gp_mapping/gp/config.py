@@ -187,7 +187,7 @@ class ModelConfig:
                                 low=1, high=64)
     vargp_predict_samples: int = option(4, doc="var_gp: fixed draws of q(theta) that a prediction averages "
                                         "(1: the mean)", low=1, high=64)
-    vargp_revisits: str = option("refine", doc="var_gp, Gaussian likelihood: readings where the current block has "
+    vargp_revisits: str = option("freeze", doc="var_gp, Gaussian likelihood: readings where the current block has "
                                  "almost no say (a revisit of frozen regions) also refine the frozen blocks there by "
                                  "streaming Bayes, adding their information (refine), or leave them as they are "
                                  "(freeze, the paper's frozen blocks)",

@@ -34,8 +34,12 @@ room, batch points are added to it by pivoted Cholesky on that residual (greedy 
 1e-4 of the prior variance: ``inducing.DEFAULT_REL_TOL``); its q is extended by the prior conditional of the new
 points (exact at the mean theta, so the map does not move). If after that some batch input still keeps more than
 vargp_new_block of its prior variance, the region is not covered: the current block is frozen and a new block is
-opened there with points placed the same way. A robot that returns to a mapped region opens nothing (the frozen
-blocks there are never rewritten, which is what protects them from forgetting); its data still teach theta.
+opened there with points placed the same way. A robot that returns to a mapped region opens nothing. Its
+readings teach theta; the frozen blocks stay exactly as they were (``vargp_revisits: freeze``, the paper's). With
+``refine`` (Gaussian likelihood) the readings where the current block has almost no say (below REVISIT_SAY of the
+prior variance) also refine the frozen blocks there by streaming Bayes: q_new(v_j) is proportional to q_old(v_j)
+times the readings' likelihood, the other blocks at their means, in the whitened coordinates at the mean theta,
+one block after the other. That only adds information (no block's variance grows).
 
 Updates of the current block follow the bound of eq. 8 on the data seen since the block was opened (a uniform
 weighted sample of at most vargp_block_memory of them, each standing for its share):
@@ -60,8 +64,10 @@ the bench: K must cover the overlapping blocks). (b) Distillation: when the bloc
 points in all, the two oldest blocks are compressed into one: their joint q at the mean theta, pivoted Cholesky
 (prior kernel) keeps as many of their inputs as bring the total back to num_inducing (the most redundant are
 dropped), and the new block's q is the exact marginal of the joint at those inputs (later blocks conditioned on
-either now condition on it). So memory and the cost of an update or a prediction stay bounded (O(num_inducing^2)
-per batch input, O(num_inducing^3) per theta draw); the oldest regions lose resolution first.
+either now condition on it; a block conditioned on either is re-expressed on the new one, its marginal mean kept
+exactly). The blocks hold at most num_inducing + vargp_block_size points (the current block grows past the cap
+until the next block opens), so memory and the cost of an update or a prediction stay bounded (O(M^2) per batch
+input, O(M^3) per theta draw); the oldest regions lose resolution first.
 
 Vector targets: the outputs are independent latent GPs that share the blocks' Z, q(theta) and the parent
 structure, each with its own (m_j, S_j) and noise. Targets are standardised by running statistics (re-expressed
