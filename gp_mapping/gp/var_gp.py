@@ -524,20 +524,24 @@ class VARGP(Engine):
         return idx, symmetrise(G - rows.T @ rows)
 
     def _place(self, x: torch.Tensor) -> dict:
-        """Grow the current block and open a new one where the batch is not covered (module docstring); then
-        distil while the blocks hold more than num_inducing points."""
+        """Grow the current block, or open a new one where the batch is not covered (module docstring); then
+        distil while the blocks hold more than num_inducing points. The current block grows only in an update
+        that opens no block: points added to a block that is frozen at once would never be fitted to data."""
         cfg = self.config
         mb = self.block_size
         opened, grown = 0, 0
         G, prior = self._residual_gram(x)
+        grow = None
         if self.num_blocks:
-            room = mb - int(self.counts[-1])
-            idx, G = self._pick(G, prior, room)
-            if idx.numel():
-                self._grow_current(x[idx])
-                grown += int(idx.numel())
-        rel = torch.diagonal(G).clamp_min(0.0) / prior
-        if self.num_blocks == 0 or bool((rel > cfg.vargp_new_block).any()):
+            idx, G_after = self._pick(G, prior, mb - int(self.counts[-1]))
+            rel = torch.diagonal(G_after).clamp_min(0.0) / prior
+            if not bool((rel > cfg.vargp_new_block).any()):
+                grow = idx
+        if grow is not None:
+            if grow.numel():
+                self._grow_current(x[grow])
+                grown = int(grow.numel())
+        else:
             idx, _ = self._pick(G, prior, mb)
             if idx.numel():
                 if self.num_blocks:  # the current block is frozen: its q(theta) anchors the next block's KL
