@@ -405,7 +405,8 @@ def test_kernel_gate_is_the_count_weighted_kernel_density_and_full_short_experts
 
 @pytest.mark.parametrize("gate", ["niw", "kernel"])
 def test_fast_prediction_matches_the_dense_mixture(gate):
-    """Maps are predicted from the distinct experts only (copies made by resampling are computed once), in
+    """Maps are predicted from the distinct experts only (copies made by resampling, and copies that took the
+    same readings since, are computed once: expert ids), in
     Z-order groups, with experts of negligible gate (< 1e-4 everywhere in a group) left at their prior: the
     result matches the dense mixture over every expert of every particle (triangular solves, no grouping)."""
     x, y = stream(n=120, seed=3)
@@ -418,7 +419,10 @@ def test_fast_prediction_matches_the_dense_mixture(gate):
     model._ensure_pred_cache()
     assert int((model._rep >= 0).sum()) == int((model.count > 0).sum())
     assert int(model._rep.max()) + 1 < int((model.count > 0).sum())          # resampling made copies
-    model._pred_ok = False                                                   # the dense reference:
+    # the dense reference: every expert of every particle computed on its own (ids all distinct)
+    model.expert_id = torch.arange(model.expert_id.numel()).view_as(model.expert_id)
+    model._refresh()
+    model._pred_ok = False
     log_gate = model._gate_log(xt, float(model.last_t))
     g = torch.exp(log_gate - torch.logsumexp(log_gate, 1, keepdim=True))
     mu, v = model._expert_predict(xt)
@@ -431,3 +435,21 @@ def test_fast_prediction_matches_the_dense_mixture(gate):
     sd = float(model.y_std[0])  # one output: work units are the readings less their running mean
     np.testing.assert_allclose((mean[:, 0] - model.y_mean[0]).numpy(), m_ref.numpy(), atol=2e-3 * sd)
     np.testing.assert_allclose(var[:, 0].numpy(), v_ref.numpy(), rtol=2e-2, atol=1e-6 * sd ** 2)
+
+
+def test_target_scaling_none_keeps_the_targets_as_given():
+    """smc_target_scaling none (the paper protocol on a series standardised beforehand): the experts are zero-mean
+    GPs on the targets as given, so one expert is the exact zero-mean GP on the raw readings."""
+    rng = np.random.default_rng(6)
+    x = rng.uniform(0, 2, (12, 1))
+    y = 3.0 + np.sin(3 * x[:, 0]) + 0.1 * rng.standard_normal(12)
+    model = engine(d=1, smc_particles=1, smc_max_experts=1, smc_expert_memory=16, smc_slice_steps=0, jitter=0.0,
+                   constant_kernel=False, ard=False, smc_target_scaling="none")
+    model.update(x, y[:, None])
+    assert float(model.y_mean[0]) == 0.0 and float(model.y_std[0]) == 1.0
+    ls, sf2, sn2 = (float(torch.exp(model.theta[0, 0, i])) for i in range(3))
+    xte = np.linspace(-0.5, 2.5, 7)[:, None]
+    m_ref, v_ref, _ = exact_gp(x, y, xte, ls, sf2, sn2)
+    _, _, mu, var, _ = model._mixture(torch.as_tensor(xte), None)
+    np.testing.assert_allclose(mu[0, 0, :, 0].numpy(), m_ref, rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(var[0, 0].numpy(), v_ref, rtol=1e-6, atol=1e-9)

@@ -58,13 +58,17 @@ def _test_points(rec, plan: dict, dims: int, rng: np.random.Generator) -> tuple[
     return pos[:, :dims], truth
 
 
-def _config(plan: dict, dims: int, tiled: bool):
+def _config(plan: dict, dims: int, tiled: bool, engine: str | None = None):
+    """The shipped config with the plan's tiles (``tiled``) or one engine; ``engine`` 'var_gp': one VAR-GP
+    with ``large_vargp_m`` inducing points over all its region blocks (its own block settings as shipped)."""
     from gp_mapping.evaluation.speed import shipped_config
     import dataclasses
 
     cfg = shipped_config()
-    model = dataclasses.replace(cfg.model, device="cpu", num_inducing=int(plan["large_m"] if tiled else
-                                                                          plan["large_untiled_m"]),
+    m = int(plan["large_m"] if tiled else plan["large_untiled_m"])
+    if engine is not None:
+        m = int(plan["large_vargp_m"])
+    model = dataclasses.replace(cfg.model, device="cpu", num_inducing=m, engine=engine or cfg.model.engine,
                                 memory_size=int(plan["large_memory"]),
                                 tile_size=float(plan["large_tile"]) if tiled else 0.0,
                                 tile_overlap=float(plan["large_overlap"]))
@@ -74,12 +78,12 @@ def _config(plan: dict, dims: int, tiled: bool):
 
 
 def _stream(rec, plan: dict, dims: int, tiled: bool, test_x: np.ndarray, truth: np.ndarray,
-            log: Callable[[str], None], label: str) -> dict[str, Any]:
+            log: Callable[[str], None], label: str, engine: str | None = None) -> dict[str, Any]:
     import torch
 
     from gp_mapping.mapping.mapper import Mapper
 
-    mapper = Mapper(_config(plan, dims, tiled))
+    mapper = Mapper(_config(plan, dims, tiled, engine))
     n = len(rec.t)
     fed = feed(mapper, rec, int(plan["large_sample_every"]), log, label, log_parts=5)
     seen, ms, cpu_ms = fed["updates"]["num_seen"], fed["updates"]["ms"], fed["updates"]["cpu_ms"]
@@ -207,6 +211,26 @@ def growing_ratios(r: dict, first_pass: int, warmup: float) -> dict[str, float]:
     return out
 
 
+def region_blocks(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
+    """Tiles against VAR-GP's region blocks (gp/var_gp.py: blocks of inducing points conditioned on their nearest
+    earlier blocks, the other submap mechanism here) on the first ``large_vargp_seconds`` of the same 2-D drive:
+    RMSE beside the path, update CPU time (median; last/first decile after ``large_warmup_seconds``)."""
+    sub = {**plan, "large_seconds": float(plan["large_vargp_seconds"])}
+    rec = _world_and_drive(sub, 2, seed=int(plan["large_seed"]))
+    test_x, truth = _test_points(rec, sub, 2, np.random.default_rng(1))
+    out: dict[str, Any] = {"seconds": sub["large_seconds"], "samples": len(rec.t), "var_gp_m": int(plan["large_vargp_m"])}
+    for name, tiled, engine in (("tiled", True, None), ("var_gp", False, "var_gp")):
+        r = _stream(rec, sub, 2, tiled, test_x, truth, log, f"{name} 2-D, first {sub['large_seconds']:.0f} s", engine)
+        cpu = np.asarray(r["curve"]["cpu_ms"], float)
+        out[name] = {"rmse": r["rmse"], "cpu_median_ms": float(np.median(cpu)), "cpu_ratio": r["cpu_ratio"],
+                     "cpu_first_decile_ms": r["cpu_first_decile_ms"], "cpu_last_decile_ms": r["cpu_last_decile_ms"],
+                     "processing_s": r["processing_s"], "grid_seconds": r["grid"]["seconds"]}
+    log(f"[large: region blocks] first {sub['large_seconds']:.0f} s: RMSE tiled {out['tiled']['rmse']:.3f}, var_gp "
+        f"{out['var_gp']['rmse']:.3f} uT; update CPU median {out['tiled']['cpu_median_ms']:.0f} against "
+        f"{out['var_gp']['cpu_median_ms']:.0f} ms")
+    return out
+
+
 def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     from gp_mapping.evaluation.baselines import ExactGPBaseline, KernelSpec, NearestNeighbour
 
@@ -260,7 +284,17 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
             f"exact GP {ref:.3f}, nearest neighbour {entry['nearest_neighbour']['rmse']:.3f}; latency ratio "
             f"tiled {entry['tiled']['latency_ratio']:.2f} (CPU {entry['tiled']['cpu_ratio']:.2f})")
         results[f"{dims}d"] = entry
+    if float(plan.get("large_vargp_seconds", 0.0)) > 0:
+        from gp_mapping.gp import ENGINES
+
+        if "var_gp" in ENGINES:
+            results["region_blocks"] = region_blocks(plan, log)
     return results
+
+
+def _ratio(value) -> str:
+    """A ratio for a table; '-' where there was none (too few updates: NaN, saved as null)."""
+    return "-" if value is None or not np.isfinite(value) else f"{value:.2f}"
 
 
 def markdown(sec: dict[str, Any]) -> list[str]:
@@ -306,4 +340,15 @@ def markdown(sec: dict[str, Any]) -> list[str]:
                       f"{tc['tiles_touched_only']} it falls in {tc['cpu_ms_touched_only']:.1f} ms (ratio "
                       f"{tc['ratio']:.2f}, median of {tc['repeats']}); the maps afterwards differ by at most "
                       f"{tc['max_map_difference']:.2g} uT at its inputs.", ""]
+    rb = sec.get("region_blocks")
+    if rb:
+        t, v = rb["tiled"], rb["var_gp"]
+        lines += [f"### Tiles against VAR-GP's region blocks: the first {rb['seconds']:.0f} s of the 2-D drive "
+                  f"({rb['samples']} samples)", "",
+                  "| map | RMSE uT | update CPU median ms | CPU last/first decile | full grid s |",
+                  "|:---|---:|---:|---:|---:|",
+                  f"| tiles (as above) | {t['rmse']:.3f} | {t['cpu_median_ms']:.0f} | {_ratio(t['cpu_ratio'])} | "
+                  f"{t['grid_seconds']:.1f} |",
+                  f"| var_gp, M = {rb['var_gp_m']} over its blocks | {v['rmse']:.3f} | {v['cpu_median_ms']:.0f} | "
+                  f"{_ratio(v['cpu_ratio'])} | {v['grid_seconds']:.1f} |", ""]
     return lines

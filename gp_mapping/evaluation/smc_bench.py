@@ -47,7 +47,7 @@ PAPER_SMC = dict(engine="smc_experts", kernel="rbf", ard=False, constant_kernel=
                  smc_niw_psi=0.5, smc_niw_dof=3.0, smc_niw_prior_count=1.0, smc_alpha_shape=1.0, smc_alpha_rate=1.0,
                  smc_expert_memory=128, smc_max_experts=24, lengthscale=0.3, signal_variance=1.0, noise_variance=0.1,
                  smc_hyper_prior_std=1.5, smc_slice_steps=1, smc_slice_experts=1, smc_resampling="multinomial",
-                 device="cpu")
+                 smc_target_scaling="none", device="cpu")
 
 
 def load_series(name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -211,8 +211,10 @@ def nonstationary(quick: bool, log) -> dict[str, Any]:
     out: dict[str, Any] = {"readings": len(t), "noise_sd": noise_sd, "total_inducing": total, "rows": {}}
     kernel = smc_map_config(smc_gate="kernel", smc_gate_bandwidth=0.3)
     half = test[:, 0] >= 6.0
+    kernel8 = smc_map_config(smc_gate="kernel", smc_gate_bandwidth=0.3, smc_max_experts=8, smc_expert_memory=64)
     for label, cfg in (("smc_experts J=16 K=16 M=32, NIW gate", smc),
-                       ("smc_experts J=16 K=16 M=32, kernel gate + split", kernel), (f"dual_svgp M={total}", dual)):
+                       ("smc_experts J=16 K=16 M=32, kernel gate + split", kernel),
+                       ("smc_experts J=16 K=8 M=64, kernel gate + split", kernel8), (f"dual_svgp M={total}", dual)):
         model = build_model(cfg, 2, 1)
         secs = stream_model(model, t, xy, y, 10)
         row = score(model, test, truth, noise_sd)

@@ -147,6 +147,10 @@ class ModelConfig:
     smc_gate_bandwidth: float = option(0.3, doc="smc_experts with smc_gate kernel: width of the kernel around each "
                                      "reading [input units]; about the spacing of neighbouring tracks",
                                      low=0.0, low_open=True, high=1e6)
+    smc_target_scaling: str = option("running", doc="smc_experts: the experts' targets: readings less their running "
+                                   "mean, scaled by their running spread (running: for maps, whose level is not known "
+                                   "in advance), or as given (none: zero-mean experts on targets standardised "
+                                   "beforehand, as in the paper's experiments)", choices=("running", "none"))
     smc_alpha_shape: float = option(1.0, doc="smc_experts: Gamma prior shape a0 of the DP concentration alpha",
                                   low=0.0, low_open=True, high=1e6)
     smc_alpha_rate: float = option(1.0, doc="smc_experts: Gamma prior rate b0 of alpha", low=0.0, low_open=True,

@@ -84,8 +84,8 @@ class SMCExperts(Engine):
     """Online SMC mixture of GP experts; see the module docstring. Interface as every engine in ``gp``."""
 
     #: buffers whose size follows the data or the particle count (resized on load_state_dict)
-    RESIZABLE = ("log_w", "alpha", "count", "crp_w", "crp_t", "g_mean", "g_scatter", "g_mu0", "theta", "mem_x",
-                 "mem_y", "mem_c", "mem_s", "rng_state")
+    RESIZABLE = ("log_w", "alpha", "count", "expert_id", "crp_w", "crp_t", "g_mean", "g_scatter", "g_mu0", "theta",
+                 "mem_x", "mem_y", "mem_c", "mem_s", "rng_state")
     #: update() and predict() take the sample stamps ``t`` (the Mapper passes them)
     wants_stamps = True
 
@@ -151,6 +151,12 @@ class SMCExperts(Engine):
         self._linv = torch.zeros(0)
         self._kiy = torch.zeros(0)
         self._pred_ok = False
+        # Identity of each expert's GP (hyperparameters and memory): resampling copies experts into several
+        # particles, and copies that take the same reading stay equal, so factors and predictions are computed
+        # once per distinct id. A change that is not the same for every copy (a new expert, a split, a
+        # hyperparameter move) gives a fresh id.
+        self.register_buffer("expert_id", torch.arange(j * k).view(j, k))
+        self.register_buffer("next_expert_id", torch.tensor(j * k, dtype=torch.int64))
         self.to(resolve_device(cfg.device))
 
     # ------------------------------------------------------------------ properties
@@ -195,6 +201,28 @@ class SMCExperts(Engine):
         super()._drop_caches()
         self._cache_ok = False
         self._pred_ok = False
+
+    def _fresh_ids(self, jj: torch.Tensor, kk: torch.Tensor, same_as: torch.Tensor | None = None) -> None:
+        """New ids for experts (jj, kk): equal where ``same_as`` (their ids before a change that is the same
+        for equal experts) is equal, else all distinct."""
+        if jj.numel() == 0:
+            return
+        if same_as is None:
+            inverse = torch.arange(jj.numel(), device=jj.device)
+        else:
+            inverse = torch.unique(same_as, return_inverse=True)[1]
+        self.expert_id[jj, kk] = self.next_expert_id + inverse
+        self.next_expert_id = self.next_expert_id + int(inverse.max()) + 1
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # states saved before expert ids existed: every expert distinct
+        if prefix + "expert_id" not in state_dict and prefix + "count" in state_dict:
+            j, k = state_dict[prefix + "count"].shape
+            state_dict[prefix + "expert_id"] = torch.arange(j * k).view(j, k)
+            state_dict[prefix + "next_expert_id"] = torch.tensor(j * k, dtype=torch.int64)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def _loaded(self) -> None:
         self._generator.set_state(self.rng_state.detach().to("cpu", torch.uint8))
@@ -281,12 +309,23 @@ class SMCExperts(Engine):
         if jj.numel() == 0:
             return
         u = self._chol.shape[-1]
-        mx, mc = self.mem_x[jj, kk, :u], self.mem_c[jj, kk, :u]
-        L, _ = jittered_cholesky(self._gram(mx, mc, self.theta[jj, kk]), 0.0)
+        inverse, rj, rk = self._distinct(jj, kk)
+        mx, mc = self.mem_x[rj, rk, :u], self.mem_c[rj, rk, :u]
+        L, _ = jittered_cholesky(self._gram(mx, mc, self.theta[rj, rk]), 0.0)
         vf = (mc > 0).to(mx.dtype)
-        self._chol[jj, kk] = L
-        self._ly[jj, kk] = torch.linalg.solve_triangular(L, self.mem_y[jj, kk, :u] * vf[..., None], upper=False)
-        self._l1[jj, kk] = torch.linalg.solve_triangular(L, vf[..., None], upper=False)[..., 0]
+        self._chol[jj, kk] = L[inverse]
+        self._ly[jj, kk] = torch.linalg.solve_triangular(L, self.mem_y[rj, rk, :u] * vf[..., None],
+                                                         upper=False)[inverse]
+        self._l1[jj, kk] = torch.linalg.solve_triangular(L, vf[..., None], upper=False)[..., 0][inverse]
+
+    def _distinct(self, jj: torch.Tensor, kk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Distinct experts among (jj, kk) by id: (inverse (n,) into the distinct ones, and their particle and
+        expert indices (r,), the first of each id)."""
+        _, inverse = torch.unique(self.expert_id[jj, kk], return_inverse=True)
+        n_rep = int(inverse.max()) + 1 if inverse.numel() else 0
+        first = torch.full((n_rep,), jj.numel(), dtype=torch.int64, device=jj.device)
+        first = first.scatter_reduce(0, inverse, torch.arange(jj.numel(), device=jj.device), "amin")
+        return inverse, jj[first], kk[first]
 
     def _ensure_cache(self) -> None:
         if not self._cache_ok:
@@ -299,10 +338,11 @@ class SMCExperts(Engine):
         (the caller gives them no weight)."""
         mean_y, ratio, _ = self._work_scale()
         u = self._used_memory(self.mem_c)
-        if active is None:
-            sel = (slice(None), slice(None))
-        else:
-            sel = tuple(torch.nonzero(active, as_tuple=True))
+        if active is None:  # every expert, each distinct one computed once
+            active = torch.ones_like(self.count, dtype=torch.bool)
+        jj, kk = torch.nonzero(active, as_tuple=True)
+        inverse, rj, rk = self._distinct(jj, kk)
+        sel = (rj, rk)
         th = self.theta[sel]
         mx = self.mem_x[sel][..., :u, :]
         ks = self._kernel(mx, x.expand(*mx.shape[:-2], *x.shape), th)                   # (..., u, G)
@@ -311,12 +351,10 @@ class SMCExperts(Engine):
         wy = (self._ly[sel][..., :u, :] - mean_y * self._l1[sel][..., :u, None]) * ratio  # (..., u, P)
         mean = torch.einsum("...mg,...mp->...gp", v, wy)
         var = (self._prior_var(th)[..., None] - (v * v).sum(-2)).clamp_min(0.0)
-        if active is None:
-            return mean, var
         j, k, g = active.shape[0], active.shape[1], x.shape[0]
         full_mean = torch.zeros(j, k, g, self.output_dims, dtype=mean.dtype, device=mean.device)
         full_var = self._prior_var(self.theta)[..., None].expand(j, k, g).clone()
-        full_mean[sel], full_var[sel] = mean, var
+        full_mean[jj, kk], full_var[jj, kk] = mean[inverse], var[inverse]
         return full_mean, full_var
 
     def _ensure_pred_cache(self) -> None:
@@ -334,16 +372,7 @@ class SMCExperts(Engine):
         u = self._chol.shape[-1]
         used = self.count > 0
         jj, kk = torch.nonzero(used, as_tuple=True)
-        feat = torch.cat([self.theta[jj, kk], self.mem_x[jj, kk, :u].flatten(1), self.mem_y[jj, kk, :u].flatten(1),
-                          self.mem_c[jj, kk, :u], self.mem_s[jj, kk, :u].flatten(1)], 1)
-        if feat.shape[0]:
-            _, inverse = torch.unique(feat, dim=0, return_inverse=True)
-        else:
-            inverse = torch.zeros(0, dtype=torch.int64, device=self.device)
-        n_rep = int(inverse.max()) + 1 if inverse.numel() else 0
-        first = torch.full((n_rep,), feat.shape[0], dtype=torch.int64, device=self.device)
-        first = first.scatter_reduce(0, inverse, torch.arange(feat.shape[0], device=self.device), "amin")
-        rj, rk = jj[first], kk[first]
+        inverse, rj, rk = self._distinct(jj, kk)
         self._rep = torch.full(used.shape, -1, dtype=torch.int64, device=self.device)
         self._rep[jj, kk] = inverse
         self._rep_jk = (rj, rk)
@@ -531,6 +560,7 @@ class SMCExperts(Engine):
                 buf[jn, kn] = 0.0
             self.crp_t[jn, kn] = t
             self.theta[jn, kn] = theta_new[is_new]
+            self._fresh_ids(jn, kn)
             self.g_mu0[jn, kn] = x if cfg.smc_gate_prior_mean == "local" else 0.0
         if cfg.smc_gate == "kernel":
             z = self._split_full(z, x, t)
@@ -543,6 +573,7 @@ class SMCExperts(Engine):
         else:
             self.crp_w[ar, z] = self.count[ar, z]
         self._insert(ar, z, x, y)
+        self._fresh_ids(ar, z, same_as=self.expert_id[ar, z])  # equal experts took the same reading
         self._refresh(ar, z)
         touched[ar, z] += 1.0
         log_evidence = float(torch.logsumexp(self.log_w + inc, 0))
@@ -563,7 +594,9 @@ class SMCExperts(Engine):
 
     def _add_to_scale(self, y: torch.Tensor) -> None:
         """Welford update of the running target mean and spread; the scale is their standard deviation (1 until
-        two readings differ)."""
+        two readings differ). With ``smc_target_scaling: none`` the targets are used as given (mean 0, scale 1)."""
+        if self.config.smc_target_scaling == "none":
+            return
         n = self.y_count + 1.0
         delta = y - self.y_mean
         self.y_mean = self.y_mean + delta / n
@@ -574,8 +607,8 @@ class SMCExperts(Engine):
         self.y_std = torch.where(ok, std, torch.ones_like(std))
 
     def _select_particles(self, idx: torch.Tensor) -> None:
-        for name in ("alpha", "count", "crp_w", "crp_t", "g_mean", "g_scatter", "g_mu0", "theta", "mem_x", "mem_y",
-                     "mem_c", "mem_s"):
+        for name in ("alpha", "count", "expert_id", "crp_w", "crp_t", "g_mean", "g_scatter", "g_mu0", "theta",
+                     "mem_x", "mem_y", "mem_c", "mem_s"):
             setattr(self, name, getattr(self, name)[idx].clone())
         self._chol, self._ly, self._l1 = self._chol[idx].clone(), self._ly[idx].clone(), self._l1[idx].clone()
         self.log_w = torch.full_like(self.log_w, -math.log(self.num_particles))
@@ -655,7 +688,9 @@ class SMCExperts(Engine):
             near = torch.argmin(((ex - x) ** 2).sum(-1))
             if bool((b_idx == near).any()):
                 z[j] = f
-            self._refresh(torch.tensor([j, j], device=self.device), torch.tensor([k, f], device=self.device))
+            pair = (torch.tensor([j, j], device=self.device), torch.tensor([k, f], device=self.device))
+            self._fresh_ids(*pair)
+            self._refresh(*pair)
         return z
 
     def _absorb(self, j: int, r: int, t: float) -> None:
@@ -686,6 +721,7 @@ class SMCExperts(Engine):
         for buf in (self.count, self.crp_w, self.g_mean, self.g_scatter, self.mem_x, self.mem_y, self.mem_c,
                     self.mem_s):
             buf[j, r] = 0.0
+        self._fresh_ids(torch.tensor([j, j], device=self.device), torch.tensor([nb, r], device=self.device))
         self._refresh(jj, kk)
 
     def _insert(self, ar: torch.Tensor, z: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -754,6 +790,7 @@ class SMCExperts(Engine):
                                                  current_ll=ll)
             evals += int(n_eval.sum())
         self.theta[jj, kk] = theta
+        self._fresh_ids(jj, kk)
         self._refresh(jj, kk)
         return evals
 
