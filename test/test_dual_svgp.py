@@ -536,9 +536,9 @@ def test_cuda_predictions_match_cpu_float64():
 
 
 def test_the_learned_noise_reaches_the_sensors_variance_on_a_drive():
-    """The Gaussian noise follows its closed-form M-step after each hyperparameter step. On a simulated drive with a
-    known sensor noise (0.1 uT) it must end near 0.01 uT^2 (measured 0.0116 at M = 64, a little above for what 64
-    inducing points cannot represent): neither run away with the misfit nor collapse onto the in-sample residuals."""
+    """On a simulated drive with a known sensor noise (0.1 uT) the learned noise must end near 0.01 uT^2 (measured
+    0.012 at M = 64): neither run away with what 64 inducing points cannot represent nor collapse onto the
+    in-sample residuals."""
     from gp_mapping.sim import SensorConfig, TrajectoryConfig, WorldConfig, simulate
 
     rec = simulate(WorldConfig(), TrajectoryConfig(duration=40.0), SensorConfig(noise_std=0.1e-6), seed=3)

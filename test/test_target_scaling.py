@@ -46,9 +46,8 @@ def _map(engine: str, x, y, xt, yt) -> tuple[float, float]:
                                            ("continual_mogp", "magnitude"), ("continual_mogp", "vector"),
                                            ("var_gp", "magnitude"), ("var_gp", "vector")])
 def test_a_rest_before_the_drive_leaves_the_map_of_the_drive(engine, target):
-    # One drive's ratio varies by several per cent with the path (dual_svgp |B|, drives 3-6: 1.06, 1.04, 1.02,
-    # 1.03 with the noise M-step; 1.04, 0.95, 1.11, 1.05 before it), so the bound holds for the mean over three
-    # drives. The scaling frozen on the first batch gave 1.60 / 1.16 with NLPD 6.6 / 5.8 against 0.2 / 0.6.
+    # One drive's ratio varies by several per cent with the path (dual_svgp |B|, drives 3-6: 1.04, 0.95, 1.11,
+    # 1.05), so the bound holds for the mean over three drives. The scaling frozen on the first batch gave 1.60 / 1.16 with NLPD 6.6 / 5.8 against 0.2 / 0.6.
     # (var_gp, drive 3 alone: 0.94 / 0.90; continual_mogp 1.01 / 0.99: those two, several times slower, are run
     # on drive 3 only.)
     seconds = 30.0 if engine == "continual_mogp" else 40.0

@@ -583,22 +583,6 @@ class DualSVGP(Engine):
                              + torch.einsum("pm,pmn,pn->", mean_w, W_old, mean_w)))
         return l_theta, ell.sum() + old_term - kl
 
-    def _noise_m_step(self, V, kxx, hy, lam1, lam2, weights) -> None:
-        """The Gaussian noise at the maximum of l_theta for the current q (an EM step): per output
-        sigma^2 = sum_i w_i E_q[(y_i - f_i)^2] / sum_i w_i over the held data, memory weighted for the old data.
-
-        Adam steps on a subsample move the log-noise by a fraction of hyper_lr per update, and the noise has far
-        to go: it starts at the sensor's (the successive-difference estimate) and must grow to hold what M
-        inducing points cannot represent. On Solin protocol 2 it was still rising at the end of the stream
-        (0.14 -> 0.96 uT^2, 5 % of the way per 50 updates) and the predictive variance was 4x too small on the
-        test path. The closed form reaches the fixed point of the same objective at once; with q at its optimum
-        it is a stationary point of the bound (the envelope theorem), so nothing else moves."""
-        a_h, W_h = _site_sums(V, lam1, lam2)
-        R, c = self._posterior(self.a_w_old + a_h, self.W_old + W_h)
-        mean, var, _ = self._marginals(V, R, c, kxx)
-        expected = (weights[:, None] * ((hy - mean) ** 2 + var)).sum(0) / weights.sum()
-        self.likelihood.noise_param.set(expected.clamp(1e-6, 1e3))
-
     def _learn_hyperparameters(self, hx, hy, lam1, lam2, weights, budget: int,
                                fixed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[int, float]:
         """Adam steps on theta (l_theta) and, if configured, on Z (l_Z); returns (steps, final l_theta per
@@ -851,14 +835,8 @@ class DualSVGP(Engine):
                 V = self._features(L, hx)
                 lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, torch.zeros_like(fresh), cfg.n_steps,
                                              cfg.rho)
-                if self.likelihood.conjugate:
-                    self._noise_m_step(V, kxx, hy, lam1, lam2, weights)
-                    lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, torch.zeros_like(fresh), cfg.n_steps,
-                                                 cfg.rho)
-        # Memory: candidates from the batch, then the reservoir over old members and candidates. A batch at rest
-        # gives none: the memory is what hyperparameters (and the noise's M-step) learn from, and a robot at rest
-        # says nothing about them (its readings' spread is the sensor's at rest); its data go to the old part.
-        k = min(cfg.memory_per_batch, n_b) if cfg.memory_size > 0 and spans_space(bx, cfg.lengthscale) else 0
+        # Memory: candidates from the batch, then the reservoir over old members and candidates.
+        k = min(cfg.memory_per_batch, n_b) if cfg.memory_size > 0 else 0
         if k > 0:
             if cfg.memory_selection == "leverage":
                 a_h, W_h = _site_sums(V, lam1, lam2)
