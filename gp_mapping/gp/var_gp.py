@@ -192,12 +192,8 @@ class VARGP(Engine):
         self.register_buffer("buf_y", torch.zeros(0, p, **f64))
         self.register_buffer("buf_w", torch.zeros(0, **f64))        # data each buffered sample stands for
         self.register_buffer("jitter_t", torch.tensor(float(cfg.jitter), **f64))
-        self.register_buffer("y_mean", torch.zeros(p, **f64))
-        self.register_buffer("y_std", torch.ones(p, **f64))
+        self._register_target_statistics(p)
         self.register_buffer("standardised", torch.tensor(False))
-        self.register_buffer("y_count", torch.tensor(0.0, **f64))
-        self.register_buffer("y_run_mean", torch.zeros(p, **f64))
-        self.register_buffer("y_run_m2", torch.zeros(p, **f64))
         self.register_buffer("hyper_learned", torch.tensor(False))
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
