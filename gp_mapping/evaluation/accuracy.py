@@ -239,14 +239,20 @@ def run_protocol(name: str, batches: list[tuple[np.ndarray, np.ndarray]], x_test
             "seconds": time.perf_counter() - start, "_models": models}
 
 
-def protocol1(data_root, plan: dict, log) -> dict[str, Any]:
-    train = load_solin2018(data_root, 3)
+def protocol1_data(data_root, plan: dict) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray]:
+    """Protocol 1's stream and test set: sequence 3 in ``plan['p1_batches']`` consecutive batches; sequences 1, 2, 4
+    and 5 (every ``plan['test_stride']``-th sample) to test on."""
     x_test, y_test = _stack([load_solin2018(data_root, s) for s in (1, 2, 4, 5)])
     stride = int(plan["test_stride"])
-    x_test, y_test = x_test[::stride], y_test[::stride]
-    x, y = _stack([train])
+    x, y = _stack([load_solin2018(data_root, 3)])
     parts = np.array_split(np.arange(x.shape[0]), int(plan["p1_batches"]))
-    out = run_protocol("protocol 1", [(x[p], y[p]) for p in parts], x_test, y_test, 1, plan, log)
+    return [(x[p], y[p]) for p in parts], x_test[::stride], y_test[::stride]
+
+
+def protocol1(data_root, plan: dict, log) -> dict[str, Any]:
+    batches, x_test, y_test = protocol1_data(data_root, plan)
+    stride = int(plan["test_stride"])
+    out = run_protocol("protocol 1", batches, x_test, y_test, 1, plan, log)
     out["description"] = (f"stream sequence 3 in {plan['p1_batches']} consecutive batches; test on sequences "
                           "1, 2, 4, 5 after every batch" + (f" (every {stride}th sample)" if stride > 1 else ""))
     return out

@@ -3,7 +3,7 @@
 ``curve`` (protocol 1 of the accuracy section: Solin et al. 2018 sequence 3 streamed in ``p1_batches`` consecutive
 batches): after every batch, the RMSE of |B| (uT) on the test samples of sequences 1, 2, 4 and 5 that lie within
 ``forget_radius`` of the FIRST batch's path, for var_gp (its shipped settings: each block conditioned on its
-``vargp_neighbours`` nearest blocks), var_gp with M = 512 (no distillation on this recording), var_gp with blocks of
+``vargp_neighbours`` nearest blocks), var_gp whose revisits refine the frozen blocks, var_gp with M = 512 (no distillation on this recording), var_gp with blocks of
 32 conditioned on the 1 nearest block and on all earlier blocks (the paper's full conditioning: the loss of the
 bounded-cost approximation on this small map), dual_svgp (full updates), continual_mogp (fast, full every
 ``fast_full_every``-th) and the streaming sparse GP of Bui et al. (2017). A method forgets when that RMSE
@@ -23,10 +23,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gp_mapping.evaluation.accuracy import _engine_method, _osgpr_method, _stack, engine_config
+from gp_mapping.evaluation.accuracy import _engine_method, _osgpr_method, engine_config, protocol1_data
 from gp_mapping.evaluation.bench_engine import _summary
 from gp_mapping.evaluation.common import percentiles
-from gp_mapping.evaluation.datasets import load_solin2018
 from gp_mapping.evaluation.growth import _decile_ratio, feed
 from gp_mapping.gp import ENGINES
 
@@ -41,7 +40,9 @@ def _methods(plan: dict) -> list:
            _engine_method("dual_svgp_full", "dual SVGP, full updates", engine_config(), lambda i: "full")]
     if not int(plan.get("forget_variants", 1)):  # the quick plan: var_gp as shipped, dual_svgp and Bui et al.
         return out + [_osgpr_method(engine_config(), int(plan["osgpr_iterations"]))]
-    out += [_engine_method("var_gp_m512", "VAR-GP, M = 512 (no distillation here)",
+    out += [_engine_method("var_gp_refine", "VAR-GP, revisits refine the frozen blocks",
+                           dataclasses.replace(var, vargp_revisits="refine"), lambda i: "full"),
+            _engine_method("var_gp_m512", "VAR-GP, M = 512 (no distillation here)",
                           dataclasses.replace(var, num_inducing=512), lambda i: "full"),
            _engine_method("var_gp_k1", "VAR-GP, blocks of 32, conditioned on the 1 nearest",
                           dataclasses.replace(var, vargp_block_size=32, vargp_neighbours=1, num_inducing=512),
@@ -60,25 +61,21 @@ def _methods(plan: dict) -> list:
 def curve(data_root, plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     from scipy.spatial import cKDTree
 
-    train = load_solin2018(data_root, 3)
-    x_test, y_test = _stack([load_solin2018(data_root, s) for s in (1, 2, 4, 5)])
+    batches, x_test, y_test = protocol1_data(data_root, plan)
     stride = int(plan["test_stride"])
-    x_test, y_test = x_test[::stride], y_test[::stride]
-    x, y = _stack([train])
-    parts = np.array_split(np.arange(x.shape[0]), int(plan["p1_batches"]))
     radius = float(plan.get("forget_radius", FORGET_RADIUS))
-    near = cKDTree(x[parts[0]]).query(x_test)[0] < radius
+    near = cKDTree(batches[0][0]).query(x_test)[0] < radius
     x_near, y_near = x_test[near], y_test[near]
     methods = _methods(plan)
     curves = {m.name: {"batch": [], "rmse_first_region": []} for m in methods}
     start = time.perf_counter()
-    for b, p in enumerate(parts):
+    for b, (xb, yb) in enumerate(batches):
         for m in methods:
-            m.step(x[p], y[p])
+            m.step(xb, yb)
             c = curves[m.name]
             c["batch"].append(b + 1)
             c["rmse_first_region"].append(m.score(x_near, y_near)["rmse"])
-        log(f"  forgetting: batch {b + 1}/{len(parts)}: " + ", ".join(
+        log(f"  forgetting: batch {b + 1}/{len(batches)}: " + ", ".join(
             f"{m.name} {curves[m.name]['rmse_first_region'][-1]:.2f}" for m in methods)
             + f" ({time.perf_counter() - start:.0f} s)")
     results = {}
@@ -95,7 +92,7 @@ def curve(data_root, plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
         if hasattr(model, "num_blocks"):
             results[m.name].update(blocks=model.num_blocks, inducing=model.num_inducing,
                                    distillations=int(model.distillations_t))
-    return {"description": f"Solin sequence 3 in {len(parts)} batches; RMSE on the {int(near.sum())} test samples "
+    return {"description": f"Solin sequence 3 in {len(batches)} batches; RMSE on the {int(near.sum())} test samples "
                            f"(sequences 1, 2, 4, 5{'' if stride == 1 else f', every {stride}th'}) within "
                            f"{radius:g} m of the first batch's path, after every batch",
             "radius_m": radius, "test_points": int(near.sum()), "methods": results,

@@ -180,6 +180,17 @@ class Engine(nn.Module, abc.ABC):
         self.output_dims = int(output_dims)
         self._cache = None
 
+    def _register_target_statistics(self, outputs: int, count_per_output: bool = False) -> None:
+        """The buffers of adaptive target scaling: the offset and scale in use (``y_mean``, ``y_std``, (P,)) and the
+        running moments of every target seen (``y_count``, scalar or (P,) when outputs can be missing;
+        ``y_run_mean``, ``y_run_m2``), folded in by :func:`merge_moments`."""
+        f64 = {"dtype": torch.float64}
+        self.register_buffer("y_mean", torch.zeros(outputs, **f64))
+        self.register_buffer("y_std", torch.ones(outputs, **f64))
+        self.register_buffer("y_count", torch.zeros(outputs if count_per_output else (), **f64))
+        self.register_buffer("y_run_mean", torch.zeros(outputs, **f64))
+        self.register_buffer("y_run_m2", torch.zeros(outputs, **f64))
+
     # ------------------------------------------------------------------ the contract
     @abc.abstractmethod
     def update(self, x, y, mode: str | None = None) -> dict:

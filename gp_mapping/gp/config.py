@@ -177,7 +177,7 @@ class ModelConfig:
                                  "[s of sample stamps]", low=0.0, low_open=True, high=1e9)
     vargp_block_size: int = option(64, doc="var_gp: most inducing points in one region block (at most half of "
                                    "num_inducing: distillation merges two blocks into one)", low=1, high=4096)
-    vargp_new_block: float = option(0.1, doc="var_gp: a new block is opened when, after the current block is full, "
+    vargp_new_block: float = option(0.01, doc="var_gp: a new block is opened when, after the current block is full, "
                                     "a batch input keeps more than this fraction of its prior variance given all "
                                     "blocks' inducing inputs", low=0.0, low_open=True, high=1.0)
     vargp_neighbours: int = option(4, doc="var_gp: a block is conditioned on this many nearest earlier blocks "
@@ -191,6 +191,11 @@ class ModelConfig:
                                 low=1, high=64)
     vargp_predict_samples: int = option(4, doc="var_gp: fixed draws of q(theta) that a prediction averages "
                                         "(1: the mean)", low=1, high=64)
+    vargp_revisits: str = option("freeze", doc="var_gp, Gaussian likelihood: readings where the current block has "
+                                 "almost no say (a revisit of frozen regions) also refine the frozen blocks there by "
+                                 "streaming Bayes, adding their information (refine), or leave them as they are "
+                                 "(freeze, the paper's frozen blocks)",
+                                 choices=("refine", "freeze"))
     vargp_block_memory: int = option(1024, doc="var_gp: most samples of the current block's data kept for its "
                                      "bound (a uniform weighted sample above it)", low=1, high=1_000_000)
     tile_size: float = option(0.0, doc="local submaps: side of the square tiles that each hold their own engine "

@@ -69,7 +69,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -214,14 +213,9 @@ class ContinualMOGP(Engine):
             self.register_buffer(f"z_{q}", torch.zeros(0, d, **f64))
             self.register_parameter(f"q_mean_{q}", nn.Parameter(torch.zeros(0, **f64)))
             self.register_parameter(f"q_chol_{q}", nn.Parameter(torch.zeros(0, 0, **f64)))
-        self.register_buffer("y_mean", torch.zeros(p, **f64))
-        self.register_buffer("y_std", torch.ones(p, **f64))
+        self._register_target_statistics(p, count_per_output=True)  # a channel can be missing from a row
         self.register_buffer("channel_seen", torch.zeros(p, dtype=torch.bool))
-        # running count, mean and sum of squared deviations per channel (Chan et al.'s merge), and whether the
-        # scale was fixed by set_standardisation (then it never adapts)
-        self.register_buffer("y_count", torch.zeros(p, **f64))
-        self.register_buffer("y_run_mean", torch.zeros(p, **f64))
-        self.register_buffer("y_run_m2", torch.zeros(p, **f64))
+        # whether the scale was fixed by set_standardisation (then it never adapts)
         self.register_buffer("scale_fixed", torch.tensor(False))
         self.register_buffer("rescalings_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("hyper_learned", torch.tensor(False))  # learned from a batch that spans space

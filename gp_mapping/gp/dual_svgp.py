@@ -81,14 +81,14 @@ Later steps are damped with rho.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from typing import Iterator
 
 import torch
 from torch import nn
 
-from .base import Engine, difference_noise_estimate, merge_moments, moments_scale, resolve_device, spans_space
+from .base import (Engine, difference_noise_estimate, merge_moments, moments_scale, resolve_device, scale_drifted,
+                   spans_space, symmetrise)
 from .config import ModelConfig
 from .errors import ConfigError, GPNumericalError, ModelInputError
 from .inducing import DEFAULT_REL_TOL, grid_points, pivoted_cholesky
@@ -97,17 +97,9 @@ from .likelihoods import build_likelihood
 
 #: Pending (fast-mode) points kept before the oldest are folded into the old part.
 DEFAULT_MAX_PENDING = 8192
-#: Target scaling is re-expressed when the running std leaves [1/f, f] x the current one, or the running mean
-#: moves by more than RESCALE_SHIFT current stds.
-RESCALE_FACTOR = 2.0
-RESCALE_SHIFT = 0.5
 #: A scheduled fast update becomes full when a batch input keeps more than this fraction of its prior variance
 #: given a full Z (see DualSVGP._leaves_the_cover).
 COVER_LOST = 0.5
-
-
-def _sym(W: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (W + W.transpose(-1, -2))
 
 
 def _site_sums(V: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +109,7 @@ def _site_sums(V: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor) -> tuple
         W = ((V * lam2[:, 0]) @ V.T)[None]
     else:
         W = torch.einsum("mn,np,kn->pmk", V, lam2, V)
-    return a_w, _sym(W)
+    return a_w, symmetrise(W)
 
 
 class DualSVGP(Engine):
@@ -154,13 +146,8 @@ class DualSVGP(Engine):
         self.register_buffer("W_old", torch.zeros(p, m, m, **f64))
         self.register_buffer("jitter_t", torch.tensor(float(config.jitter), **f64))
         self.register_buffer("z_fixed", torch.tensor(z_fixed))
-        self.register_buffer("y_mean", torch.zeros(p, **f64))
-        self.register_buffer("y_std", torch.ones(p, **f64))
+        self._register_target_statistics(p)
         self.register_buffer("standardised", torch.tensor(False))
-        # running count, mean and sum of squared deviations of every target seen (Chan et al.'s merge)
-        self.register_buffer("y_count", torch.tensor(0.0, **f64))
-        self.register_buffer("y_run_mean", torch.zeros(p, **f64))
-        self.register_buffer("y_run_m2", torch.zeros(p, **f64))
         self.register_buffer("rescalings_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("hyper_learned", torch.tensor(False))  # learned from a batch that spans space
         self.register_buffer("scale_fixed", torch.tensor(False))  # set_standardisation: never re-expressed
@@ -247,7 +234,7 @@ class DualSVGP(Engine):
 
     def _track_targets(self, y: torch.Tensor) -> None:
         """Fold the batch into the running target statistics and re-express the model in new units when they
-        have drifted (std by more than RESCALE_FACTOR, mean by more than RESCALE_SHIFT stds).
+        have drifted (gp.base.scale_drifted: std by a factor of 2, mean by half a std).
 
         Standardising once from the first batch fails on a robot that stands still for its first second: the
         batch's spread is the sensor noise, the field's is a thousand times larger, and every hyperparameter
@@ -266,10 +253,7 @@ class DualSVGP(Engine):
             self.y_std.copy_(std)
             self.standardised.fill_(True)
             return
-        ratio = std / self.y_std
-        drift = ((ratio > RESCALE_FACTOR) | (ratio < 1.0 / RESCALE_FACTOR)
-                 | ((mean - self.y_mean).abs() > RESCALE_SHIFT * self.y_std))
-        if bool(drift.any()):
+        if scale_drifted(mean, std, self.y_mean, self.y_std):
             self._rescale_targets(mean, std)
 
     def _rescale_targets(self, mean: torch.Tensor, std: torch.Tensor, adaptation: bool = True) -> None:
@@ -375,7 +359,7 @@ class DualSVGP(Engine):
             alpha = (L_inv.T @ mean_w.T)
             B = R_inv @ L_inv  # (P, M, M): R^{-1} L^{-1}
             Q = B.transpose(-1, -2) @ B - L_inv.T @ L_inv
-            self._pred = (alpha, _sym(Q))
+            self._pred = (alpha, symmetrise(Q))
         return self._pred
 
     def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -451,7 +435,7 @@ class DualSVGP(Engine):
                                           upper=False).T
         self.a_w_old = G.T @ self.a_w_old
         self.b_w_old = G.T @ self.b_w_old
-        self.W_old = _sym(G.T @ self.W_old @ G)
+        self.W_old = symmetrise(G.T @ self.W_old @ G)
 
     def _cross(self, z_old: torch.Tensor, z_new: torch.Tensor) -> torch.Tensor:
         # Identical points keep their dual exactly: the jitter belongs to the covariance of u with itself.
@@ -561,7 +545,7 @@ class DualSVGP(Engine):
         a_h, W_h = _site_sums(V, lam1, lam2)
         a_fixed, W_fixed = fixed if fixed is not None else (self.a_w_old, self.W_old)
         a_old = G.T @ a_fixed
-        W_old = _sym(G.T @ W_fixed @ G)
+        W_old = symmetrise(G.T @ W_fixed @ G)
         R, c = self._posterior(a_old + a_h, W_old + W_h)
         mean, var, _ = self._marginals(V, R, c, self.kernel.diag(hx))
         ell = self.likelihood.expected_log_lik(hy, mean, var)
@@ -911,7 +895,7 @@ class DualSVGP(Engine):
             self.Z = zt.clone()
             self.jitter_t.fill_(float(jitter))
             self.a_w_old = torch.as_tensor(site_a, dtype=torch.float64, device=dev).reshape(p, m).T.clone()
-            self.W_old = _sym(torch.as_tensor(site_W, dtype=torch.float64, device=dev).reshape(p, m, m).clone())
+            self.W_old = symmetrise(torch.as_tensor(site_W, dtype=torch.float64, device=dev).reshape(p, m, m).clone())
             self.a_w, self.W = self.a_w_old.clone(), self.W_old.clone()
             for prefix in ("mem", "pend"):
                 for name in ("x", "y", "lam1", "lam2"):

@@ -34,8 +34,12 @@ room, batch points are added to it by pivoted Cholesky on that residual (greedy 
 1e-4 of the prior variance: ``inducing.DEFAULT_REL_TOL``); its q is extended by the prior conditional of the new
 points (exact at the mean theta, so the map does not move). If after that some batch input still keeps more than
 vargp_new_block of its prior variance, the region is not covered: the current block is frozen and a new block is
-opened there with points placed the same way. A robot that returns to a mapped region opens nothing (the frozen
-blocks there are never rewritten, which is what protects them from forgetting); its data still teach theta.
+opened there with points placed the same way. A robot that returns to a mapped region opens nothing. Its
+readings teach theta; the frozen blocks stay exactly as they were (``vargp_revisits: freeze``, the paper's). With
+``refine`` (Gaussian likelihood) the readings where the current block has almost no say (below REVISIT_SAY of the
+prior variance) also refine the frozen blocks there by streaming Bayes: q_new(v_j) is proportional to q_old(v_j)
+times the readings' likelihood, the other blocks at their means, in the whitened coordinates at the mean theta,
+one block after the other. That only adds information (no block's variance grows).
 
 Updates of the current block follow the bound of eq. 8 on the data seen since the block was opened (a uniform
 weighted sample of at most vargp_block_memory of them, each standing for its share):
@@ -60,8 +64,10 @@ the bench: K must cover the overlapping blocks). (b) Distillation: when the bloc
 points in all, the two oldest blocks are compressed into one: their joint q at the mean theta, pivoted Cholesky
 (prior kernel) keeps as many of their inputs as bring the total back to num_inducing (the most redundant are
 dropped), and the new block's q is the exact marginal of the joint at those inputs (later blocks conditioned on
-either now condition on it). So memory and the cost of an update or a prediction stay bounded (O(num_inducing^2)
-per batch input, O(num_inducing^3) per theta draw); the oldest regions lose resolution first.
+either now condition on it; a block conditioned on either is re-expressed on the new one, its marginal mean kept
+exactly). The blocks hold at most num_inducing + vargp_block_size points (the current block grows past the cap
+until the next block opens), so memory and the cost of an update or a prediction stay bounded (O(M^2) per batch
+input, O(M^3) per theta draw); the oldest regions lose resolution first.
 
 Vector targets: the outputs are independent latent GPs that share the blocks' Z, q(theta) and the parent
 structure, each with its own (m_j, S_j) and noise. Targets are standardised by running statistics (re-expressed
@@ -88,6 +94,9 @@ from .likelihoods import GaussianLikelihood, build_likelihood
 #: conditionals, which depend on theta through A_j, useless until many steps have narrowed it; the data narrow or
 #: widen it from here, and the KL to the prior is what it is.
 INITIAL_Q_STD = 0.05
+#: A reading refines the frozen blocks (vargp_revisits: refine) where the current block explains less than this
+#: fraction of the prior variance.
+REVISIT_SAY = 0.01
 #: Largest |log hyperparameter| step a reparameterised draw may take (keeps exp() finite on wild draws).
 THETA_CLAMP = 30.0
 
@@ -183,12 +192,8 @@ class VARGP(Engine):
         self.register_buffer("buf_y", torch.zeros(0, p, **f64))
         self.register_buffer("buf_w", torch.zeros(0, **f64))        # data each buffered sample stands for
         self.register_buffer("jitter_t", torch.tensor(float(cfg.jitter), **f64))
-        self.register_buffer("y_mean", torch.zeros(p, **f64))
-        self.register_buffer("y_std", torch.ones(p, **f64))
+        self._register_target_statistics(p)
         self.register_buffer("standardised", torch.tensor(False))
-        self.register_buffer("y_count", torch.tensor(0.0, **f64))
-        self.register_buffer("y_run_mean", torch.zeros(p, **f64))
-        self.register_buffer("y_run_m2", torch.zeros(p, **f64))
         self.register_buffer("hyper_learned", torch.tensor(False))
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
@@ -281,6 +286,8 @@ class VARGP(Engine):
             return functional_call(self.kernel, params, (a, b))
 
         def kdiag(x: torch.Tensor) -> torch.Tensor:  # stationary (and constant) kernels: k(x, x) is one value
+            if x.shape[0] == 0:
+                return x.new_zeros(0)
             return kern(x[:1], x[:1])[0, 0].expand(x.shape[0])
 
         return kern, kdiag
@@ -513,20 +520,24 @@ class VARGP(Engine):
         return idx, symmetrise(G - rows.T @ rows)
 
     def _place(self, x: torch.Tensor) -> dict:
-        """Grow the current block and open a new one where the batch is not covered (module docstring); then
-        distil while the blocks hold more than num_inducing points."""
+        """Grow the current block, or open a new one where the batch is not covered (module docstring); then
+        distil while the blocks hold more than num_inducing points. The current block grows only in an update
+        that opens no block: points added to a block that is frozen at once would never be fitted to data."""
         cfg = self.config
         mb = self.block_size
         opened, grown = 0, 0
         G, prior = self._residual_gram(x)
+        grow = None
         if self.num_blocks:
-            room = mb - int(self.counts[-1])
-            idx, G = self._pick(G, prior, room)
-            if idx.numel():
-                self._grow_current(x[idx])
-                grown += int(idx.numel())
-        rel = torch.diagonal(G).clamp_min(0.0) / prior
-        if self.num_blocks == 0 or bool((rel > cfg.vargp_new_block).any()):
+            idx, G_after = self._pick(G, prior, mb - int(self.counts[-1]))
+            rel = torch.diagonal(G_after).clamp_min(0.0) / prior
+            if not bool((rel > cfg.vargp_new_block).any()):
+                grow = idx
+        if grow is not None:
+            if grow.numel():
+                self._grow_current(x[grow])
+                grown = int(grow.numel())
+        else:
             idx, _ = self._pick(G, prior, mb)
             if idx.numel():
                 if self.num_blocks:  # the current block is frozen: its q(theta) anchors the next block's KL
@@ -556,32 +567,48 @@ class VARGP(Engine):
         S[:, :, :w, :w] = self.S_chol
         self.S_chol = S
 
+    def _dense_conditionals(self, fac: _Factors) -> list[torch.Tensor]:
+        """A_j over all earlier points of the set (zeros outside its parents), from the factors."""
+        out = []
+        for i, sl in enumerate(fac.slices):
+            a = fac.Z.new_zeros(sl.stop - sl.start, sl.start)
+            if fac.parents[i]:
+                cols = torch.cat([torch.arange(fac.slices[k].start, fac.slices[k].stop, device=a.device)
+                                  for k in fac.parents[i]])
+                a[:, cols] = fac.G[i].T @ _tri_inv(fac.LP[i])  # A_j = K_jP K_PP^{-1} = G^T chol(K_PP)^{-1}
+            out.append(a)
+        return out
+
     def _distil_oldest(self) -> None:
         """Compress blocks 0 and 1 into one block (module docstring, bounded cost (b)): pivoted Cholesky keeps as
-        many of their points as bring the total back to num_inducing (the least redundant first)."""
+        many of their points as bring the total back to num_inducing (the least redundant first), with q the
+        marginal of the joint there. A later block that was conditioned on either is re-expressed on the new
+        block: m_j = E[u_j] - A'_j E[u_P'] and S_j = Cov[u_j - A'_j u_P'] under the joint (all at the q(theta)
+        mean), so its mean is kept exactly and its covariance stays positive."""
         theta = self.q_mu.detach()
-        fac = self._factors(theta, [0, 1])
-        c0, c1 = int(self.counts[0]), int(self.counts[1])
-        # A_1 = K_1P K_PP^{-1} = G^T chol(K_PP)^{-1}
-        A1 = fac.G[1].T @ _tri_inv(fac.LP[1]) if fac.parents[1] else None
-        mean, cov = ar_joint([self.m[0, :c0], self.m[1, :c1]],
-                             [self.S_chol[0, :, :c0, :c0], self.S_chol[1, :, :c1, :c1]], [None, A1])
+        nb = self.num_blocks
+        fac = self._factors(theta, list(range(nb)))
+        c = [int(v) for v in self.counts]
+        mean, cov = ar_joint([self.m[j, :c[j]] for j in range(nb)],
+                             [self.S_chol[j, :, :c[j], :c[j]] for j in range(nb)], self._dense_conditionals(fac))
         kern, kdiag = fac.kern, fac.kdiag
-        keep_points = max(1, c0 + c1 - (self.num_inducing - int(self.config.num_inducing)))
-        idx, _ = self._pick(symmetrise(kern(fac.Z, fac.Z)), kdiag(fac.Z), keep_points)
+        old01 = torch.arange(c[0] + c[1], device=self.device)
+        keep_points = max(1, c[0] + c[1] - (self.num_inducing - int(self.config.num_inducing)))
+        z01 = fac.Z[old01]
+        idx, _ = self._pick(symmetrise(kern(z01, z01)), kdiag(z01), keep_points)
         idx = torch.sort(idx).values
         n = idx.numel()
+        touched = [j for j in range(2, nb) if bool(self.parent_mask[j, 0] | self.parent_mask[j, 1])]
         self._widen(n)
         mb = self.Z.shape[1]
-        sub = symmetrise(cov[:, idx][:, :, idx])
-        L, _ = jittered_cholesky(sub, self.jitter * float(kdiag(fac.Z[:1])[0]))
-        Z0, m0 = fac.Z[idx], mean[idx]
-        keep = [0] + list(range(2, self.num_blocks))
+        jit = self.jitter * float(kdiag(fac.Z[:1])[0])
+        L, _ = jittered_cholesky(symmetrise(cov[:, idx][:, :, idx]), jit)
+        keep = [0] + list(range(2, nb))
         self.Z, self.m, self.S_chol = self.Z[keep].clone(), self.m[keep].clone(), self.S_chol[keep].clone()
         self.Z[0].zero_()
-        self.Z[0, :n] = Z0
+        self.Z[0, :n] = z01[idx]
         self.m[0].zero_()
-        self.m[0, :n] = m0
+        self.m[0, :n] = mean[idx]
         self.S_chol[0] = torch.eye(mb, dtype=torch.float64, device=self.device)
         self.S_chol[0, :, :n, :n] = L
         counts = self.counts[keep].clone()
@@ -592,6 +619,69 @@ class VARGP(Engine):
         mask[0, :] = False
         self.counts, self.parent_mask = counts, mask
         self.distillations_t += 1
+        if not touched:
+            return
+        # where each new block's points sit in the old joint
+        old_index = [idx] + [fac.slices[j].start + torch.arange(c[j], device=self.device) for j in range(2, nb)]
+        new_fac = self._factors(theta, list(range(self.num_blocks)))
+        A_new = self._dense_conditionals(new_fac)
+        for j_old in touched:
+            j = j_old - 1
+            pos = torch.cat(old_index[:j])               # the earlier new blocks' points, in the old joint
+            own = old_index[j]
+            a = A_new[j]                                   # (c_j, points of blocks < j)
+            sub = torch.cat([own, pos])
+            B = torch.cat([torch.eye(own.numel(), dtype=torch.float64, device=self.device), -a], 1)
+            S = symmetrise(B @ cov[:, sub][:, :, sub] @ B.T)
+            Lj, _ = jittered_cholesky(S, jit)
+            self.m[j, :own.numel()] = mean[own] - a @ mean[pos]
+            self.S_chol[j, :, :own.numel(), :own.numel()] = Lj
+
+    # ------------------------------------------------------------------ revisits
+    def _revisits(self, x: torch.Tensor) -> torch.Tensor:
+        """Which batch inputs (N,) lie in frozen regions: where the current block carries less than
+        REVISIT_SAY of the latent's prior variance (its whitened features |a_{x,t}|^2 / k(x, x)), so the
+        reading is about what the frozen blocks hold, not about the current block's region or its border."""
+        if self.num_blocks < 2:
+            return torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+        fac = self._factors(self.q_mu.detach(), list(range(self.num_blocks)))
+        A = fac.T @ fac.kern(fac.Z, x)
+        current = A[fac.slices[-1]]
+        return (current * current).sum(0) < REVISIT_SAY * fac.kdiag(x)
+
+    def _refine_frozen(self, x: torch.Tensor, ys: torch.Tensor) -> None:
+        """Streaming Bayes for readings in frozen regions (``vargp_revisits: refine``, Gaussian likelihood): each
+        frozen block with a say at x, in turn, takes q_new(v_j) proportional to q_old(v_j) p(y | v_j, the other
+        blocks at their means), exact in the whitened coordinates at the q(theta) mean (one sweep of coordinate
+        ascent in the family's block-diagonal whitened q). Information is only added: the block keeps what it
+        knew, its variance can only shrink and its mean moves by the new readings' weight against its own."""
+        blocks = list(range(self.num_blocks))
+        fac = self._factors(self.q_mu.detach(), blocks)
+        A = fac.T @ fac.kern(fac.Z, x)
+        w_all, _ = self._whitened(fac, blocks)
+        mean = A.T @ w_all                                                            # (N, P)
+        s2 = self.likelihood.noise_variance.detach()
+        for j in blocks[:-1]:
+            sl = fac.slices[j]
+            Aj = A[sl]
+            if not float((Aj * Aj).sum(0).max()) > 1e-6:
+                continue
+            c, LC = Aj.shape[0], fac.LC[j]
+            for p in range(self.output_dims):
+                w_old = w_all[sl, p]
+                R_inv = _tri_inv(torch.linalg.solve_triangular(LC, self.S_chol[j, p, :c, :c], upper=False))
+                lam_old = R_inv.T @ R_inv
+                other = mean[:, p] - Aj.T @ w_old
+                lam = symmetrise(lam_old + (Aj / s2[p]) @ Aj.T)
+                eta = lam_old @ w_old + Aj @ (ys[:, p] - other) / s2[p]
+                U, _ = jittered_cholesky(lam, 0.0)
+                w_new = torch.cholesky_solve(eta[:, None], U)[:, 0]
+                R_new, _ = jittered_cholesky(symmetrise(torch.cholesky_inverse(U)), 0.0)
+                mean[:, p] = other + Aj.T @ w_new
+                w_all[sl, p] = w_new
+                self.m[j, :c, p] = LC @ w_new
+                self.S_chol[j, p, :c, :c] = LC @ R_new
+        self._drop_caches()
 
     # ------------------------------------------------------------------ the current block's data
     def _clear_buffer(self) -> None:
@@ -621,6 +711,8 @@ class VARGP(Engine):
         """Gaussian likelihood, theta at the q(theta) mean: the exact optimum of F over (m_t, S_t). Whitened,
         v_t ~ N(w, Lambda^{-1}) with Lambda = I + sum_i w_i a_i a_i^T / s2 and w = Lambda^{-1} sum_i w_i a_i
         (y_i - b_i) / s2 (a_i: the current block's rows of a_x; b_i: the frozen blocks' part of the mean)."""
+        if self.buf_x.shape[0] == 0:  # every reading so far went to frozen blocks: the block keeps its q
+            return
         blocks = self._training_blocks()
         fac = self._factors(self.q_mu.detach(), blocks)
         w_all, _ = self._whitened(fac, blocks)
@@ -660,7 +752,7 @@ class VARGP(Engine):
         LC0 = chol(C_t) at the q(theta) mean, R lower triangular with a softplus diagonal), where the prior is
         N(0, I) and Adam's per-coordinate steps have one scale. Returns (steps taken, final bound per datum)."""
         cfg = self.config
-        if budget <= 0 or not (learn_theta or learn_q):
+        if budget <= 0 or not (learn_theta or learn_q) or self.buf_x.shape[0] == 0:
             return 0, 0.0
         t = self.num_blocks - 1
         c = int(self.counts[t])
@@ -753,7 +845,7 @@ class VARGP(Engine):
         if mode is None:
             mode = "full" if int(self.num_updates_t) % cfg.full_update_every == 0 else "fast"
         stats: dict = {"mode": mode, "n_batch": int(xt.shape[0]), "hyper_steps": 0, "variational_steps": 0,
-                       "objective": 0.0, "blocks_opened": 0, "points_added": 0, "distilled": 0}
+                       "revisit_points": 0, "objective": 0.0, "blocks_opened": 0, "points_added": 0, "distilled": 0}
         if xt.shape[0]:
             with torch.no_grad():
                 self._track_targets(yt)
@@ -764,8 +856,14 @@ class VARGP(Engine):
                         and isinstance(self.likelihood, GaussianLikelihood):
                     self.likelihood.initialise_noise(difference_noise_estimate(ys).clamp(cfg.noise_variance, 1.0))
                 stats.update(self._place(xt))
-                self._add_to_buffer(xt, ys)
                 gaussian = isinstance(self.likelihood, GaussianLikelihood)
+                revisit = self._revisits(xt) if gaussian and cfg.vargp_revisits == "refine" else None
+                if revisit is not None and bool(revisit.any()):
+                    self._refine_frozen(xt[revisit], ys[revisit])
+                    stats["revisit_points"] = int(revisit.sum())
+                # every reading also enters the current block's bound (which fits what the frozen blocks leave:
+                # a reading at the border of the two speaks to both)
+                self._add_to_buffer(xt, ys)
                 if gaussian:
                     self._closed_form()
             if not gaussian:

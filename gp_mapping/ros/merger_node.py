@@ -30,7 +30,6 @@ import threading
 import time
 from typing import Any
 
-import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import ParameterDescriptor, ParameterType
 from rclpy.exceptions import ParameterUninitializedException
@@ -42,8 +41,8 @@ from gp_mapping.gp.recyclable import MergeError
 from gp_mapping.mapping import publication
 from gp_mapping.mapping.merge import (DuplicateSourceError, MapSource, SummaryError, check_compatible, check_lineage,
                                       decode_summary, merge_maps, parse_transform)
-from gp_mapping.ros.mapper_node import (EXIT_BAD_CONFIG, MAP_QOS, NodeStartError, create_map_publishers,
-                                        publish_map_layout, spin_node)
+from gp_mapping.ros.mapper_node import (MAP_QOS, NodeStartError, create_map_publishers, publish_map_layout,
+                                        spin_node)
 
 MERGER_NAME = "merger"
 DIAGNOSTICS_PERIOD = 1.0
