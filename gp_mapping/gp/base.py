@@ -191,6 +191,32 @@ class Engine(nn.Module, abc.ABC):
         self.register_buffer("y_run_mean", torch.zeros(outputs, **f64))
         self.register_buffer("y_run_m2", torch.zeros(outputs, **f64))
 
+    def _track_targets(self, y: torch.Tensor) -> None:
+        """Fold a batch's targets into the running statistics and re-express the model in new units
+        (``self._rescale_targets(mean, std)``, the engine's) when they have drifted (:func:`scale_drifted`).
+
+        Standardising once from the first batch fails on a robot that stands still for its first second: the
+        batch's spread is the sensor noise, the field's is a thousand times larger, and every hyperparameter
+        is then learned in absurd units. The running statistics converge to the field's spread instead; the
+        number of re-expressions is logarithmic in how far the first guess was off. Uses the buffers of
+        :meth:`_register_target_statistics` and ``standardised`` (bool); a ``scale_fixed`` buffer, where the engine
+        has one, keeps a scale set from outside.
+        """
+        if not self.likelihood.standardise_targets:
+            self.standardised.fill_(True)
+            return
+        merge_moments(self.y_count, self.y_run_mean, self.y_run_m2, y)
+        if bool(getattr(self, "scale_fixed", False)):
+            return
+        mean, std = moments_scale(self.y_count, self.y_run_mean, self.y_run_m2)
+        if not bool(self.standardised):
+            self.y_mean.copy_(mean)
+            self.y_std.copy_(std)
+            self.standardised.fill_(True)
+            return
+        if scale_drifted(mean, std, self.y_mean, self.y_std):
+            self._rescale_targets(mean, std)
+
     # ------------------------------------------------------------------ the contract
     @abc.abstractmethod
     def update(self, x, y, mode: str | None = None) -> dict:

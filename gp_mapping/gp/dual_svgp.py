@@ -87,8 +87,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .base import (Engine, difference_noise_estimate, merge_moments, moments_scale, resolve_device, scale_drifted,
-                   spans_space, symmetrise)
+from .base import Engine, difference_noise_estimate, resolve_device, spans_space, symmetrise
 from .config import ModelConfig
 from .errors import ConfigError, GPNumericalError, ModelInputError
 from .inducing import DEFAULT_REL_TOL, grid_points, pivoted_cholesky
@@ -231,30 +230,6 @@ class DualSVGP(Engine):
             self.y_std.copy_(sd)
             self.standardised.fill_(True)
             self.scale_fixed.fill_(True)
-
-    def _track_targets(self, y: torch.Tensor) -> None:
-        """Fold the batch into the running target statistics and re-express the model in new units when they
-        have drifted (gp.base.scale_drifted: std by a factor of 2, mean by half a std).
-
-        Standardising once from the first batch fails on a robot that stands still for its first second: the
-        batch's spread is the sensor noise, the field's is a thousand times larger, and every hyperparameter
-        is then learned in absurd units. The running statistics converge to the field's spread instead; the
-        number of re-expressions is logarithmic in how far the first guess was off.
-        """
-        if not self.likelihood.standardise_targets:
-            self.standardised.fill_(True)
-            return
-        merge_moments(self.y_count, self.y_run_mean, self.y_run_m2, y)
-        if bool(self.scale_fixed):
-            return
-        mean, std = moments_scale(self.y_count, self.y_run_mean, self.y_run_m2)
-        if not bool(self.standardised):
-            self.y_mean.copy_(mean)
-            self.y_std.copy_(std)
-            self.standardised.fill_(True)
-            return
-        if scale_drifted(mean, std, self.y_mean, self.y_std):
-            self._rescale_targets(mean, std)
 
     def _rescale_targets(self, mean: torch.Tensor, std: torch.Tensor, adaptation: bool = True) -> None:
         """Standardise with (mean, std) from now on: y_new = alpha (y_old - d), alpha = std_old / std, d = (mean -

@@ -82,8 +82,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .base import (Engine, difference_noise_estimate, merge_moments, moments_scale, resolve_device, scale_drifted,
-                   spans_space, symmetrise)
+from .base import Engine, difference_noise_estimate, resolve_device, spans_space, symmetrise
 from .config import ModelConfig
 from .errors import ConfigError, GPNumericalError
 from .inducing import DEFAULT_REL_TOL, pivoted_cholesky
@@ -403,21 +402,6 @@ class VARGP(Engine):
         return mean, (second / s - mean * mean).clamp_min(0.0)
 
     # ------------------------------------------------------------------ standardisation
-    def _track_targets(self, y: torch.Tensor) -> None:
-        """Running target statistics (gp.base.merge_moments); the model is re-expressed when they drift."""
-        if not self.likelihood.standardise_targets:
-            self.standardised.fill_(True)
-            return
-        merge_moments(self.y_count, self.y_run_mean, self.y_run_m2, y)
-        mean, std = moments_scale(self.y_count, self.y_run_mean, self.y_run_m2)
-        if not bool(self.standardised):
-            self.y_mean.copy_(mean)
-            self.y_std.copy_(std)
-            self.standardised.fill_(True)
-            return
-        if scale_drifted(mean, std, self.y_mean, self.y_std):
-            self._rescale_targets(mean, std)
-
     def _rescale_targets(self, mean: torch.Tensor, std: torch.Tensor) -> None:
         """Standardise with (mean, std) from now on: f_new = alpha (f_old - d), alpha = std_old / std, d = (mean
         - mean_old) / std_old. Block j: m_j -> alpha (m_j - d (1 - A_j 1)) (A_j at the q(theta) mean; exact for
