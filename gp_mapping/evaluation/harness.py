@@ -18,6 +18,7 @@ exit status is then 1. Everything in the outputs is regenerated from code on eve
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
@@ -256,26 +257,10 @@ def markdown(results: dict[str, Any]) -> str:
                       f"{_f(s['state_last_decile_mib'], '.2f')} | {_f(s['state_ratio'])} |", "",
                       f"Latency slope after warm-up: {_f(s.get('latency_slope_ms_per_10k_samples'), '+.3f')} ms per "
                       "10 000 samples. Curves: `growth.png`.", ""]
-    ex = sec.get("explore")
-    if ex is not None:
-        from gp_mapping.evaluation import explore
-
-        lines += explore.markdown(ex)
-    lg = sec.get("large")
-    if lg is not None:
-        from gp_mapping.evaluation import large
-
-        lines += large.markdown(lg)
-    mg = sec.get("merge")
-    if mg is not None:
-        from gp_mapping.evaluation import merge
-
-        lines += merge.markdown(mg)
-    fg = sec.get("forgetting")
-    if fg is not None:
-        from gp_mapping.evaluation import forgetting
-
-        lines += forgetting.markdown(fg)
+    # sections whose module writes its own markdown, imported only when the section ran
+    for name in ("explore", "large", "merge", "forgetting"):
+        if sec.get(name) is not None:
+            lines += importlib.import_module(f"gp_mapping.evaluation.{name}").markdown(sec[name])
     cu = sec.get("cuda")
     if cu is not None:
         lines += ["## CUDA", ""]

@@ -338,6 +338,16 @@ class Engine(nn.Module, abc.ABC):
     def _to_tensor(self, value, name: str) -> torch.Tensor:
         return to_float64_tensor(value, name, self.device)
 
+    def _standardisation_args(self, mean, std) -> tuple[torch.Tensor, torch.Tensor]:
+        """``set_standardisation``'s arguments as (P,) tensors: finite offsets, finite positive scales."""
+        m = self._to_tensor(mean, "mean").reshape(-1)
+        sd = self._to_tensor(std, "std").reshape(-1)
+        if m.shape[0] != self.output_dims or sd.shape[0] != self.output_dims:
+            raise ModelInputError(f"mean and std must have {self.output_dims} entries, got {m.shape[0]}, {sd.shape[0]}")
+        if not bool(torch.isfinite(m).all()) or not bool((torch.isfinite(sd) & (sd > 0)).all()):
+            raise ModelInputError("standardisation mean must be finite and std finite and positive")
+        return m, sd
+
     def _check_x(self, x, name: str = "x") -> torch.Tensor:
         return check_inputs(x, self.input_dims, self.device, name)
 

@@ -284,12 +284,7 @@ class ContinualMOGP(Engine):
     # ------------------------------------------------------------------ standardisation
     def set_standardisation(self, mean, std) -> None:
         """Fix the per-channel target offset and scale (P,) instead of learning them from the first batch."""
-        m = self._to_tensor(mean, "mean").reshape(-1)
-        s = self._to_tensor(std, "std").reshape(-1)
-        if m.shape[0] != self.output_dims or s.shape[0] != self.output_dims:
-            raise ModelInputError(f"mean and std must have {self.output_dims} entries, got {m.shape[0]}, {s.shape[0]}")
-        if not bool(torch.isfinite(m).all()) or not bool((torch.isfinite(s) & (s > 0)).all()):
-            raise ModelInputError("standardisation mean must be finite and std finite and positive")
+        m, s = self._standardisation_args(mean, std)
         with torch.no_grad():
             self.y_mean.copy_(m)
             self.y_std.copy_(s)

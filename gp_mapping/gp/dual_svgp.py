@@ -217,12 +217,7 @@ class DualSVGP(Engine):
         """Standardise with this offset and scale (P,) from now on and never adapt them (a caller that keeps
         several engines in one unit, e.g. tiles sharing hyperparameters). Data already held are re-expressed
         exactly, as in an adaptive re-scaling."""
-        m = self._to_tensor(mean, "mean").reshape(-1)
-        sd = self._to_tensor(std, "std").reshape(-1)
-        if m.shape[0] != self.output_dims or sd.shape[0] != self.output_dims:
-            raise ModelInputError(f"mean and std must have {self.output_dims} entries, got {m.shape[0]}, {sd.shape[0]}")
-        if not bool(torch.isfinite(m).all()) or not bool((torch.isfinite(sd) & (sd > 0)).all()):
-            raise ModelInputError("standardisation mean must be finite and std finite and positive")
+        m, sd = self._standardisation_args(mean, std)
         with torch.no_grad():
             if bool(self.standardised) and not (torch.equal(m, self.y_mean) and torch.equal(sd, self.y_std)):
                 self._rescale_targets(m, sd, adaptation=False)
