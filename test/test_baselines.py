@@ -21,7 +21,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-SPEC = KernelSpec(kernel="matern52", ard=True, constant_kernel=True, lengthscale=0.7, signal_variance=1.3,
+SPEC = KernelSpec(kernel="matern52", lengthscales="per_axis", constant_kernel=True, lengthscale=0.7, signal_variance=1.3,
                   constant_variance=0.4, noise_variance=0.05)
 
 
@@ -277,3 +277,22 @@ def test_reduced_rank_gp_converges_to_the_exact_gp_and_learns_from_sufficient_st
     learner.iterations = 50
     learner._refit()
     assert float(learner._log_marginal(learner.raw)) > before + 10
+
+
+@pytest.mark.parametrize("kernel", ["matern52", "rbf"])
+def test_baseline_kernel_shares_lengthscales_like_the_engine(kernel):
+    """The baselines' GPyTorch kernel with model.lengthscales 'horizontal' on 3-D inputs is the engine's kernel:
+    x and y share a learned lengthscale, height has its own, and there are two lengthscales to learn."""
+    from gp_mapping.config import ModelConfig
+    from gp_mapping.gp.kernels import build_kernel
+
+    spec = KernelSpec(kernel=kernel, lengthscales="horizontal", constant_kernel=False, lengthscale=0.7)
+    covar = spec.build(3).double()
+    covar.base_kernel.lengthscale = torch.tensor([[0.6, 0.25]], dtype=torch.float64)
+    assert covar.base_kernel.raw_lengthscale.shape == (1, 2)
+    engine = build_kernel(ModelConfig(kernel=kernel, lengthscales="horizontal", constant_kernel=False), 3)
+    engine.lengthscale_param.set(torch.tensor([0.6, 0.25]))
+    x = torch.as_tensor(np.random.default_rng(3).uniform(-1, 1, (9, 3)))
+    with torch.no_grad():
+        # (GPyTorch forms distances by the |a|^2 + |b|^2 - 2ab expansion: agreement to ~1e-8, not to rounding)
+        assert torch.allclose(covar(x, x).to_dense(), engine(x, x), rtol=1e-6, atol=1e-8)

@@ -46,6 +46,8 @@ def test_flat_parameters_round_trip():
     ({"grid": {"resolution": float("nan")}}, ["grid.resolution", "not finite"]),
     ({"model": {"num_inducing": 12.5}}, ["model.num_inducing", "not an integer"]),
     ({"model": {"ard": "yes"}}, ["model.ard", "not a boolean"]),
+    ({"model": {"ard": True, "lengthscales": "per_axis"}}, ["model.ard", "old name"]),
+    ({"model": {"lengthscales": "planar"}}, ["model.lengthscales", "'horizontal'"]),
     ({"sync": {"sensor_rotation": [0, 0, 1]}}, ["sync.sensor_rotation", "length 4"]),
     ({"sync": {"sensor_translation": [0, float("inf"), 0]}}, ["sync.sensor_translation", "non-finite"]),
     ({"model": {"kernal": "rbf"}}, ["unknown config key 'model.kernal'", "kernel"]),
@@ -57,6 +59,12 @@ def test_bad_values_are_refused_by_name(values, names):
         config_from_dict(values)
     for fragment in names:
         assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("ard, lengthscales", [(True, "per_axis"), (False, "isotropic")])
+def test_the_old_ard_key_still_loads(ard, lengthscales):
+    assert config_from_dict({"model": {"ard": ard}}).model.lengthscales == lengthscales
+    assert config_from_dict({"model.ard": ard}).model.lengthscales == lengthscales
 
 
 def test_bad_files_are_refused(tmp_path):

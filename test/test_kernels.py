@@ -33,7 +33,7 @@ def test_stationary_kernels_match_closed_forms_with_ard(cls):
     rng = np.random.default_rng(1)
     x1, x2 = rng.normal(size=(7, 2)) * 2, rng.normal(size=(5, 2)) * 2
     ls, var = [0.7, 2.3], 1.9
-    k = cls(2, lengthscale=1.0, variance=var, ard=True)
+    k = cls(2, lengthscale=1.0, variance=var, lengthscales="per_axis")
     k.lengthscale_param.set(torch.tensor(ls, dtype=torch.float64))
     got = k(torch.tensor(x1), torch.tensor(x2)).detach().numpy()
     want = var * CLOSED_FORMS[cls](_scaled_r(x1, x2, ls))
@@ -43,7 +43,7 @@ def test_stationary_kernels_match_closed_forms_with_ard(cls):
 
 def test_shared_lengthscale_and_far_from_origin():
     # One lengthscale for all dimensions; coordinates far from the origin must not lose the diagonal.
-    k = Matern12Kernel(2, lengthscale=0.5, variance=1.0, ard=False)
+    k = Matern12Kernel(2, lengthscale=0.5, variance=1.0, lengthscales="isotropic")
     assert k.lengthscale.shape == (1,)
     x = torch.tensor([[1e4, -2e4], [1e4 + 0.3, -2e4 + 0.4]], dtype=torch.float64)
     got = k(x, x).detach().numpy()
@@ -59,14 +59,14 @@ def test_sum_with_constant_kernel_and_build_from_config():
     want = 2.0 * np.exp(-0.5 * _scaled_r(x.numpy(), x.numpy(), [0.8] * 3) ** 2) + 3.0
     np.testing.assert_allclose(k(x, x).detach().numpy(), want, rtol=1e-12)
     np.testing.assert_allclose(k.diag(x).detach().numpy(), np.full(6, 5.0), rtol=1e-14)
-    plain = build_kernel(ModelConfig(kernel="matern32", constant_kernel=False, ard=False), 2)
+    plain = build_kernel(ModelConfig(kernel="matern32", constant_kernel=False, lengthscales="isotropic"), 2)
     assert isinstance(plain, Matern32Kernel) and plain.lengthscale.shape == (1,)
 
 
 @pytest.mark.parametrize("cls", list(CLOSED_FORMS))
 def test_gradients_finite_at_zero_distance_and_match_finite_differences(cls):
     x = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.3, -0.2], [1.0, 0.5]], dtype=torch.float64)
-    k = cls(2, lengthscale=0.9, variance=1.3)
+    k = cls(2, lengthscale=0.9, variance=1.3, lengthscales="per_axis")
 
     def total():
         return (k(x, x) * torch.arange(16, dtype=torch.float64).reshape(4, 4)).sum()
@@ -83,6 +83,28 @@ def test_gradients_finite_at_zero_distance_and_match_finite_differences(cls):
             down = total()
             k.lengthscale_param.raw[i] += eps
             assert float(grads[0][i]) == pytest.approx(float((up - down) / (2 * eps)), rel=1e-6, abs=1e-8)
+
+
+@pytest.mark.parametrize("cls", list(CLOSED_FORMS))
+def test_horizontal_lengthscales_share_one_over_x_and_y_and_learn_one_for_height(cls):
+    x = torch.rand(7, 3, dtype=torch.float64) * 3
+    shared = cls(3, variance=1.3, lengthscales="horizontal")
+    shared.lengthscale_param.set(torch.tensor([0.8, 0.3]))
+    ard = cls(3, variance=1.3, lengthscales="per_axis")
+    ard.lengthscale_param.set(torch.tensor([0.8, 0.8, 0.3]))
+    assert shared.lengthscale_param.value.shape == (2,)
+    assert torch.allclose(shared(x, x), ard(x, x), rtol=1e-12, atol=0)
+    with torch.no_grad():
+        assert torch.allclose(shared(x, x), ard(x, x), rtol=1e-12, atol=0)  # the in-place path too
+    # The x-y lengthscale's gradient is the sum of the per-axis ones (one parameter on two axes).
+    g_shared = torch.autograd.grad(shared(x, x).sum(), shared.lengthscale_param.raw)[0]
+    g_ard = torch.autograd.grad(ard(x, x).sum(), ard.lengthscale_param.raw)[0]
+    assert torch.allclose(g_shared, torch.stack([g_ard[0] + g_ard[1], g_ard[2]]), rtol=1e-10)
+    # In 2-D "horizontal" is one lengthscale, and "isotropic" is one in 3-D too.
+    assert cls(2, lengthscales="horizontal").lengthscale_param.value.shape == (1,)
+    assert cls(3, lengthscales="isotropic").lengthscale_param.value.shape == (1,)
+    with pytest.raises(ValueError, match="unknown lengthscales"):
+        cls(3, lengthscales="planar")
 
 
 def test_kernel_matrix_is_positive_definite():

@@ -16,7 +16,7 @@ import torch
 
 from gp_mapping.config import config_from_dict, to_dict
 from gp_mapping.mapping.mapper import Mapper
-from gp_mapping.mapping.state import FORMAT, SCHEMA_VERSION, MapStateError, read_state
+from gp_mapping.mapping.state import FORMAT, SCHEMA_VERSION, MapStateError, read_state, write_state
 
 torch.set_num_threads(1)
 Q = [0.0, 0.0, 0.0, 1.0]
@@ -95,6 +95,22 @@ def test_checkpoint_write_is_atomic_the_old_file_survives_a_failed_write(tmp_pat
     read_state(path)  # still valid
 
 
+def test_a_map_saved_with_the_old_ard_key_loads_with_per_axis_lengthscales(tmp_path):
+    """model.ard (before model.lengthscales) in a saved map's config: true means per_axis, and the map loads."""
+    mapper = Mapper(small_config(model={"lengthscales": "per_axis"}))
+    feed(mapper, 0.0, 10.0)
+    path = tmp_path / "ckpt.safetensors"
+    mapper.checkpoint(path)
+    state = read_state(path)
+    del state.config["model"]["lengthscales"]
+    state.config["model"]["ard"] = True
+    write_state(path, state)
+    loaded = Mapper.load(path)
+    assert loaded.config.model.lengthscales == "per_axis"
+    x = np.array([[0.5, 0.2], [1.0, -0.3]])
+    assert np.array_equal(loaded.model.predict(x)[0].detach().numpy(), mapper.model.predict(x)[0].detach().numpy())
+
+
 def test_resume_with_an_incompatible_config_names_the_mismatch(tmp_path):
     mapper = Mapper(small_config())
     feed(mapper, 0.0, 10.0)
@@ -104,8 +120,8 @@ def test_resume_with_an_incompatible_config_names_the_mismatch(tmp_path):
         Mapper.load(path, small_config(model={"kernel": "rbf"}))
     with pytest.raises(MapStateError, match=r"sync.target"):
         Mapper.load(path, small_config(sync={"target": "vector"}))
-    with pytest.raises(MapStateError, match=r"model.ard = True, but the config asks for False"):
-        Mapper.load(path, small_config(model={"ard": False}))
+    with pytest.raises(MapStateError, match=r"model.lengthscales = 'horizontal', but the config asks for 'per_axis'"):
+        Mapper.load(path, small_config(model={"lengthscales": "per_axis"}))
     # grid, batching and node settings may change
     Mapper.load(path, small_config(grid={"resolution": 0.25}, batching={"size": 10}))
 

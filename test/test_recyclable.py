@@ -28,7 +28,7 @@ def _train(cfg: ModelConfig, x, y, batch: int = 50, input_dims: int | None = Non
 def _fixed(**kw) -> ModelConfig:
     """Grid inducing inputs and frozen hyperparameters: a Gaussian likelihood's posterior is then exact."""
     base = dict(device="cpu", inducing="grid", inducing_bounds=[-2.0, -2.0, 2.0, 2.0], num_inducing=16,
-                learn_hyperparameters=False, lengthscale=1.0, memory_size=20, ard=False)
+                learn_hyperparameters=False, lengthscale=1.0, memory_size=20, lengthscales="isotropic")
     base.update(kw)
     return ModelConfig(**base)
 
@@ -134,7 +134,7 @@ def test_a_map_made_in_a_robot_frame_lands_in_the_map_frame():
     rng = np.random.default_rng(3)
     tf = RigidTransform.planar(x=3.0, y=-1.0, yaw=math.radians(70))
     x_robot = rng.uniform(-2, 2, (300, 2))
-    model = _train(ModelConfig(device="cpu", num_inducing=30, ard=False), x_robot, 45 + 3 * _field(x_robot))
+    model = _train(ModelConfig(device="cpu", num_inducing=30, lengthscales="isotropic"), x_robot, 45 + 3 * _field(x_robot))
     src = source_from_engine(model, transform=tf)
     res = merge([src], model.config, steps=0, kernel=copy.deepcopy(model.kernel), z=src.z.clone(),
                 target_mean=model.y_mean, target_scale=model.y_std)
@@ -154,7 +154,7 @@ def test_a_vector_map_is_rotated_with_its_frame():
     field_map = np.column_stack([20 + 3 * _field(x_robot), -5 + 2 * np.sin(x_robot[:, 1]), -40 + _field(x_robot)])
     rot = tf.rotation.numpy()
     field_robot = field_map @ rot  # components in the robot frame: R^T b
-    model = _train(ModelConfig(device="cpu", num_inducing=40, ard=False), x_robot, field_robot)
+    model = _train(ModelConfig(device="cpu", num_inducing=40, lengthscales="isotropic"), x_robot, field_robot)
     src = source_from_engine(model, transform=tf)
     res = merge([src], model.config, steps=0, kernel=copy.deepcopy(model.kernel), z=src.z.clone())
     merged = merged_engine(res, model.config, 3)
@@ -197,7 +197,7 @@ def test_toy_concatenation_of_five_1d_tasks():
     M = 35. The global GP covers the whole range about as well as one SVGP with M = 35 fed all the data, and its
     uncertainty follows the local models'."""
     rng = np.random.default_rng(6)
-    cfg = ModelConfig(device="cpu", num_inducing=15, lengthscale=0.3, noise_variance=0.1, ard=False, memory_size=200)
+    cfg = ModelConfig(device="cpu", num_inducing=15, lengthscale=0.3, noise_variance=0.1, lengthscales="isotropic", memory_size=200)
     sources, xs, ys, local = [], [], [], []
     for k in range(5):
         x = rng.uniform(k * 1.1, (k + 1) * 1.1, 500)
@@ -207,7 +207,7 @@ def test_toy_concatenation_of_five_1d_tasks():
         sources.append(source_from_engine(model, name=f"task{k}"))
         xs.append(x)
         ys.append(y)
-    gcfg = ModelConfig(device="cpu", num_inducing=35, ard=False)
+    gcfg = ModelConfig(device="cpu", num_inducing=35, lengthscales="isotropic")
     res = merge(sources, gcfg, steps=100)
     assert res.z.shape == (35, 1) and res.history[-1] >= res.history[0]
     xt = np.linspace(0, 5.5, 400)
@@ -215,7 +215,7 @@ def test_toy_concatenation_of_five_1d_tasks():
     rmse = float(np.sqrt(np.mean((mean[:, 0].numpy() - _f_bias(xt)) ** 2)))
     x_all, y_all = np.concatenate(xs), np.concatenate(ys)
     order = rng.permutation(len(x_all))
-    single = _train(ModelConfig(device="cpu", num_inducing=35, lengthscale=0.3, noise_variance=0.1, ard=False,
+    single = _train(ModelConfig(device="cpu", num_inducing=35, lengthscale=0.3, noise_variance=0.1, lengthscales="isotropic",
                                 memory_size=200), x_all[order], y_all[order])
     rmse_single = float(np.sqrt(np.mean((single.predict(xt[:, None])[0][:, 0].numpy() - _f_bias(xt)) ** 2)))
     assert rmse <= 1.1 * rmse_single, (rmse, rmse_single)
@@ -245,7 +245,7 @@ def test_banana_quadrants_classify_no_worse_than_one_svgp_on_all_data():
     x, y = _banana(2400, rng)
     xt, yt = _banana(2000, rng)
     kw = dict(likelihood="bernoulli", device="cpu", lengthscale=0.5, constant_kernel=False, memory_size=300,
-              ard=False)
+              lengthscales="isotropic")
     sources = []
     for k, (sx, sy) in enumerate([(1, 1), (-1, 1), (-1, -1), (1, -1)]):
         mask = (np.sign(x[:, 0]) == sx) & (np.sign(x[:, 1]) == sy)

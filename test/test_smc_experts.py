@@ -155,7 +155,7 @@ def test_one_particle_one_expert_is_the_exact_gp_and_merged_repeats_keep_its_lik
     x = rng.uniform(0, 2, (15, 1))
     y = np.sin(3 * x[:, 0]) + 0.1 * rng.standard_normal(15)
     model = engine(d=1, smc_particles=1, smc_max_experts=1, smc_expert_memory=32, smc_slice_steps=0, jitter=0.0,
-                   constant_kernel=False, ard=False)
+                   constant_kernel=False, lengthscales="isotropic")
     model.update(x, y[:, None])
     theta = model.theta[0, 0]
     ls, sf2, sn2 = (float(torch.exp(theta[i])) for i in range(3))
@@ -170,7 +170,7 @@ def test_one_particle_one_expert_is_the_exact_gp_and_merged_repeats_keep_its_lik
     xr = np.array([[0.1], [0.5], [0.5], [1.2]])
     yr = np.array([0.3, -0.2, 0.1, 0.8])
     rep = engine(d=1, smc_particles=1, smc_max_experts=1, smc_expert_memory=3, smc_slice_steps=0, jitter=0.0,
-                 constant_kernel=False, ard=False)
+                 constant_kernel=False, lengthscales="isotropic")
     rep.update(xr, yr[:, None])
     assert int((rep.mem_c[0, 0] > 0).sum()) == 3 and float(rep.mem_c[0, 0].max()) == 2.0
     th = rep.theta[0, 0]
@@ -351,7 +351,7 @@ def test_paper_protocol_shortened_on_the_motorcycle_series():
     x, y = x[:60], y[:60]
     ll_smc, mse_smc = bench.one_step_ahead(build_model(dict(bench.PAPER_SMC, smc_particles=10, seed=0), 1, 1), x, y)
     ll_poe, _ = bench.one_step_ahead(build_model(dict(bench.PAPER_SMC, smc_particles=1, seed=0), 1, 1), x, y)
-    ll_gp, _ = bench.one_step_ahead(build_model(dict(engine="dual_svgp", kernel="rbf", ard=False,
+    ll_gp, _ = bench.one_step_ahead(build_model(dict(engine="dual_svgp", kernel="rbf", lengthscales="isotropic",
                                                      constant_kernel=False, num_inducing=50, lengthscale=0.3,
                                                      noise_variance=0.1, device="cpu"), 1, 1), x, y)
     print(ll_smc, mse_smc, ll_poe, ll_gp)  # measured: -35.3, 0.32, -85.4, -1058 (dual_svgp: -299 before its adaptive scaling)
@@ -449,7 +449,7 @@ def test_target_scaling_none_keeps_the_targets_as_given():
     x = rng.uniform(0, 2, (12, 1))
     y = 3.0 + np.sin(3 * x[:, 0]) + 0.1 * rng.standard_normal(12)
     model = engine(d=1, smc_particles=1, smc_max_experts=1, smc_expert_memory=16, smc_slice_steps=0, jitter=0.0,
-                   constant_kernel=False, ard=False, smc_target_scaling="none")
+                   constant_kernel=False, lengthscales="isotropic", smc_target_scaling="none")
     model.update(x, y[:, None])
     assert float(model.y_mean[0]) == 0.0 and float(model.y_std[0]) == 1.0
     ls, sf2, sn2 = (float(torch.exp(model.theta[0, 0, i])) for i in range(3))

@@ -22,6 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from gp_mapping.gp.config import LENGTHSCALE_CHOICES
+from gp_mapping.gp.kernels import lengthscale_groups
+
 KERNELS = {"matern12": 0.5, "matern32": 1.5, "matern52": 2.5, "rbf": None}
 
 
@@ -127,7 +130,7 @@ class KernelSpec:
     """Kernel and initial hyperparameters shared by the GP baselines (standardised-target units)."""
 
     kernel: str = "matern52"
-    ard: bool = True
+    lengthscales: str = "horizontal"  # which input axes share a lengthscale (model.lengthscales)
     constant_kernel: bool = True
     lengthscale: float = 1.0
     signal_variance: float = 1.0
@@ -137,6 +140,9 @@ class KernelSpec:
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise BaselineError(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
+        if self.lengthscales not in LENGTHSCALE_CHOICES:
+            raise BaselineError(f"lengthscales must be one of {', '.join(LENGTHSCALE_CHOICES)}, "
+                                f"got {self.lengthscales!r}")
         for name in ("lengthscale", "signal_variance", "constant_variance", "noise_variance"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -145,18 +151,21 @@ class KernelSpec:
     @classmethod
     def from_model_config(cls, config: Any) -> "KernelSpec":
         """The kernel of a :class:`gp_mapping.config.ModelConfig`, so a baseline matches the engine."""
-        return cls(kernel=config.kernel, ard=config.ard, constant_kernel=config.constant_kernel,
+        return cls(kernel=config.kernel, lengthscales=config.lengthscales, constant_kernel=config.constant_kernel,
                    lengthscale=config.lengthscale, signal_variance=config.signal_variance,
                    constant_variance=config.constant_variance, noise_variance=config.noise_variance)
 
     def build(self, input_dims: int):
         """A GPyTorch covariance module: scale * stationary (+ constant)."""
         gpytorch = _gpytorch()
-        ard = input_dims if self.ard else None
+        groups = lengthscale_groups(self.lengthscales, input_dims)
+        learned = max(groups) + 1
         nu = KERNELS[self.kernel]
-        base = (gpytorch.kernels.RBFKernel(ard_num_dims=ard) if nu is None
-                else gpytorch.kernels.MaternKernel(nu=nu, ard_num_dims=ard))
-        base.lengthscale = torch.full_like(base.lengthscale, self.lengthscale)
+        cls = gpytorch.kernels.RBFKernel if nu is None else gpytorch.kernels.MaternKernel
+        if learned not in (1, input_dims):
+            cls = _shared_lengthscale_kernel(cls, groups)
+        base = cls(ard_num_dims=learned if learned > 1 else None, **({} if nu is None else {"nu": nu}))
+        base.lengthscale = torch.full_like(base.raw_lengthscale, self.lengthscale)
         covar = gpytorch.kernels.ScaleKernel(base)
         covar.outputscale = torch.tensor(self.signal_variance)
         if self.constant_kernel:
@@ -164,6 +173,23 @@ class KernelSpec:
             const.constant = torch.tensor(self.constant_variance)
             covar = covar + const
         return covar
+
+
+def _shared_lengthscale_kernel(cls, groups: tuple[int, ...]):
+    """A GPyTorch stationary kernel class whose input axes share learned lengthscales as ``groups`` says
+    (GPyTorch knows one lengthscale or one per axis; its kernels read ``self.lengthscale`` per axis)."""
+    index = list(groups)
+
+    class SharedLengthscale(cls):
+        @property
+        def lengthscale(self):
+            return super().lengthscale[..., index]
+
+        @lengthscale.setter
+        def lengthscale(self, value):
+            self._set_lengthscale(value)
+
+    return SharedLengthscale
 
 
 def _kernel_hyperparameters(covar) -> dict[str, Any]:
@@ -763,7 +789,8 @@ class ReducedRankGP:
         self.refit_every, self.iterations, self.lr = int(refit_every), int(iterations), float(lr)
         nu = KERNELS[self.spec.kernel]
         self.nu = nu
-        ls = np.full(d if self.spec.ard else 1, self.spec.lengthscale)
+        self.axis_group = torch.tensor(lengthscale_groups(self.spec.lengthscales, d))
+        ls = np.full(int(self.axis_group.max()) + 1, self.spec.lengthscale)
         self.raw = {"signal": torch.tensor(math.log(self.spec.signal_variance)),
                     "constant": torch.tensor(math.log(self.spec.constant_variance)),
                     "lengthscale": torch.as_tensor(np.log(ls)),
@@ -793,7 +820,7 @@ class ReducedRankGP:
 
     def _prior_variances(self, raw: dict[str, torch.Tensor]) -> torch.Tensor:
         d = self.input_dims
-        ls = torch.exp(raw["lengthscale"]).expand(d)
+        ls = torch.exp(raw["lengthscale"])[self.axis_group]
         scaled = (self.omega * ls) ** 2
         if self.nu is None:
             s = (2 * math.pi) ** (d / 2) * torch.prod(ls) * torch.exp(-0.5 * scaled.sum(1))

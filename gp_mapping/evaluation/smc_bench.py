@@ -43,7 +43,7 @@ PAPER = {"mcycle": {"ll": (-72.157, 3.841), "mse": (0.417, 0.019)},
          "Nile": {"ll": (-147.531, 4.369), "mse": (0.740, 0.005)}}
 MEMBERS = {"mcycle": "resources/rdata/csv/MASS/mcycle.csv", "Nile": "resources/rdata/csv/datasets/Nile.csv"}
 #: the engine settings of the paper protocol (standardised inputs and targets, RBF experts as in the paper)
-PAPER_SMC = dict(engine="smc_experts", smc_gate="niw", kernel="rbf", ard=False, constant_kernel=False,
+PAPER_SMC = dict(engine="smc_experts", smc_gate="niw", kernel="rbf", lengthscales="isotropic", constant_kernel=False,
                  smc_gate_prior_mean="zero",
                  smc_niw_psi=0.5, smc_niw_dof=3.0, smc_niw_prior_count=1.0, smc_alpha_shape=1.0, smc_alpha_rate=1.0,
                  smc_expert_memory=128, smc_max_experts=24, lengthscale=0.3, signal_variance=1.0, noise_variance=0.1,
@@ -101,14 +101,14 @@ def paper(quick: bool, log, only: str = "", previous: dict | None = None) -> dic
         methods = {
             f"smc_experts {particles}": lambda s: build_model(dict(PAPER_SMC, smc_particles=particles, seed=s), 1, 1),
             "smc_experts 1 (POE)": lambda s: build_model(dict(PAPER_SMC, smc_particles=1, seed=s), 1, 1),
-            "dual_svgp M=50": lambda s: build_model(dict(engine="dual_svgp", kernel="rbf", ard=False,
+            "dual_svgp M=50": lambda s: build_model(dict(engine="dual_svgp", kernel="rbf", lengthscales="isotropic",
                                                          constant_kernel=False, num_inducing=50, lengthscale=0.3,
                                                          noise_variance=0.1, seed=s, device="cpu"), 1, 1),
             "Bui et al. 2017 M=50, 100 it": lambda s: StreamingSparseGP(
-                50, KernelSpec(kernel="rbf", ard=False, constant_kernel=False, lengthscale=0.3, noise_variance=0.1),
+                50, KernelSpec(kernel="rbf", lengthscales="isotropic", constant_kernel=False, lengthscale=0.3, noise_variance=0.1),
                 iterations=100, seed=s),
             "Bui et al. 2017 M=50, 1 it": lambda s: StreamingSparseGP(
-                50, KernelSpec(kernel="rbf", ard=False, constant_kernel=False, lengthscale=0.3, noise_variance=0.1),
+                50, KernelSpec(kernel="rbf", lengthscales="isotropic", constant_kernel=False, lengthscale=0.3, noise_variance=0.1),
                 iterations=1, seed=s),
         }
         for label, make in methods.items():

@@ -18,6 +18,8 @@ from .errors import ConfigError
 
 #: model.mixing_learning choices (the continual_mogp engine reads them from here).
 MIXING_LEARNING_CHOICES = ("first", "always", "never")
+#: model.lengthscales choices (gp.kernels.lengthscale_groups says which axes share one).
+LENGTHSCALE_CHOICES = ("isotropic", "horizontal", "per_axis")
 
 
 def option(default, *, doc: str, low=None, high=None, low_open=False, choices=None, length=None, pattern=None,
@@ -48,7 +50,11 @@ class ModelConfig:
                          "sharing the blocks)",
                          choices=("dual_svgp", "continual_mogp", "smc_experts", "var_gp"))
     kernel: str = option("matern52", doc="stationary kernel", choices=("matern12", "matern32", "matern52", "rbf"))
-    ard: bool = option(True, doc="one lengthscale per input dimension")
+    lengthscales: str = option("horizontal", doc="which input axes share a lengthscale: isotropic (one for all), "
+                               "horizontal (x and y share one, the height of 3-D inputs has its own; the same as "
+                               "isotropic in 2-D) or per_axis (ARD: one each). Per-axis lengthscales learned from "
+                               "a robot driving parallel lanes collapse across the lanes and stripe the map",
+                               choices=LENGTHSCALE_CHOICES)
     constant_kernel: bool = option(True, doc="add a learned constant (bias) kernel")
     lengthscale: float = option(1.0, doc="initial lengthscale [m]", low=0.0, low_open=True, high=1e4)
     signal_variance: float = option(1.0, doc="initial kernel variance (standardised targets)", low=0.0,
@@ -291,6 +297,7 @@ def section_from_dict(cls, values: Mapping[str, Any], prefix: str = ""):
     ``prefix`` + field name in the errors)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
+    values = _renamed_keys(cls, values, prefix)
     for key, value in values.items():
         if key not in fields:
             where = f" in '{prefix.rstrip('.')}'" if prefix else ""
@@ -299,5 +306,21 @@ def section_from_dict(cls, values: Mapping[str, Any], prefix: str = ""):
     return cls(**kwargs)
 
 
-__all__ = ["MIXING_LEARNING_CHOICES", "ConfigError", "ModelConfig", "describe_allowed", "option",
+def _renamed_keys(cls, values: Mapping[str, Any], prefix: str) -> Mapping[str, Any]:
+    """Keys of earlier versions, translated so their config files and saved maps still load: model.ard (a bool)
+    became model.lengthscales (true: per_axis, false: isotropic)."""
+    if cls is not ModelConfig or "ard" not in values:
+        return values
+    values = dict(values)
+    ard = values.pop("ard")
+    if not isinstance(ard, bool):
+        raise ConfigError(f"{ard!r} is not a boolean (model.ard is now model.lengthscales)", prefix + "ard")
+    if "lengthscales" in values:
+        raise ConfigError("both model.ard and model.lengthscales are set; model.ard is the old name: remove it",
+                          prefix + "ard")
+    values["lengthscales"] = "per_axis" if ard else "isotropic"
+    return values
+
+
+__all__ = ["LENGTHSCALE_CHOICES", "MIXING_LEARNING_CHOICES", "ConfigError", "ModelConfig", "describe_allowed", "option",
            "section_from_dict", "validate_value"]

@@ -676,7 +676,7 @@ class ContinualMOGP(Engine):
         if main is None or bool((main.lengthscale <= cap).all()):
             return kernel
         capped = copy.deepcopy(kernel)
-        _stationary_part(capped).lengthscale_param.set(main.lengthscale.detach().clamp_max(cap))
+        _stationary_part(capped).lengthscale_param.set(main.lengthscale_param.value.detach().clamp_max(cap))
         return capped
 
     def _select_inducing(self, q: int, x: torch.Tensor, z_old: torch.Tensor) -> torch.Tensor:

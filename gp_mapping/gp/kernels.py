@@ -1,7 +1,8 @@
 """Covariance functions and the jittered Cholesky factorisation of kernel matrices.
 
-Stationary kernels (Matern-1/2, 3/2, 5/2 and RBF) with one lengthscale per input dimension (ARD) or a shared
-one, a constant (bias) kernel, and their sum. Positive hyperparameters are stored as logarithms so that Adam
+Stationary kernels (Matern-1/2, 3/2, 5/2 and RBF) whose input axes share lengthscales as
+:func:`lengthscale_groups` says (one for all, one for the horizontal plane and one for height, or one per axis),
+a constant (bias) kernel, and their sum. Positive hyperparameters are stored as logarithms so that Adam
 steps are multiplicative (a lengthscale moves from 1 m to 0.5 m in as many steps as from 0.1 m to 0.05 m).
 """
 from __future__ import annotations
@@ -58,6 +59,20 @@ class Kernel(nn.Module):
         return out.add_(self(x1, x2))
 
 
+def lengthscale_groups(mode: str, input_dims: int) -> tuple[int, ...]:
+    """The lengthscale each input axis uses (model.lengthscales): ``isotropic`` one for all; ``horizontal`` x and
+    y share one and a third axis (height) has its own, because a field is statistically the same in every
+    horizontal direction however the robot drove, while height is sampled differently (mostly one floor, sensor
+    heights a few cm apart); ``per_axis`` one each (ARD)."""
+    if mode == "isotropic":
+        return (0,) * input_dims
+    if mode == "horizontal":
+        return tuple(0 if d < 2 else 1 for d in range(input_dims))
+    if mode == "per_axis":
+        return tuple(range(input_dims))
+    raise ValueError(f"unknown lengthscales {mode!r}; known: isotropic, horizontal, per_axis")
+
+
 def _tracks_gradients(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -65,15 +80,22 @@ def _tracks_gradients(*tensors: torch.Tensor) -> bool:
 class StationaryKernel(Kernel):
     """sigma^2 * g(r) with r the lengthscale-scaled Euclidean distance; subclasses define g."""
 
-    def __init__(self, input_dims: int, lengthscale: float = 1.0, variance: float = 1.0, ard: bool = True) -> None:
+    def __init__(self, input_dims: int, lengthscale: float = 1.0, variance: float = 1.0,
+                 lengthscales: str = "horizontal") -> None:
         super().__init__(input_dims)
-        self.ard = bool(ard)
-        self.lengthscale_param = PositiveParameter(lengthscale, (self.input_dims if ard else 1,))
+        self.groups = lengthscale_groups(lengthscales, self.input_dims)
+        self.num_lengthscales = max(self.groups, default=0) + 1
+        self.lengthscale_param = PositiveParameter(lengthscale, (self.num_lengthscales,))
         self.variance_param = PositiveParameter(variance)
+        # One learned value or one per axis broadcast as they are; shared groups are spread over their axes.
+        spread = self.num_lengthscales not in (1, self.input_dims)
+        self.register_buffer("_axis_group", torch.tensor(self.groups) if spread else None, persistent=False)
 
     @property
     def lengthscale(self) -> torch.Tensor:
-        return self.lengthscale_param.value
+        """The lengthscale of each input axis (one value when all axes share it)."""
+        value = self.lengthscale_param.value
+        return value if self._axis_group is None else value[self._axis_group]
 
     @property
     def variance(self) -> torch.Tensor:
@@ -231,7 +253,7 @@ def build_kernel(model_config, input_dims: int) -> Kernel:
     except KeyError:
         raise ValueError(f"unknown kernel {model_config.kernel!r}; known: {', '.join(STATIONARY_KERNELS)}") from None
     main = cls(input_dims, lengthscale=model_config.lengthscale, variance=model_config.signal_variance,
-               ard=model_config.ard)
+               lengthscales=model_config.lengthscales)
     if model_config.constant_kernel:
         return SumKernel(main, ConstantKernel(input_dims, variance=model_config.constant_variance))
     return main

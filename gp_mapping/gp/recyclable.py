@@ -413,12 +413,13 @@ def initial_kernel(model_config, sources: Sequence[Source], input_dims: int, tar
     if not with_k or main is None:
         return kernel
     weights = [max(s.num_data, 1) for s in with_k]
-    logs = []
-    for s in with_k:
-        ls = _stationary(s.kernel).lengthscale.detach().cpu()
-        logs.append(torch.log(ls).expand_as(main.lengthscale).mean() if not main.ard or ls.numel() !=
-                    main.lengthscale.numel() else torch.log(ls))
-    main.lengthscale_param.set(torch.exp(_weighted(logs, weights)).expand_as(main.lengthscale).clone())
+    # Per input axis, then averaged over the axes that share a lengthscale in the global kernel (the sources
+    # may have been built with other lengthscale groups).
+    per_axis = _weighted([torch.log(_stationary(s.kernel).lengthscale.detach().cpu()).expand(input_dims)
+                          for s in with_k], weights)
+    groups = torch.tensor(main.groups)
+    main.lengthscale_param.set(torch.exp(torch.stack([per_axis[groups == g].mean()
+                                                      for g in range(main.num_lengthscales)])))
     ratio = [float(((s.scale / target_scale) ** 2).mean()) for s in with_k]
     main.variance_param.set(_weighted([_stationary(s.kernel).variance.detach().cpu() * r
                                        for s, r in zip(with_k, ratio)], weights))

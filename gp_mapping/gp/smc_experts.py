@@ -56,7 +56,7 @@ from .base import Engine, resolve_device, to_float64_tensor
 from .dp_mixture import (elliptical_slice, escobar_west, effective_sample_size, niw_add, niw_predictive,
                          normalise_log_weights, resample_indices)
 from .errors import ConfigError, ModelInputError
-from .kernels import STATIONARY_KERNELS, jittered_cholesky
+from .kernels import STATIONARY_KERNELS, jittered_cholesky, lengthscale_groups
 from .likelihoods import GaussianLikelihood
 
 LOG_2PI = math.log(2.0 * math.pi)
@@ -102,7 +102,9 @@ class SMCExperts(Engine):
         self.likelihood = GaussianLikelihood(p)
         self.likelihood.requires_grad_(False)
         j, k, m = int(cfg.smc_particles), int(cfg.smc_max_experts), int(cfg.smc_expert_memory)
-        self.num_ls = d if cfg.ard else 1
+        groups = lengthscale_groups(cfg.lengthscales, d)
+        self.num_ls = max(groups) + 1
+        self.register_buffer("axis_group", torch.tensor(groups), persistent=False)  # each input axis's lengthscale
         self.has_constant = bool(cfg.constant_kernel)
         h = self.num_ls + 2 + int(self.has_constant)
         self._profile = STATIONARY_KERNELS[cfg.kernel](1).profile
@@ -242,7 +244,7 @@ class SMCExperts(Engine):
     # ------------------------------------------------------------------ kernels and expert GPs
     def _kernel(self, x1: torch.Tensor, x2: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
         """k(x1, x2) (..., N1, N2) for inputs (..., N1, D), (..., N2, D) and log-hyperparameters (..., H)."""
-        ls = torch.exp(theta[..., :self.num_ls])[..., None, :]
+        ls = torch.exp(theta[..., :self.num_ls])[..., None, self.axis_group]
         r2 = _squared_distances(x1 / ls, x2 / ls)
         k = torch.exp(theta[..., self.num_ls])[..., None, None] * self._profile(torch.sqrt(r2.clamp_min(1e-36)))
         if self.has_constant:

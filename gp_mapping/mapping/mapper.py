@@ -39,7 +39,7 @@ from gp_mapping.mapping.state import MapState, MapStateError, read_state, write_
 from gp_mapping.mapping.sync import REJECTION_REASONS, UNIT_SYMBOL, Measurements, MeasurementSync, output_dims
 
 # Config keys that decide what the saved model means; a state file refuses a config that changes them.
-STATE_DEFINING_KEYS = (("model", "engine"), ("model", "kernel"), ("model", "likelihood"), ("model", "ard"),
+STATE_DEFINING_KEYS = (("model", "engine"), ("model", "kernel"), ("model", "likelihood"), ("model", "lengthscales"),
                        ("model", "constant_kernel"), ("sync", "target"), ("sync", "input_dims"),
                        ("sync", "field_unit"), ("model", "tile_size"), ("model", "tile_overlap"),
                        ("model", "tile_height"))
