@@ -284,9 +284,10 @@ def test_target_scaling_is_not_frozen_by_a_robot_at_rest():
     for seed in range(8):
         for name, parts in {"drive": [(xy, y, t + 2.0)], "rest": [(rest_xy, rest_y, np.arange(20) * 0.1),
                                                                   (xy, y, t + 2.0)]}.items():
-            # the NIW gate, with which the 5 % were measured (the scaling does not depend on the gate)
+            # the NIW gate and per-axis lengthscales, with which the 5 % were measured (the scaling depends on
+            # neither; with one lengthscale the maps spread more from seed to seed: 0.056 against 0.067 uT)
             model = engine(smc_particles=8, smc_max_experts=8, smc_expert_memory=48, smc_niw_psi=0.5,
-                           smc_slice_steps=2, lengthscale=0.5, seed=seed, smc_gate="niw")
+                           smc_slice_steps=2, lengthscale=0.5, seed=seed, smc_gate="niw", lengthscales="per_axis")
             for px, py, pt in parts:
                 for s in range(0, len(px), 20):  # 2 s batches
                     model.update(px[s:s + 20], py[s:s + 20, None], t=pt[s:s + 20])
