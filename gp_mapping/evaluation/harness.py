@@ -341,9 +341,12 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
     return written
 
 
-def write(results: dict[str, Any], out: Path) -> dict[str, Path]:
+def write(results: dict[str, Any], out: Path, stem: str | None = None) -> dict[str, Path]:
+    """``bench.json`` / ``bench.md`` in ``out``, or ``<stem>.json`` / ``<stem>.md`` (a run of some sections: it
+    must not overwrite the full run's report beside it)."""
     out.mkdir(parents=True, exist_ok=True)
-    files = {"json": out / JSON_NAME, "md": out / MD_NAME}
+    files = ({"json": out / JSON_NAME, "md": out / MD_NAME} if stem is None
+             else {"json": out / f"{stem}.json", "md": out / f"{stem}.md"})
     results["plots"] = plots(results, out)
     files["json"].write_text(json.dumps(jsonable(results), indent=1, allow_nan=False) + "\n")
     files["md"].write_text(markdown(results))
@@ -362,7 +365,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "checkout or the working directory)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: the batches are small and cores are often shared)")
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=None, help="run only these sections")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=None,
+                        help="run only these sections; they are written to <sections>.json / .md (e.g. speed.md), "
+                             "not over bench.json / bench.md")
     parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                         help="combine the sections of earlier runs' bench.json files (later files win) and write "
                              "the report to --out, running nothing (for sections run in parallel processes)")
@@ -422,7 +427,7 @@ def main_with_args(args: argparse.Namespace) -> int:
 
     results = run(plan, sections, args.data, log)
     results = {"quick": bool(args.quick), **results}
-    files = write(results, args.out)
+    files = write(results, args.out, "_".join(sections) if args.only else None)
     print(files["md"].read_text())
     print(f"wrote {', '.join(str(p) for p in files.values())} and {len(results['plots'])} PNG files in {args.out}")
     failed = [s for s, r in results["sections"].items() if "error" in r]
