@@ -341,3 +341,28 @@ def test_vector_maps_from_continual_mogp_merge_per_component(two_robots):
         return float(np.sqrt(np.mean((model.predict(grid)[0].numpy() - vec(grid)) ** 2)))
 
     assert err(merged) < 0.5 * min(err(a), err(b)), (err(merged), err(a), err(b))
+
+
+def test_initial_kernel_averages_source_lengthscales_per_axis_then_over_each_shared_group():
+    """Sources built with per-axis lengthscales start a global kernel that shares x and y (model.lengthscales
+    'horizontal'): the global x-y lengthscale is the weighted geometric mean over sources and over x and y, the
+    height's over sources only."""
+    from gp_mapping.gp.kernels import build_kernel
+    from gp_mapping.gp.recyclable import initial_kernel
+
+    def source(lengthscales, num_data):
+        kernel = build_kernel(ModelConfig(lengthscales="per_axis", constant_kernel=False), 3)
+        kernel.lengthscale_param.set(torch.tensor(lengthscales, dtype=torch.float64))
+        one = torch.ones(1, dtype=torch.float64)
+        return Source(z=torch.zeros(1, 3, dtype=torch.float64), prior_mean=one, prior_chol=torch.ones(1, 1, 1),
+                      site_a=torch.zeros(1, 1), site_W=torch.zeros(1, 1, 1), scale=one, noise=one,
+                      num_data=num_data, kernel=kernel)
+
+    sources = [source([1.0, 4.0, 0.5], 100), source([2.0, 2.0, 2.0], 300)]
+    kernel = initial_kernel(ModelConfig(lengthscales="horizontal", constant_kernel=False), sources, 3,
+                            torch.ones(1, dtype=torch.float64))
+    w = np.array([0.25, 0.75])
+    xy = np.exp(w @ np.log([[1.0, 4.0], [2.0, 2.0]]).mean(1))
+    z = np.exp(w @ np.log([0.5, 2.0]))
+    assert kernel.lengthscale_param.value.shape == (2,)
+    np.testing.assert_allclose(kernel.lengthscale.detach().numpy(), [xy, xy, z], rtol=1e-12)
