@@ -459,3 +459,16 @@ def test_target_scaling_none_keeps_the_targets_as_given():
     _, _, mu, var, _ = model._mixture(torch.as_tensor(xte), None)
     np.testing.assert_allclose(mu[0, 0, :, 0].numpy(), m_ref, rtol=1e-7, atol=1e-9)
     np.testing.assert_allclose(var[0, 0].numpy(), v_ref, rtol=1e-6, atol=1e-9)
+
+
+def test_horizontal_lengthscales_spread_one_learned_value_over_x_and_y():
+    """The experts' kernel with model.lengthscales 'horizontal' (3-D) is the per-axis kernel with x and y tied:
+    two lengthscales in theta, not three."""
+    shared = engine(d=3, lengthscales="horizontal", constant_kernel=False)
+    ard = engine(d=3, lengthscales="per_axis", constant_kernel=False)
+    assert shared.num_ls == 2 and ard.num_ls == 3
+    x = torch.as_tensor(np.random.default_rng(5).uniform(0, 2, (6, 3)))
+    log_ls_xy, log_ls_z, log_var, log_noise = -0.3, 0.4, 0.2, -3.0
+    theta_shared = torch.tensor([log_ls_xy, log_ls_z, log_var, log_noise], dtype=torch.float64)
+    theta_ard = torch.tensor([log_ls_xy, log_ls_xy, log_ls_z, log_var, log_noise], dtype=torch.float64)
+    assert torch.allclose(shared._kernel(x, x, theta_shared), ard._kernel(x, x, theta_ard), rtol=1e-12, atol=0)
