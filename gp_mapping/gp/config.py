@@ -322,5 +322,5 @@ def _renamed_keys(cls, values: Mapping[str, Any], prefix: str) -> Mapping[str, A
     return values
 
 
-__all__ = ["LENGTHSCALE_CHOICES", "MIXING_LEARNING_CHOICES", "ConfigError", "ModelConfig", "describe_allowed", "option",
-           "section_from_dict", "validate_value"]
+__all__ = ["LENGTHSCALE_CHOICES", "MIXING_LEARNING_CHOICES", "ConfigError", "ModelConfig", "describe_allowed",
+           "option", "section_from_dict", "validate_value"]

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from .config import LENGTHSCALE_CHOICES
 from .errors import GPNumericalError
 
 # The largest diagonal jitter, relative to the mean of the matrix diagonal, tried before giving up.
@@ -70,7 +71,7 @@ def lengthscale_groups(mode: str, input_dims: int) -> tuple[int, ...]:
         return tuple(0 if d < 2 else 1 for d in range(input_dims))
     if mode == "per_axis":
         return tuple(range(input_dims))
-    raise ValueError(f"unknown lengthscales {mode!r}; known: isotropic, horizontal, per_axis")
+    raise ValueError(f"unknown lengthscales {mode!r}; known: {', '.join(LENGTHSCALE_CHOICES)}")
 
 
 def _tracks_gradients(*tensors: torch.Tensor) -> bool:
