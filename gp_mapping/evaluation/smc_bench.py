@@ -269,7 +269,10 @@ def change(quick: bool, log) -> dict[str, Any]:
                 full_update_every=5)
     out: dict[str, Any] = {"pass_seconds": pass_s, "time_scale": pass_s / 4, "noise_sd": noise_sd,
                            "rmse_new_vs_old_field": float(np.sqrt(np.mean((truth - old_truth) ** 2))), "rows": {}}
-    for label, cfg in (("smc_experts gate_on_time", smc), ("dual_svgp M=256", dual)):
+    kernel_gate = smc_map_config(gate_on_time=True, smc_time_scale=pass_s / 4, smc_gate="kernel",
+                                 smc_gate_bandwidth=0.3)
+    for label, cfg in (("smc_experts gate_on_time", smc), ("smc_experts gate_on_time, kernel gate", kernel_gate),
+                       ("dual_svgp M=256", dual)):
         for data, (tt, xx, yy) in (("all data", (t, xy, y)), ("post-change only", (t2, xy2, y2))):
             model = build_model(cfg, 2, 1)
             stream_model(model, tt, xx, yy, 10)
@@ -278,6 +281,8 @@ def change(quick: bool, log) -> dict[str, Any]:
             log(f"change {label}, {data}: {row}")
     r = out["rows"]
     out["smc_ratio"] = r["smc_experts gate_on_time, all data"]["rmse"] / r["smc_experts gate_on_time, post-change only"]["rmse"]
+    out["smc_kernel_gate_ratio"] = (r["smc_experts gate_on_time, kernel gate, all data"]["rmse"]
+                                    / r["smc_experts gate_on_time, kernel gate, post-change only"]["rmse"])
     out["dual_ratio"] = r["dual_svgp M=256, all data"]["rmse"] / r["dual_svgp M=256, post-change only"]["rmse"]
     return out
 
