@@ -235,7 +235,8 @@ def run_protocol(name: str, batches: list[tuple[np.ndarray, np.ndarray]], x_test
     models = {m.name: m.model for m in methods if m.model is not None}
     models.update({k: o["model"] for k, o in offline.items()})
     return {"name": name, "num_batches": len(batches), "num_train": int(x_all.shape[0]),
-            "num_test": int(x_test.shape[0]), "eval_every": eval_every, "notes": notes, "methods": results,
+            "num_test": int(x_test.shape[0]), "num_inducing": engine_config().num_inducing,
+            "eval_every": eval_every, "notes": notes, "methods": results,
             "seconds": time.perf_counter() - start, "_models": models}
 
 
