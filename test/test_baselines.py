@@ -21,8 +21,8 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-SPEC = KernelSpec(kernel="matern52", lengthscales="per_axis", constant_kernel=True, lengthscale=0.7, signal_variance=1.3,
-                  constant_variance=0.4, noise_variance=0.05)
+SPEC = KernelSpec(kernel="matern52", lengthscales="per_axis", constant_kernel=True, lengthscale=0.7,
+                  signal_variance=1.3, constant_variance=0.4, noise_variance=0.05)
 
 
 def _matern52_plus_constant(a: np.ndarray, b: np.ndarray, spec: KernelSpec) -> np.ndarray:

@@ -134,7 +134,8 @@ def test_a_map_made_in_a_robot_frame_lands_in_the_map_frame():
     rng = np.random.default_rng(3)
     tf = RigidTransform.planar(x=3.0, y=-1.0, yaw=math.radians(70))
     x_robot = rng.uniform(-2, 2, (300, 2))
-    model = _train(ModelConfig(device="cpu", num_inducing=30, lengthscales="isotropic"), x_robot, 45 + 3 * _field(x_robot))
+    model = _train(ModelConfig(device="cpu", num_inducing=30, lengthscales="isotropic"), x_robot,
+                   45 + 3 * _field(x_robot))
     src = source_from_engine(model, transform=tf)
     res = merge([src], model.config, steps=0, kernel=copy.deepcopy(model.kernel), z=src.z.clone(),
                 target_mean=model.y_mean, target_scale=model.y_std)
@@ -197,7 +198,8 @@ def test_toy_concatenation_of_five_1d_tasks():
     M = 35. The global GP covers the whole range about as well as one SVGP with M = 35 fed all the data, and its
     uncertainty follows the local models'."""
     rng = np.random.default_rng(6)
-    cfg = ModelConfig(device="cpu", num_inducing=15, lengthscale=0.3, noise_variance=0.1, lengthscales="isotropic", memory_size=200)
+    cfg = ModelConfig(device="cpu", num_inducing=15, lengthscale=0.3, noise_variance=0.1, lengthscales="isotropic",
+                      memory_size=200)
     sources, xs, ys, local = [], [], [], []
     for k in range(5):
         x = rng.uniform(k * 1.1, (k + 1) * 1.1, 500)
@@ -215,8 +217,8 @@ def test_toy_concatenation_of_five_1d_tasks():
     rmse = float(np.sqrt(np.mean((mean[:, 0].numpy() - _f_bias(xt)) ** 2)))
     x_all, y_all = np.concatenate(xs), np.concatenate(ys)
     order = rng.permutation(len(x_all))
-    single = _train(ModelConfig(device="cpu", num_inducing=35, lengthscale=0.3, noise_variance=0.1, lengthscales="isotropic",
-                                memory_size=200), x_all[order], y_all[order])
+    single = _train(ModelConfig(device="cpu", num_inducing=35, lengthscale=0.3, noise_variance=0.1,
+                                lengthscales="isotropic", memory_size=200), x_all[order], y_all[order])
     rmse_single = float(np.sqrt(np.mean((single.predict(xt[:, None])[0][:, 0].numpy() - _f_bias(xt)) ** 2)))
     assert rmse <= 1.1 * rmse_single, (rmse, rmse_single)
     z_score = (mean[:, 0].numpy() - _f_bias(xt)) / np.sqrt(var[:, 0].numpy())

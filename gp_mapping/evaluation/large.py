@@ -266,7 +266,8 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
                                 iterations=int(plan["large_exact_iterations"]), seed=0).fit(x, y)
         h = hyper.hyperparameters()[0]
         lengthscale = float(np.exp(np.mean(np.log(np.asarray(h["lengthscale"], float)))))
-        spec = KernelSpec(kernel=cfg.kernel, lengthscales=cfg.lengthscales, constant_kernel=cfg.constant_kernel, lengthscale=lengthscale,
+        spec = KernelSpec(kernel=cfg.kernel, lengthscales=cfg.lengthscales, constant_kernel=cfg.constant_kernel,
+                          lengthscale=lengthscale,
                           signal_variance=float(h["signal_variance"]),
                           constant_variance=float(h.get("constant_variance", 1.0)),
                           noise_variance=float(h["noise_variance"]) / float(np.var(y)))  # standardised units

@@ -197,7 +197,8 @@ def score(model, xy, truth, noise_sd) -> dict[str, float]:
 
 def smc_map_config(**over) -> dict:
     cfg = dict(engine="smc_experts", device="cpu", smc_gate="niw", smc_particles=16, smc_max_experts=16,
-               smc_expert_memory=32, lengthscale=0.5, noise_variance=0.01, smc_niw_psi=1.0, smc_niw_dof=5.0, smc_slice_steps=2)
+               smc_expert_memory=32, lengthscale=0.5, noise_variance=0.01, smc_niw_psi=1.0, smc_niw_dof=5.0,
+               smc_slice_steps=2)
     cfg.update(over)
     return cfg
 
@@ -269,10 +270,10 @@ def change(quick: bool, log) -> dict[str, Any]:
                 full_update_every=5)
     out: dict[str, Any] = {"pass_seconds": pass_s, "time_scale": pass_s / 4, "noise_sd": noise_sd,
                            "rmse_new_vs_old_field": float(np.sqrt(np.mean((truth - old_truth) ** 2))), "rows": {}}
-    kernel_gate = smc_map_config(gate_on_time=True, smc_time_scale=pass_s / 4, smc_gate="kernel",
-                                 smc_gate_bandwidth=0.3)
-    for label, cfg in (("smc_experts gate_on_time", smc), ("smc_experts gate_on_time, kernel gate", kernel_gate),
-                       ("dual_svgp M=256", dual)):
+    kernel_gate = dict(smc, smc_gate="kernel", smc_gate_bandwidth=0.3)
+    labels = {"smc_ratio": "smc_experts gate_on_time", "smc_kernel_gate_ratio": "smc_experts gate_on_time, kernel gate",
+              "dual_ratio": "dual_svgp M=256"}
+    for label, cfg in zip(labels.values(), (smc, kernel_gate, dual)):
         for data, (tt, xx, yy) in (("all data", (t, xy, y)), ("post-change only", (t2, xy2, y2))):
             model = build_model(cfg, 2, 1)
             stream_model(model, tt, xx, yy, 10)
@@ -280,10 +281,8 @@ def change(quick: bool, log) -> dict[str, Any]:
             out["rows"][f"{label}, {data}"] = row
             log(f"change {label}, {data}: {row}")
     r = out["rows"]
-    out["smc_ratio"] = r["smc_experts gate_on_time, all data"]["rmse"] / r["smc_experts gate_on_time, post-change only"]["rmse"]
-    out["smc_kernel_gate_ratio"] = (r["smc_experts gate_on_time, kernel gate, all data"]["rmse"]
-                                    / r["smc_experts gate_on_time, kernel gate, post-change only"]["rmse"])
-    out["dual_ratio"] = r["dual_svgp M=256, all data"]["rmse"] / r["dual_svgp M=256, post-change only"]["rmse"]
+    for key, label in labels.items():  # the map after the change against a map of post-change data only
+        out[key] = r[f"{label}, all data"]["rmse"] / r[f"{label}, post-change only"]["rmse"]
     return out
 
 
