@@ -9,12 +9,12 @@ from gp_mapping.gp.inducing import grid_points, pivoted_cholesky, project_duals,
 from gp_mapping.gp.kernels import Matern52Kernel, RBFKernel, SumKernel, ConstantKernel
 
 
-def _brute_force_greedy(K: np.ndarray, m: int, rel_tol: float) -> list[int]:
-    """Pick, m times, the candidate with the largest conditional variance given the picked ones, by solving
-    the conditional-variance formula from scratch each time (no Cholesky updates)."""
-    chosen: list[int] = []
+def _brute_force_greedy(K: np.ndarray, m: int, rel_tol: float, start: list[int] | None = None) -> list[int]:
+    """Pick the candidate with the largest conditional variance given the picked ones (``start`` first) until m
+    are picked, by solving the conditional-variance formula from scratch each time (no Cholesky updates)."""
+    chosen: list[int] = list(start or [])
     threshold = rel_tol * K.diagonal().max()
-    for _ in range(m):
+    for _ in range(m - len(chosen)):
         best, best_var = None, -np.inf
         for c in range(len(K)):
             if c in chosen:
@@ -121,3 +121,21 @@ def test_keep_first_keeps_current_points_and_drops_only_redundant_ones():
         idx, _ = pivoted_cholesky(k, k.diag(cand), cand, 12, rel_tol=1e-6, keep_first=7)
     assert idx[:6].tolist() == list(range(6)) and 6 not in idx.tolist()
     assert len(idx) == 12 and bool((idx[6:] >= 7).all())
+
+
+def test_keep_first_of_well_separated_points_equals_greedy_search_after_them():
+    # The forced block is factorised at once (not one loop step per current point): same picks as a greedy
+    # search that starts from the current points, and R still the exact Nystrom factor through the picks.
+    rng = np.random.default_rng(5)
+    k = SumKernel(Matern52Kernel(2, lengthscale=0.7), ConstantKernel(2, variance=0.5))
+    cand = torch.tensor(rng.uniform(0, 6, (80, 2)))
+    with torch.no_grad():
+        idx, R = pivoted_cholesky(k, k.diag(cand), cand, 30, rel_tol=1e-8, keep_first=20)
+        K = k(cand, cand).numpy()
+    assert idx.tolist() == _brute_force_greedy(K, 30, 1e-8, start=list(range(20)))
+    approx = (R.T @ R).numpy()
+    np.testing.assert_allclose(approx[:, idx.numpy()], K[:, idx.numpy()], atol=1e-10)
+    # more current points than max_points: the first max_points are kept, nothing else
+    with torch.no_grad():
+        idx, R = pivoted_cholesky(k, k.diag(cand), cand, 10, rel_tol=1e-8, keep_first=20)
+    assert idx.tolist() == list(range(10)) and R.shape == (10, 80)

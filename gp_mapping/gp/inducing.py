@@ -40,7 +40,15 @@ def pivoted_cholesky(kernel: KernelFn, diag: torch.Tensor, candidates: torch.Ten
         threshold = float(rel_tol) * float(d.max())
         picked = torch.zeros(c, dtype=torch.bool, device=candidates.device)
         order: list[int] = []
-        forced = list(range(min(int(keep_first), c)))
+        forced = list(range(min(int(keep_first), c, max_points)))
+        block = _forced_block(kernel, candidates, len(forced), threshold)
+        if block is not None:
+            # All forced points stay: their rows are one triangular solve, not one loop step each.
+            m = len(forced)
+            rows[:m] = block
+            d = d - (block * block).sum(0)
+            picked[:m] = True
+            order, forced = forced, []
         for _ in range(c):
             m = len(order)
             if m >= max_points:
@@ -61,6 +69,23 @@ def pivoted_cholesky(kernel: KernelFn, diag: torch.Tensor, candidates: torch.Ten
             picked[p] = True
             order.append(p)
         return torch.as_tensor(order, dtype=torch.long, device=candidates.device), rows[:len(order)]
+
+
+def _forced_block(kernel: KernelFn, candidates: torch.Tensor, k: int, threshold: float) -> torch.Tensor | None:
+    """The first k rows of R (k, C) when the greedy loop would keep all k forced candidates: L^{-1} K_FC with
+    L = chol(K_FF), since the loop's step m is the m-th column of that Cholesky factor and its residual variance
+    is L_mm^2. None when k is 0 or some L_mm^2 is not clearly above the threshold (within round-off of it, or
+    below: the loop then decides which forced points to drop)."""
+    if k == 0:
+        return None
+    forced = candidates[:k]
+    L, info = torch.linalg.cholesky_ex(kernel(forced, forced))
+    if int(info) != 0:
+        return None
+    pivots = torch.diagonal(L) ** 2
+    if not bool((pivots > threshold * (1.0 + 1e-6)).all()):
+        return None
+    return torch.linalg.solve_triangular(L, kernel(forced, candidates), upper=False)
 
 
 def grid_points(bounds, num_points: int, dtype=torch.float64, device=None) -> torch.Tensor:
