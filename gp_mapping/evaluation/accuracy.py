@@ -31,13 +31,13 @@ from gp_mapping.evaluation.baselines import (ConstantMean, ExactGPBaseline, Kern
                                              OfflineSVGP, ReducedRankGP, StreamingSparseGP, gaussian_log_density,
                                              nlpd, rmse)
 from gp_mapping.evaluation.bench_engine import _summary
-from gp_mapping.config import ModelConfig
+from gp_mapping.config import GridConfig, ModelConfig
 from gp_mapping.evaluation.datasets import load_solin2018
 from gp_mapping.gp import ENGINES, build_model
 
 HSGP_BASIS = (256, 1024)  # the reduced-rank GP's basis sizes (magnetic SLAM uses m = 256-1024)
 SAMPLE_RATE_HZ = 50.0
-TILE = 16384
+TILE = GridConfig().tile_size  # the shipped default
 
 
 def engine_config(**overrides) -> ModelConfig:

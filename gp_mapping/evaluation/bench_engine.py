@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gp_mapping.config import ModelConfig
+from gp_mapping.config import GridConfig, ModelConfig
 from gp_mapping.evaluation.common import default_results_dir
 from gp_mapping.gp import build_model
 from gp_mapping.mapping.grid import GridSpec, predict_grid
@@ -32,7 +32,7 @@ from gp_mapping.mapping.grid import GridSpec, predict_grid
 SAMPLE_RATE_HZ = 50.0  # both data sources are 50 Hz: a batch of 50 is one second of data
 WARM_BATCH = 1000      # samples per warm-up update (hyperparameters frozen, see steady_model)
 MAX_WARM_UPDATES = 20
-TILE_SIZE = 16384      # the GridConfig default
+TILE_SIZE = GridConfig().tile_size  # the shipped default
 
 FULL = dict(ms=(64, 128, 256, 512), memories=(500, 2000), full_reps=10, fast_reps=30, grid_sizes=(100, 400),
             cell_seconds=60.0)
