@@ -270,8 +270,10 @@ def drive(seconds=24.0, rate=10.0):
 def test_target_scaling_is_not_frozen_by_a_robot_at_rest():
     """2 s at rest (one place, readings differing by noise only) then a drive gives the map the drive alone
     gives: the running scale ends within 5 % of the drive's, and the map's RMSE, averaged over 8 seeds, is
-    within 5 % of the drive's (one SMC map varies from seed to seed by ~30 %, so single runs cannot be compared
-    at 5 %; measured: 0.105 against 0.107 uT). A scale frozen at rest would be ~100x too small."""
+    within 20 % of the drive's. One SMC map's RMSE varies from seed to seed by ~35 % (0.05-0.15 uT here), so the
+    paired mean difference over 8 seeds has a standard error of ~10 %: measured over 24 seeds, rest / drive
+    = 1.07 (standard error 0.10), and 1.10 before new experts' predictives were marginalised. A scale frozen at
+    rest would be ~100x too small and the map worse than a constant."""
     rng = np.random.default_rng(0)
     t, xy = drive()
     y = field(xy) + 0.02 * rng.standard_normal(len(t))
@@ -298,7 +300,7 @@ def test_target_scaling_is_not_frozen_by_a_robot_at_rest():
     assert scale["rest"] == pytest.approx(scale["drive"], rel=0.05) and scale["drive"] > 50 * 0.02
     drive_rmse, rest_rmse = np.mean(rmse["drive"]), np.mean(rmse["rest"])
     assert drive_rmse < 0.1 * truth.std()  # a real map, not a constant
-    assert abs(rest_rmse - drive_rmse) <= 0.05 * drive_rmse
+    assert abs(rest_rmse - drive_rmse) <= 0.2 * drive_rmse
 
 
 def test_mapper_drives_the_engine_with_stamps_and_saves_it(tmp_path):
@@ -355,8 +357,10 @@ def test_paper_protocol_shortened_on_the_motorcycle_series():
     ll_gp, _ = bench.one_step_ahead(build_model(dict(engine="dual_svgp", kernel="rbf", lengthscales="isotropic",
                                                      constant_kernel=False, num_inducing=50, lengthscale=0.3,
                                                      noise_variance=0.1, device="cpu"), 1, 1), x, y)
-    print(ll_smc, mse_smc, ll_poe, ll_gp)  # measured: -35.3, 0.32, -85.4, -1058 (dual_svgp: -299 before its adaptive scaling)
-    assert ll_smc > ll_poe + 20 and ll_smc > ll_gp + 100
+    # measured: -31.3, 0.33, -42.7, -1058 (dual_svgp: -299 before its adaptive scaling); seeds 0-4: the mixture
+    # -29 to -33, one particle -41 to -54 (-85 before new experts' predictives were marginalised)
+    print(ll_smc, mse_smc, ll_poe, ll_gp)
+    assert ll_smc > ll_poe + 5 and ll_smc > ll_gp + 100
     assert mse_smc < 0.45
 
 
@@ -472,3 +476,63 @@ def test_horizontal_lengthscales_spread_one_learned_value_over_x_and_y():
     theta_shared = torch.tensor([log_ls_xy, log_ls_z, log_var, log_noise], dtype=torch.float64)
     theta_ard = torch.tensor([log_ls_xy, log_ls_xy, log_ls_z, log_var, log_noise], dtype=torch.float64)
     assert torch.allclose(shared._kernel(x, x, theta_shared), ard._kernel(x, x, theta_ard), rtol=1e-12, atol=0)
+
+
+def test_new_expert_predictive_is_marginalised_over_the_variance_prior():
+    """log p(y | new expert) is the prior predictive N(y; 0, signal + constant + noise) integrated over the
+    log-normal prior of the signal and constant variances (checked by 2-D adaptive quadrature, independent of the
+    engine's grid), also for a reading 30 running standard deviations out, where one prior draw almost never
+    has the variance it needs; and the variances an opened expert draws follow that posterior."""
+    from scipy import integrate, stats
+
+    model = engine(smc_particles=4000, smc_hyper_prior_std=1.0)
+    for ys in (0.0, 2.0, 30.0):
+        log_marginal, theta = model._new_expert(torch.tensor([ys], dtype=torch.float64), 4000)
+        noise = model._noise(theta).numpy()
+        for jj in (0, 1):
+            mu = model._prior_now().numpy()
+            sv, cv = mu[model.num_ls], mu[-1]
+
+            def density(a, b):
+                var = np.exp(sv + a) + np.exp(cv + b) + noise[jj]
+                return stats.norm.pdf(a) * stats.norm.pdf(b) * stats.norm.pdf(ys, scale=np.sqrt(var))
+
+            ref, _ = integrate.dblquad(density, -12, 12, -12, 12, epsabs=0, epsrel=1e-8)
+            assert float(log_marginal[jj]) == pytest.approx(np.log(ref), abs=1e-3)
+        # posterior mean of log(signal + constant variance): the draws against the quadrature over the same law
+        field = np.log(np.exp(theta[:, model.num_ls].numpy()) + np.exp(theta[:, -1].numpy()))
+        a, b = np.meshgrid(np.linspace(-10, 10, 401), np.linspace(-10, 10, 401))
+        var_field = np.exp(sv + a) + np.exp(cv + b)
+        w = stats.norm.pdf(a) * stats.norm.pdf(b) * stats.norm.pdf(ys, scale=np.sqrt(var_field + np.median(noise)))
+        expected = float((np.log(var_field) * w).sum() / w.sum())
+        assert field.mean() == pytest.approx(expected, abs=0.1)
+    assert expected > np.log(np.exp(sv) + np.exp(cv)) + 3.0  # the far reading's expert: a much larger variance
+
+
+@pytest.mark.parametrize("gate_on_time", [False, True])
+def test_a_region_at_another_level_gets_its_own_expert(gate_on_time):
+    """Region A (levels around +3) is mapped first, so the running spread is A's alone (~0.3); region B, 6 m
+    away, is at -3, ~20 running standard deviations out. Its readings open an expert of their own in every
+    particle instead of joining A's expert (which its gate puts e^-200 below a new one): with a new expert's
+    predictive from a single prior draw, B's first reading was nearly impossible under it and joined A's."""
+    rng = np.random.default_rng(4)
+    a = rng.uniform([0.0, 0.0], [1.0, 1.0], (60, 2))
+    b = rng.uniform([6.0, 0.0], [7.0, 1.0], (60, 2))
+    ya = 3.0 + 0.5 * np.sin(3 * a[:, :1]) + 0.02 * rng.standard_normal((60, 1))
+    yb = -3.0 + 0.5 * np.cos(3 * b[:, 1:]) + 0.02 * rng.standard_normal((60, 1))
+    model = engine(smc_particles=4, smc_max_experts=8, smc_expert_memory=32, gate_on_time=gate_on_time,
+                   smc_time_scale=2.0, smc_gate="kernel")
+    for s in range(0, 60, 20):
+        model.update(a[s:s + 20], ya[s:s + 20], t=s * 0.1 + np.arange(20) * 0.1)
+    for s in range(0, 60, 20):
+        model.update(b[s:s + 20], yb[s:s + 20], t=100.0 + s * 0.1 + np.arange(20) * 0.1)
+    held = model.mem_c > 0
+    for jj in range(model.num_particles):
+        for kk in range(model.max_experts):
+            xs = model.mem_x[jj, kk][held[jj, kk], 0]
+            if xs.numel():
+                assert bool((xs < 3.0).all()) or bool((xs > 3.0).all()), (jj, kk, xs)
+    # B is mapped; A too without time gating (with it, A's expert has faded: 47 time scales ago)
+    x_test, y_test = (b, yb) if gate_on_time else (np.vstack([a, b]), np.vstack([ya, yb]))
+    mean, _ = model.predict(x_test)
+    assert float(np.sqrt(np.mean((mean.numpy() - y_test) ** 2))) < 0.1

@@ -60,7 +60,7 @@ from .kernels import STATIONARY_KERNELS, jittered_cholesky, lengthscale_groups
 from .likelihoods import GaussianLikelihood
 
 LOG_2PI = math.log(2.0 * math.pi)
-#: smallest noise variance an expert may have, relative to the running target variance
+#: smallest noise variance an expert may have, relative to its own prior variance k(x, x)
 NOISE_FLOOR = 1e-6
 #: an expert whose gate is below this at every test point of a group is not predicted there: its gate weight
 #: goes to its prior (mean 0, prior variance), which moves the mixture mean by at most this fraction of the
@@ -72,6 +72,11 @@ GATE_NEGLIGIBLE = 1e-4
 PREDICT_GROUP = 128
 #: prediction works on chunks of test points whose (J, K, M, G, D) temporaries hold about this many numbers
 PREDICT_CHUNK_ELEMENTS = 1 << 22
+#: quadrature of a new expert's predictive over its field log-variances: nodes per variance (odd: one at the
+#: prior median) spanning this many prior standard deviations either side (a reading 40 running standard
+#: deviations from the running mean needs a variance ~7 prior standard deviations above the median)
+NEW_EXPERT_NODES = 33
+NEW_EXPERT_SPAN = 10.0
 #: a full expert whose closest memory entries are farther apart than this (in its shortest lengthscale) is split
 #: in two when its particle has a free expert slot, instead of merging them
 SPLIT_SPACING = 0.25
@@ -257,7 +262,8 @@ class SMCExperts(Engine):
         return v + torch.exp(theta[..., -1]) if self.has_constant else v
 
     def _noise(self, theta: torch.Tensor) -> torch.Tensor:
-        return torch.exp(theta[..., self.num_ls + 1]).clamp_min(NOISE_FLOOR * float(self._work_scale()[2]) ** 2)
+        # A function of theta alone: the cached factors of an expert stay valid when the running scale changes.
+        return torch.maximum(torch.exp(theta[..., self.num_ls + 1]), NOISE_FLOOR * self._prior_var(theta))
 
     def _gram(self, mx: torch.Tensor, mc: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
         """K + diag(noise / c) on the valid entries, identity on free ones (..., M, M)."""
@@ -521,18 +527,13 @@ class SMCExperts(Engine):
         ys = (y - mean_y) * ratio
         log_gate = self._gate_log(x[None, :], t)[..., 0]                          # (J, K + 1)
         log_px = torch.logsumexp(log_gate, 1) - torch.log(self._decayed(t).sum(1) + self.alpha)
-        # Candidate hyperparameters for a new expert, drawn from the prior.
-        h = self.theta.shape[-1]
-        theta_new = self._prior_now() + cfg.smc_hyper_prior_std * torch.randn(
-            j, h, generator=self._generator, dtype=torch.float64).to(self.device)
-        # One-step predictive of y under every expert and under a new one (standardised, with the noise).
+        # One-step predictive of y under every expert and under a new one (work units, with the noise).
         mu, var = self._expert_predict(x[None, :])
         var_y = var[..., 0] + self._noise(self.theta)                                # (J, K)
         log_py = (-0.5 * (LOG_2PI + torch.log(var_y))[..., None]
                   - 0.5 * (ys - mu[:, :, 0, :]) ** 2 / var_y[..., None]).sum(-1)
-        var_new = self._prior_var(theta_new) + self._noise(theta_new)
-        log_py_new = (-0.5 * (LOG_2PI + torch.log(var_new))[:, None] - 0.5 * ys ** 2 / var_new[:, None]).sum(-1)
-        log_py_all = torch.cat([log_py, log_py_new[:, None]], 1)                     # (J, K + 1)
+        log_py_new, theta_new = self._new_expert(ys, j)
+        log_py_all = torch.cat([log_py, log_py_new[:, None]], 1)                      # (J, K + 1)
         log_q = log_gate - torch.logsumexp(log_gate, 1, keepdim=True)
         if cfg.smc_proposal == "adapted":
             joint = log_q + log_py_all
@@ -593,6 +594,41 @@ class SMCExperts(Engine):
             touched = touched[idx]
             resampled = 1
         return touched, log_evidence, resampled, opened
+
+    def _new_expert(self, ys: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p(ys | a new expert) (J,) and hyperparameters (J, H) for the particles that open one.
+
+        Each particle draws a candidate theta from the prior, as in the paper, except for the variances of the
+        field (signal[, constant]): over those the predictive is marginalised by quadrature under their
+        log-normal prior, and an opened expert draws them from their posterior given ys (a node by its weight,
+        spread uniformly over its cell), the fully adapted proposal for (z, variances). With a single prior
+        draw, a reading far from the running mean almost never meets the variance it needs, so it was given to
+        an existing expert 6 m away whose learned variance happened to be larger. Lengthscales do not enter one
+        reading's density and the noise is the sensor's, not a property of the reading's level: both from the
+        prior."""
+        std = float(self.config.smc_hyper_prior_std)
+        h = self.theta.shape[-1]
+        theta = self._prior_now() + std * torch.randn(j, h, generator=self._generator,
+                                                      dtype=torch.float64).to(self.device)
+        dims = [self.num_ls] + ([h - 1] if self.has_constant else [])
+        g = torch.linspace(-NEW_EXPERT_SPAN, NEW_EXPERT_SPAN, NEW_EXPERT_NODES, dtype=torch.float64,
+                           device=self.device)
+        grid = torch.cartesian_prod(*[g] * len(dims)).reshape(-1, len(dims))             # (Q, V)
+        log_w = -0.5 * (grid * grid).sum(1)
+        log_w = log_w - torch.logsumexp(log_w, 0)
+        nodes = self._prior_now()[dims] + std * grid
+        field_var = torch.exp(nodes).sum(1)                                              # (Q,)
+        total = field_var[None, :] + self._noise(theta)[:, None]                         # (J, Q)
+        log_post = log_w + (-0.5 * (LOG_2PI + torch.log(total))[..., None]
+                            - 0.5 * ys ** 2 / total[..., None]).sum(-1)
+        log_marginal = torch.logsumexp(log_post, 1)                                      # (J,)
+        pick = torch.multinomial(torch.exp(log_post - log_marginal[:, None]).cpu(), 1,
+                                 generator=self._generator)[:, 0].to(self.device)
+        cell = std * 2.0 * NEW_EXPERT_SPAN / (NEW_EXPERT_NODES - 1)
+        jitter = (torch.rand(j, len(dims), generator=self._generator, dtype=torch.float64).to(self.device)
+                  - 0.5) * cell
+        theta[:, dims] = nodes[pick] + jitter
+        return log_marginal, theta
 
     def _add_to_scale(self, y: torch.Tensor) -> None:
         """Welford update of the running target mean and spread; the scale is their standard deviation (1 until
