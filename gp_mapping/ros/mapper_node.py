@@ -122,6 +122,7 @@ from gp_mapping.mapping.mapper import Mapper
 from gp_mapping.mapping.publication import NODE_NAME
 from gp_mapping.mapping.transforms import TfPoseMatcher
 from gp_mapping.ros import conversions
+from gp_mapping.runtime import keep_freed_memory
 
 DIAGNOSTICS_PERIOD = 1.0  # seconds (node clock), the usual rate of /diagnostics
 # Parameters the running node applies when they change (the Mapper reads them at every prediction); every
@@ -1110,6 +1111,7 @@ def spin_node(argv: list[str], program: str, logger_name: str, make_node: Callab
               prepare: Callable[[Any], bool] | None = None) -> int:
     """The process around a gp_mapping node: start ROS with ``argv``, build the node (a NodeStartError is a bad
     configuration, exit 2), ``prepare`` it (False: exit 2), spin until Ctrl-C or shutdown, ``close()`` it, exit 0."""
+    keep_freed_memory()  # the published maps are drawn tile by tile (see gp_mapping.runtime)
     try:
         rclpy.init(args=argv)
     except Exception as err:  # rcl refuses malformed --ros-args or an unparsable params file
