@@ -213,3 +213,23 @@ def test_quick_bench_forgetting_section(quick_run):
         assert all(_finite(v) and v > 0 for v in r["curve"]["rmse_first_region"]), name
         assert _finite(r["forgetting"]) and _finite(r["final_rmse_all"]), name
     assert (quick_run["out"] / "forgetting.png").stat().st_size > 1000
+
+
+def test_merged_report_says_when_each_section_was_measured(tmp_path):
+    from gp_mapping.evaluation import harness
+
+    def run(date, sections):
+        path = tmp_path / f"{date}.json"
+        path.write_text(json.dumps({"quick": False, "machine": {"date": date}, "plan": {}, "total_seconds": 1.0,
+                                    "sections": sections, "plots": []}))
+        return path
+
+    first = run("2026-01-01T10:00", {"speed": {"a": 1}, "growth": {"b": 1}})
+    second = run("2026-01-02T10:00", {"speed": {"a": 2}})
+    merged = harness.merge([first, second])
+    assert merged["sections"]["speed"] == {"a": 2} and merged["sections"]["growth"] == {"b": 1}
+    assert merged["section_dates"] == {"speed": "2026-01-02T10:00", "growth": "2026-01-01T10:00"}
+    third = run("2026-01-03T10:00", {"large": {}})
+    again = tmp_path / "merged.json"
+    again.write_text(json.dumps(merged))
+    assert harness.merge([again, third])["section_dates"]["growth"] == "2026-01-01T10:00"  # kept through a re-merge

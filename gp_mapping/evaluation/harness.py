@@ -176,6 +176,10 @@ def markdown(results: dict[str, Any]) -> str:
              f"{'' if m.get('load_average_1min') is None else ', load average %.1f at the start' % m['load_average_1min']}"
              f"); total {results['total_seconds']:.0f} s. "
              "Regenerate with `gp-mapping bench` (bench/README.md explains every number).", ""]
+    if results.get("section_dates"):  # a report merged from several runs: when each section was measured
+        lines += ["Merged from several runs (`gp-mapping bench --merge`); the date above is the last run's. Sections "
+                  "measured: " + ", ".join(f"{name} {date}" for name, date in results["section_dates"].items())
+                  + ".", ""]
     sec = results["sections"]
     acc = sec.get("accuracy")
     if acc is not None:
@@ -380,12 +384,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def merge(paths: list[Path]) -> dict[str, Any]:
-    """One result from several runs' JSON: the sections of every file (a later file's section wins)."""
+    """One result from several runs' JSON: the sections of every file (a later file's section wins), each with
+    the date of the run it comes from (``section_dates``: the report lists them)."""
     merged: dict[str, Any] = {}
     for path in paths:
         part = json.loads(Path(path).read_text())
         sections = {**merged.get("sections", {}), **part["sections"]}
-        merged = {**merged, **part, "sections": sections,
+        dates = {**merged.get("section_dates", {}),
+                 **{name: part.get("section_dates", {}).get(name, part["machine"]["date"])
+                    for name in part["sections"]}}
+        merged = {**merged, **part, "sections": sections, "section_dates": dates,
                   "total_seconds": merged.get("total_seconds", 0.0) + part["total_seconds"]}
     return merged
 
