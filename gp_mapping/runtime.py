@@ -5,9 +5,11 @@ glibc's malloc serves blocks above an adaptive threshold (128 KiB to start) with
 system when freed, and trims the top of the heap when more than twice that is free. Torch's CPU tensors come
 straight from malloc, so every tile of a map (a (cells, M) kernel matrix and its products, 4 MiB each at the
 default 2048 cells and M = 256) was a fresh mapping whose pages fault in on first touch: measured, a 400 x 400
-grid at M = 256 took 1.33 s against 0.81 s with the settings below (the same process, the same model). Keeping
-blocks of up to 32 MiB on the heap and up to 256 MiB of free heap before trimming bounds what a process may hold
-beyond what it uses; the long-exploration benchmark watches the resident memory.
+grid at M = 256 took 1.33-1.41 s against 0.81-0.90 s with the settings below (the same process, the same model).
+Blocks of up to 16 MiB come from the heap (a tile's buffers at M = 512 are 8 MiB) and up to 64 MiB of free heap is
+kept before trimming: 32 MiB blocks and a 256 MiB trim threshold drew the grid no faster and left the quick
+benchmark's process at 755 MiB against 630 (531 without any setting); the long-exploration benchmark watches the
+resident memory of a node's work (409 -> 437 MiB over 30 minutes, 389 -> 404 without).
 """
 from __future__ import annotations
 
@@ -18,10 +20,10 @@ import sys
 # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-#: blocks up to this size come from the heap (glibc's largest allowed mmap threshold on 64-bit systems)
-HEAP_BLOCK_BYTES = 32 << 20
+#: blocks up to this size come from the heap
+HEAP_BLOCK_BYTES = 16 << 20
 #: free memory at the top of the heap kept for reuse before it is returned to the system
-KEPT_FREE_BYTES = 256 << 20
+KEPT_FREE_BYTES = 64 << 20
 
 
 def keep_freed_memory() -> bool:
