@@ -119,6 +119,14 @@ class SMCExperts(Engine):
         if self.has_constant:
             prior.append(math.log(cfg.constant_variance))
         self.register_buffer("prior_mean", torch.tensor(prior, **f64), persistent=False)
+        # A new expert's field variances (signal[, constant]) in theta, and the quadrature over their prior in
+        # standard units (see _new_expert): nodes (Q, V) and normalised log weights (Q,), fixed for the engine.
+        self.field_dims = [self.num_ls] + ([h - 1] if self.has_constant else [])
+        g = torch.linspace(-NEW_EXPERT_SPAN, NEW_EXPERT_SPAN, NEW_EXPERT_NODES, **f64)
+        grid = torch.cartesian_prod(*[g] * len(self.field_dims)).reshape(-1, len(self.field_dims))
+        log_w = -0.5 * (grid * grid).sum(1)
+        self.register_buffer("quad_nodes", grid, persistent=False)
+        self.register_buffer("quad_log_w", log_w - torch.logsumexp(log_w, 0), persistent=False)
         self.register_buffer("psi0", float(cfg.smc_niw_psi) * torch.eye(d, **f64), persistent=False)
         # particles
         self.register_buffer("log_w", torch.full((j,), -math.log(j), **f64))
@@ -607,20 +615,15 @@ class SMCExperts(Engine):
         reading's density and the noise is the sensor's, not a property of the reading's level: both from the
         prior."""
         std = float(self.config.smc_hyper_prior_std)
-        h = self.theta.shape[-1]
-        theta = self._prior_now() + std * torch.randn(j, h, generator=self._generator,
-                                                      dtype=torch.float64).to(self.device)
-        dims = [self.num_ls] + ([h - 1] if self.has_constant else [])
-        g = torch.linspace(-NEW_EXPERT_SPAN, NEW_EXPERT_SPAN, NEW_EXPERT_NODES, dtype=torch.float64,
-                           device=self.device)
-        grid = torch.cartesian_prod(*[g] * len(dims)).reshape(-1, len(dims))             # (Q, V)
-        log_w = -0.5 * (grid * grid).sum(1)
-        log_w = log_w - torch.logsumexp(log_w, 0)
-        nodes = self._prior_now()[dims] + std * grid
+        dims = self.field_dims
+        prior = self._prior_now()
+        theta = prior + std * torch.randn(j, self.theta.shape[-1], generator=self._generator,
+                                          dtype=torch.float64).to(self.device)
+        nodes = prior[dims] + std * self.quad_nodes                                      # (Q, V)
         field_var = torch.exp(nodes).sum(1)                                              # (Q,)
         total = field_var[None, :] + self._noise(theta)[:, None]                         # (J, Q)
-        log_post = log_w + (-0.5 * (LOG_2PI + torch.log(total))[..., None]
-                            - 0.5 * ys ** 2 / total[..., None]).sum(-1)
+        log_post = self.quad_log_w + (-0.5 * (LOG_2PI + torch.log(total))[..., None]
+                                      - 0.5 * ys ** 2 / total[..., None]).sum(-1)
         log_marginal = torch.logsumexp(log_post, 1)                                      # (J,)
         pick = torch.multinomial(torch.exp(log_post - log_marginal[:, None]).cpu(), 1,
                                  generator=self._generator)[:, 0].to(self.device)
