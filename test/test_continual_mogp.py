@@ -254,6 +254,40 @@ def test_adam_e_step_reaches_the_closed_form_optimum():
     assert torch.allclose(v1, v2, atol=0.1 * float(v2.mean()))
 
 
+def test_m_step_gradient_at_the_fixed_optimum_equals_the_gradient_through_it():
+    """The M-step differentiates the continual bound at q*(theta) held fixed; by the envelope theorem this is the
+    gradient of max_q L(q, theta), which the solve differentiated through gives (every hyperparameter, the
+    mixing weights and the noise), for two coupled latents with a continual prior."""
+    rng = np.random.default_rng(11)
+    x1, x2 = rng.uniform(0, 3, size=(60, 2)), rng.uniform(0, 3, size=(60, 2))
+    field = lambda x: np.column_stack([np.sin(2 * x[:, 0]), 0.5 * np.sin(2 * x[:, 0]) + np.cos(x[:, 1])])
+    y1 = field(x1) + 0.1 * rng.standard_normal((60, 2))
+    y2 = field(x2) + 0.1 * rng.standard_normal((60, 2))
+    y2[rng.random(60) < 0.3, 0] = np.nan
+    model = ContinualMOGP(config(learn_hyperparameters=False, num_inducing=25, mixing_learning="always"), 2, 2,
+                          num_latents=2)
+    model.update(x1, y1)
+    old = [model.latent_posterior(q) for q in range(2)]
+    xt = model._check_x(x2)
+    yt, mask = model._check_targets(y2, 60, allow_missing=True)
+    ys = model._standardise(yt, mask)
+    priors = model._place_inducing(xt, [model.z(q) for q in range(2)], old)
+    with torch.no_grad():  # move the hyperparameters off the last fit, so the gradient is far from zero
+        for p in model.kernels.parameters():
+            p.add_(0.3)
+    params, _ = model._hyper_parameters()
+    through = torch.autograd.grad(model._bound(xt, ys, mask, priors, given=model._optimal_q(xt, ys, mask, priors))[0],
+                                  params, allow_unused=True)
+    with torch.no_grad():
+        best = model._optimal_q(xt, ys, mask, priors)
+    fixed = torch.autograd.grad(model._bound(xt, ys, mask, priors, given=best)[0], params, allow_unused=True)
+    assert len(params) >= 4 and any(g is not None and float(g.abs().max()) > 1e-2 for g in through)
+    for a, b in zip(through, fixed):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-8), (a, b)
+
+
 # --------------------------------------------------------------- continual multi-task GPs paper, Table 1: no forgetting
 def toy_function(x):
     return (4.5 * np.cos(2 * np.pi * x + 1.5 * np.pi) - 3.0 * np.sin(4.3 * np.pi * x + 0.3 * np.pi)

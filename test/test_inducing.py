@@ -59,6 +59,9 @@ def test_pivoted_cholesky_never_picks_duplicates_and_stops_at_the_threshold():
     with torch.no_grad():
         idx, _ = pivoted_cholesky(k, k.diag(exact_repeats), exact_repeats, 10, rel_tol=1e-6)
     assert sorted(idx.tolist()) == [0, 1, 2]  # exact ties go to the first listed (the current Z in the model)
+    with torch.no_grad():  # the current Z kept, a batch of its repeats: nothing is added
+        idx, _ = pivoted_cholesky(k, k.diag(exact_repeats), exact_repeats, 10, rel_tol=1e-6, keep_first=3)
+    assert idx.tolist() == [0, 1, 2]
 
 
 def test_pivoted_cholesky_handles_empty_and_small_inputs():
@@ -139,3 +142,42 @@ def test_keep_first_of_well_separated_points_equals_greedy_search_after_them():
     with torch.no_grad():
         idx, R = pivoted_cholesky(k, k.diag(cand), cand, 10, rel_tol=1e-8, keep_first=20)
     assert idx.tolist() == list(range(10)) and R.shape == (10, 80)
+
+
+@pytest.mark.parametrize("keep_first", [0, 10])
+def test_lapack_search_picks_what_the_loop_picks_ties_included(monkeypatch, keep_first):
+    """Up to LAPACK_MAX_CANDIDATES the greedy search runs in LAPACK's pivoted Cholesky; it must pick what the
+    loop picks, in the same order, with the same Nystrom factor, also where exact ties decide: points twenty
+    lengthscales apart all keep their full prior variance, and the lower index (the current Z) must win."""
+    import gp_mapping.gp.inducing as inducing
+
+    rng = np.random.default_rng(7)
+    k = SumKernel(Matern52Kernel(2, lengthscale=0.4), ConstantKernel(2, variance=0.3))
+    far = torch.tensor([[20.0 * i, 20.0 * j] for i in range(4) for j in range(4)], dtype=torch.float64)
+    cand = torch.cat([far[:8], torch.tensor(rng.uniform(0, 6, (90, 2))), far[8:], far[:5] + 1e-10])
+    results = {}
+    for limit in (inducing.LAPACK_MAX_CANDIDATES, 0):
+        monkeypatch.setattr(inducing, "LAPACK_MAX_CANDIDATES", limit)
+        with torch.no_grad():
+            results[limit] = pivoted_cholesky(k, k.diag(cand), cand, 60, rel_tol=1e-6, keep_first=keep_first)
+    (idx_lapack, R_lapack), (idx_loop, R_loop) = results.values()
+    assert idx_lapack.tolist() == idx_loop.tolist()
+    assert len(idx_loop) == 60 and not set(idx_loop.tolist()) & set(range(114, 119))  # no near-duplicate
+    assert set(range(keep_first)) <= set(idx_loop.tolist())
+    np.testing.assert_allclose(R_lapack.numpy(), R_loop.numpy(), atol=1e-9)
+    # the far points tie exactly with each other; the lower index goes first in both
+    far_order = [i for i in idx_loop.tolist() if i < 8 or i >= 98]
+    assert far_order == sorted(far_order)
+
+
+def test_lapack_search_breaks_exact_ties_by_index_as_the_loop():
+    """Five points on a line, one lengthscale apart: after the ends and the middle are picked, the two left are
+    mirror images with exactly equal residual variance. LAPACK alone would take the one its row swaps moved
+    forward (index 3); the loop, and so the LAPACK search with its tie-break, takes the lower index (1)."""
+    k = Matern52Kernel(2, lengthscale=1.0)
+    cand = torch.tensor([[-2.0, 0.0], [-1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [2.0, 0.0]], dtype=torch.float64)
+    with torch.no_grad():
+        idx, R = pivoted_cholesky(k, k.diag(cand), cand, 5, rel_tol=1e-8)
+        K = k(cand, cand).numpy()
+    assert idx.tolist() == [0, 4, 2, 1, 3] == _brute_force_greedy(K, 5, 1e-8)
+    np.testing.assert_allclose((R.T @ R).numpy(), K, atol=1e-12)

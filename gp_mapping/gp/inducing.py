@@ -11,10 +11,20 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 
 # Default residual-variance threshold, relative to the largest prior variance among the candidates.
 DEFAULT_REL_TOL = 1e-4
+# Up to this many candidates the greedy search runs in LAPACK's pivoted Cholesky (?pstrf: the same largest-
+# residual pivot at every step, blocked) on the candidates' full kernel matrix: one call instead of a Python loop
+# step per pick, ~10x faster for 300 candidates. Above it the C^2 matrix costs more than the loop's m columns.
+LAPACK_MAX_CANDIDATES = 1024
+# ?pstrf breaks a tie by the position a candidate has reached after its row swaps, the loop by the original
+# index. Exact ties are common (points many lengthscales from every pick all keep their full prior variance), so
+# candidate i's diagonal is raised by (C - i) * TIE_BREAK * (largest variance), a few units in the last place:
+# exact ties go to the lower index, as in the loop (residuals closer than that are rounding noise in both).
+TIE_BREAK = 4 * 2.0 ** -52
 
 KernelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -49,6 +59,17 @@ def pivoted_cholesky(kernel: KernelFn, diag: torch.Tensor, candidates: torch.Ten
             d = d - (block * block).sum(0)
             picked[:m] = True
             order, forced = forced, []
+        if not forced and c <= LAPACK_MAX_CANDIDATES:
+            m = len(order)
+            rest = torch.arange(m, c, device=candidates.device)
+            residual = kernel(candidates[rest], candidates[rest])
+            if m:
+                residual = residual - rows[:m, rest].T @ rows[:m, rest]
+            residual.diagonal().copy_(d[rest])
+            piv, factor = _lapack_greedy(residual, threshold, max_points - m, float(diag.max()))
+            rows[m:m + len(piv), rest] = factor.to(rows.device).T
+            order = order + rest[piv.to(rest.device)].tolist()
+            return torch.as_tensor(order, dtype=torch.long, device=candidates.device), rows[:len(order)]
         for _ in range(c):
             m = len(order)
             if m >= max_points:
@@ -69,6 +90,28 @@ def pivoted_cholesky(kernel: KernelFn, diag: torch.Tensor, candidates: torch.Ten
             picked[p] = True
             order.append(p)
         return torch.as_tensor(order, dtype=torch.long, device=candidates.device), rows[:len(order)]
+
+
+def _lapack_greedy(gram: torch.Tensor, threshold: float, most: int, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy loop on a (C, C) Gram matrix, by LAPACK: (positions picked (r,) in order, the factor's
+    columns (C, r): gram ~ F F^T exactly on the picked rows and columns), at most ``most``, stopping when the
+    largest residual variance is not above ``threshold``."""
+    from scipy.linalg import lapack
+
+    n = gram.shape[0]
+    a = gram.detach().to("cpu", torch.float64).numpy().copy(order="F")
+    a[np.diag_indices(n)] += np.arange(n, 0, -1) * (TIE_BREAK * scale)
+    if most <= 0 or n == 0 or not float(a.diagonal().max()) > threshold:  # ?pstrf takes its first pivot if > 0
+        return torch.zeros(0, dtype=torch.long), torch.zeros(n, 0, dtype=torch.float64)
+    factor, piv, rank, info = lapack.dpstrf(a, lower=1, tol=threshold)
+    if info < 0:
+        raise ValueError(f"pivoted_cholesky: LAPACK dpstrf refused argument {-info}")
+    r = min(int(rank), int(most))
+    piv = piv[:n] - 1  # 1-based
+    columns = np.zeros((n, r))
+    columns[piv] = np.tril(factor[:, :r])  # rows back in candidate order (the strict upper part is stale input)
+    return torch.as_tensor(piv[:r].copy(), dtype=torch.long), torch.as_tensor(columns, dtype=gram.dtype)
 
 
 def _forced_block(kernel: KernelFn, candidates: torch.Tensor, k: int, threshold: float) -> torch.Tensor | None:
