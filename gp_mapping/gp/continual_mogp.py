@@ -227,6 +227,7 @@ class ContinualMOGP(Engine):
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
         self._cache: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._memo: dict | None = None  # see _memoised: a dict only while update() runs
         self.to(device)
 
     # ------------------------------------------------------------------ properties
@@ -421,9 +422,28 @@ class ContinualMOGP(Engine):
         same = (z_new[:, None, :] == z_old[None, :, :]).all(-1)
         return kernel(z_new, z_old) + self.jitter * same.to(z_new.dtype)
 
+    def _memoised(self, name: str, refs: tuple, versions: tuple, compute):
+        """compute(), or its value from earlier in this update when computed without a gradient from the same
+        objects (``refs``, held by the entry so that their ids stay theirs) in the same state (``versions``:
+        their in-place modification counters). An update asks for the same factors many times: every E-step,
+        placement and continual prior of every latent."""
+        memo = self._memo
+        if memo is None or torch.is_grad_enabled():
+            return compute()
+        key = (name, tuple(id(r) for r in refs), versions)
+        hit = memo.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], refs)):
+            return hit[1]
+        value = compute()
+        if len(memo) >= 64:  # bounded: an update has a few dozen distinct entries
+            memo.clear()
+        memo[key] = (refs, value)
+        return value
+
     def _chol_K(self, kernel: Kernel, z: torch.Tensor) -> torch.Tensor:
-        factor, _ = jittered_cholesky(kernel(z, z), self.jitter)
-        return factor
+        """chol(K(z, z) + jitter I)."""
+        return self._memoised("chol", (kernel, z), (z._version, self.jitter, *(p._version for p in kernel.parameters())),
+                              lambda: jittered_cholesky(kernel(z, z), self.jitter)[0])
 
     def _continual_prior(self, old: LatentPosterior, z_new: torch.Tensor) -> ContinualPrior:
         """q~(u_new | phi_old) at z_new with the old kernel, whitened by chol(K_old(z_new, z_new))."""
@@ -532,6 +552,13 @@ class ContinualMOGP(Engine):
                    priors: list[ContinualPrior | None]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Exact maximiser (m_q, L_q) of the bound over prod_q q(u_q) for a Gaussian likelihood (see the module
         docstring), as a differentiable function of the hyperparameters, the mixing and the noise."""
+        zs = [self.z(q) for q in range(self.num_latents)]
+        params = [*self.kernels.parameters(), self.mixing_raw, *self.likelihood.parameters()]
+        return self._memoised("optimal_q", (x, ys, mask, *priors, *zs), tuple(t._version for t in zs + params),
+                              lambda: self._solve_optimal_q(x, ys, mask, priors))
+
+    def _solve_optimal_q(self, x: torch.Tensor, ys: torch.Tensor, mask: torch.Tensor,
+                         priors: list[ContinualPrior | None]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         A = self.mixing
         w = mask / self.likelihood.noise_variance            # (N, P) precision of each observed entry
         wy = w * ys
@@ -731,13 +758,18 @@ class ContinualMOGP(Engine):
                 if main is not None:
                     main.variance_param.set(evals[order[q]].clamp_min(1e-3 * float(evals.max())))
 
-    def _place_inducing(self, x: torch.Tensor, z_old: list[torch.Tensor],
-                        old: list[LatentPosterior] | None) -> list[ContinualPrior | None]:
+    def _place_inducing(self, x: torch.Tensor, z_old: list[torch.Tensor], old: list[LatentPosterior] | None,
+                        current: list[ContinualPrior | None] | None = None) -> list[ContinualPrior | None]:
         """Choose every latent's Z_new from its Z_old and the batch, build q~ there (continual updates) and
-        warm-start q(u) at the prior (first update) or at q~; returns the continual priors (None: first)."""
+        warm-start q(u) at the prior (first update) or at q~; returns the continual priors (None: first).
+        ``current``: the priors of the placement before in this update; a latent whose Z does not move keeps its
+        prior and q(u)."""
         priors: list[ContinualPrior | None] = []
         for q in range(self.num_latents):
             z_new = self._select_inducing(q, x, z_old[q])
+            if current is not None and torch.equal(z_new, self.z(q)):
+                priors.append(current[q])  # Z_q stays: q~ is the same, and q(u_q) is kept as it is
+                continue
             if old is None:
                 priors.append(None)
                 self._set_q(q, z_new, z_new.new_zeros(z_new.shape[0]), self._chol_K(self.kernels[q], z_new))
@@ -751,6 +783,13 @@ class ContinualMOGP(Engine):
     def update(self, x, y, mode: str | None = None) -> dict:
         """Condition on a batch: x (N, D), y (N, P) with NaN for missing channels. mode: 'full' (variational
         EM with hyperparameter learning), 'fast' (E-step only) or None (every full_update_every-th is full)."""
+        self._memo = {}
+        try:
+            return self._update(x, y, mode)
+        finally:
+            self._memo = None
+
+    def _update(self, x, y, mode: str | None) -> dict:
         start = time.perf_counter()
         if mode not in (None, "fast", "full"):
             raise ValueError(f"update mode must be 'fast', 'full' or None, got {mode!r}")
@@ -809,7 +848,7 @@ class ContinualMOGP(Engine):
                     stats["hyper_steps"] += taken
                     # Z_new is chosen under the kernel just learned: a set picked under the initial kernel
                     # (before the first batch has taught the lengthscales) is too sparse for a shorter one.
-                    priors[:] = self._place_inducing(xt, z_old, old)
+                    priors[:] = self._place_inducing(xt, z_old, old, current=priors)
                     stats["variational_steps"] += self._e_step(xt, ys, mask, priors, scale)
                 if stats["hyper_steps"]:
                     self.hyper_learned.fill_(True)
