@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from gp_mapping.evaluation.common import default_results_dir, jsonable, machine_info
+from gp_mapping.evaluation.datasets import DatasetNotFoundError
 
 SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore", "merge", "forgetting")
 JSON_NAME = "bench.json"
@@ -45,7 +46,7 @@ FULL = {
     "grid_cells": 200, "grid_reps": 3,
     "engine": {"ms": (64, 128, 256), "memories": (500,), "full_reps": 10, "fast_reps": 30,
                "grid_sizes": (100, 400), "cell_seconds": 30.0},
-    "solin_sequences": (1, 3, 5), "solin_max_seconds": None, "demo_bag": True,
+    "solin_sequences": (1, 3, 5), "solin_max_seconds": None, "demo_bag": True, "osman_every": (1, 2),
     "drive_seconds": 3600.0, "drive_sample_every": 500,
     **{"large_area": (100.0, 60.0), "large_dipoles": 600, "large_seconds": 1800.0, "large_rate": 10.0,
        "large_speed": 1.2, "large_line_spacing": 4.0, "large_height_amplitude": 0.3, "large_batch": 50,
@@ -67,7 +68,7 @@ QUICK = {
     "grid_cells": 100, "grid_reps": 1,
     "engine": {"ms": (64,), "memories": (500,), "full_reps": 3, "fast_reps": 5, "grid_sizes": (100,),
                "cell_seconds": 4.0},
-    "solin_sequences": (1,), "solin_max_seconds": 20.0, "demo_bag": False,
+    "solin_sequences": (1,), "solin_max_seconds": 20.0, "demo_bag": False, "osman_every": (2,),
     "drive_seconds": 60.0, "drive_sample_every": 250,
     **{"large_area": (24.0, 12.0), "large_dipoles": 40, "large_seconds": 60.0, "large_rate": 5.0,
        "large_speed": 1.2, "large_line_spacing": 4.0, "large_height_amplitude": 0.3, "large_batch": 25,
@@ -128,6 +129,11 @@ def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[
                 else:
                     out["replay"] += speed.replay_solin(root, plan["solin_sequences"], plan["solin_max_seconds"],
                                                         log)["runs"]
+                    try:
+                        out["replay"] += speed.replay_osman_vector(root, plan["osman_every"],
+                                                                   plan["solin_max_seconds"], log)
+                    except DatasetNotFoundError as err:
+                        out["replay_osman_skipped"] = str(err)
             elif section == "growth":
                 out = growth.drive(plan["drive_seconds"], plan["drive_sample_every"], log)
             elif section == "cuda":
@@ -238,6 +244,8 @@ def markdown(results: dict[str, Any]) -> str:
                              f"{r['real_time_factor']:.1f} | {r['updates']} | {_f(lat.get('median_ms'), '.1f')} |")
             if "replay_solin_skipped" in spd:
                 lines.append(f"\nSolin replay skipped: {spd['replay_solin_skipped']}")
+            if "replay_osman_skipped" in spd:
+                lines.append(f"\nOptiTrack (continual_mogp) replay skipped: {spd['replay_osman_skipped']}")
             lines.append("")
     gr = sec.get("growth")
     if gr is not None:
