@@ -550,3 +550,19 @@ def test_the_learned_noise_reaches_the_sensors_variance_on_a_drive():
         model.update(x[i:i + 50], y[i:i + 50])
     noise = float(model.likelihood.noise_variance.detach()[0] * model.y_std[0] ** 2)
     assert 0.008 < noise < 0.015, noise
+
+
+def test_a_few_points_are_predicted_as_within_a_grid():
+    """Up to M/4 points take two triangular solves instead of the grid's precomputed weights: the same mean and
+    variance (to round-off) as when the same points are predicted among many, for two outputs."""
+    rng = np.random.default_rng(4)
+    x = rng.uniform(0, 4, (400, 2))
+    y = np.column_stack([field(x), 2.0 * field(x[:, ::-1])]) + 0.05 * rng.standard_normal((400, 2))
+    model = make(p=2, num_inducing=40, hyper_steps=5)
+    for i in range(0, 400, 100):
+        model.update(x[i:i + 100], y[i:i + 100])
+    few = rng.uniform(-1, 5, (10, 2))  # 10 <= 40 / 4
+    many = np.vstack([few, rng.uniform(-1, 5, (200, 2))])
+    (m1, v1), (m2, v2) = model.predict(few), model.predict(many)
+    assert torch.allclose(m1, m2[:10], rtol=0, atol=1e-9) and torch.allclose(v1, v2[:10], rtol=1e-7, atol=1e-12)
+    assert float(v1.min()) > 0 and float((m1 - m2[:10]).abs().max()) < 1e-9
