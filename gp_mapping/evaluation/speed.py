@@ -76,37 +76,49 @@ def replay_demo(log: Callable[[str], None]) -> dict[str, Any]:
     return out
 
 
+def _feed(config: MapperConfig, recording: str, t: np.ndarray, position: np.ndarray, orientation_xyzw: np.ndarray,
+          field_tesla: np.ndarray, final_grid: bool) -> dict[str, Any]:
+    """One replay row: poses and sensor-frame fields fed in time order to a Mapper with ``config``, ``process()``
+    after every sample, ``flush()`` (and one final grid) at the end, timed as a whole."""
+    from gp_mapping.mapping.mapper import Mapper
+
+    mapper = Mapper(config)
+    seconds: list[float] = []
+    start = time.perf_counter()
+    for i in range(t.shape[0]):
+        mapper.add_pose(float(t[i]), tuple(float(v) for v in position[i]), tuple(float(v) for v in orientation_xyzw[i]))
+        mapper.add_magnetic_field(float(t[i]), field_tesla[i])
+        seconds += [u["update_seconds"] for u in mapper.process()]
+    seconds += [u["update_seconds"] for u in mapper.flush()]
+    row: dict[str, Any] = {}
+    if final_grid:
+        grid = mapper.grid()
+        row["grid_cells"] = None if grid is None else int(grid.spec.num_cells)
+    processing = time.perf_counter() - start
+    duration = float(t[-1] - t[0])
+    return {"recording": recording, "duration_s": duration, "processing_s": processing,
+            "real_time_factor": duration / processing, "updates": len(seconds),
+            "samples": int(mapper.model.num_seen), **row, "update_latency": percentiles(seconds)}
+
+
 def replay_solin(data_root, sequences: tuple[int, ...], max_seconds: float | None,
                  log: Callable[[str], None]) -> dict[str, Any]:
     """Feed Solin 2018 sequences through a Mapper with the shipped config; ``max_seconds`` keeps only the start
     of each sequence (the quick plan)."""
     from gp_mapping.evaluation.datasets import load_solin2018
-    from gp_mapping.mapping.mapper import Mapper
 
     rows = []
     for s in sequences:
         seq = load_solin2018(data_root, s)
         t = seq.t
         keep = slice(None) if max_seconds is None else slice(0, int(np.searchsorted(t, t[0] + max_seconds)))
-        t, xy, field_t = t[keep], seq.xy[keep], seq.field_uT[keep] * 1e-6
-        identity = (0.0, 0.0, 0.0, 1.0)
-        mapper = Mapper(shipped_config())
-        seconds: list[float] = []
-        start = time.perf_counter()
-        for i in range(t.shape[0]):
-            mapper.add_pose(float(t[i]), (float(xy[i, 0]), float(xy[i, 1]), 0.0), identity)
-            mapper.add_magnetic_field(float(t[i]), field_t[i])
-            seconds += [u["update_seconds"] for u in mapper.process()]
-        seconds += [u["update_seconds"] for u in mapper.flush()]
-        grid = mapper.grid()
-        processing = time.perf_counter() - start
-        duration = float(t[-1] - t[0])
-        row = {"recording": f"solin2018 sequence {s}", "duration_s": duration, "processing_s": processing,
-               "real_time_factor": duration / processing, "updates": len(seconds),
-               "samples": int(mapper.model.num_seen), "grid_cells": None if grid is None else int(grid.spec.num_cells),
-               "update_latency": percentiles(seconds)}
+        t, xy = t[keep], seq.xy[keep]
+        position = np.column_stack([xy, np.zeros(len(t))])
+        identity = np.tile([0.0, 0.0, 0.0, 1.0], (len(t), 1))
+        row = _feed(shipped_config(), f"solin2018 sequence {s}", t, position, identity, seq.field_uT[keep] * 1e-6,
+                    final_grid=True)
         rows.append(row)
-        log(f"  replay Solin sequence {s}: {duration:.0f} s in {processing:.1f} s "
+        log(f"  replay Solin sequence {s}: {row['duration_s']:.0f} s in {row['processing_s']:.1f} s "
             f"(x{row['real_time_factor']:.1f} real time, {row['samples']} samples)")
     return {"runs": rows}
 
@@ -116,34 +128,21 @@ def replay_osman_vector(data_root, every: tuple[int, ...], max_seconds: float | 
     """continual_mogp with the shipped settings mapping the OptiTrack recording's world-frame field in 3-D, one
     row per sample step in ``every`` (1: the file's 200 Hz); ``max_seconds`` keeps only the start."""
     from gp_mapping.evaluation.datasets import load_osman2021
-    from gp_mapping.mapping.mapper import Mapper
 
     rec = load_osman2021(data_root)
     cfg = shipped_config()
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, engine="continual_mogp"),
                               sync=dataclasses.replace(cfg.sync, target="vector", input_dims=3))
+    end = rec.t.shape[0] if max_seconds is None else int(np.searchsorted(rec.t, rec.t[0] + max_seconds))
     rows = []
     for step in every:
-        t = rec.t
-        end = t.shape[0] if max_seconds is None else int(np.searchsorted(t, t[0] + max_seconds))
         keep = np.arange(0, end, step)
-        t, position, q, field_t = t[keep], rec.position[keep], rec.orientation_xyzw[keep], rec.field_sensor_nT[keep] * 1e-9
-        mapper = Mapper(cfg)
-        seconds: list[float] = []
-        start = time.perf_counter()
-        for i in range(t.shape[0]):
-            mapper.add_pose(float(t[i]), tuple(float(v) for v in position[i]), tuple(float(v) for v in q[i]))
-            mapper.add_magnetic_field(float(t[i]), field_t[i])
-            seconds += [u["update_seconds"] for u in mapper.process()]
-        seconds += [u["update_seconds"] for u in mapper.flush()]
-        processing = time.perf_counter() - start
-        duration = float(t[-1] - t[0])
-        rate = (t.shape[0] - 1) / duration
-        row = {"recording": f"osman2021 OptiTrack, 3-D vector, continual_mogp, {rate:.0f} Hz", "duration_s": duration,
-               "processing_s": processing, "real_time_factor": duration / processing, "updates": len(seconds),
-               "samples": int(mapper.model.num_seen), "update_latency": percentiles(seconds)}
+        t = rec.t[keep]
+        rate = (t.shape[0] - 1) / float(t[-1] - t[0])
+        row = _feed(cfg, f"osman2021 OptiTrack, 3-D vector, continual_mogp, {rate:.0f} Hz", t, rec.position[keep],
+                    rec.orientation_xyzw[keep], rec.field_sensor_nT[keep] * 1e-9, final_grid=False)
         rows.append(row)
-        log(f"  replay {row['recording']}: {duration:.0f} s in {processing:.1f} s "
+        log(f"  replay {row['recording']}: {row['duration_s']:.0f} s in {row['processing_s']:.1f} s "
             f"(x{row['real_time_factor']:.2f} real time, {row['samples']} samples)")
     return rows
 
