@@ -130,7 +130,7 @@ class ModelConfig:
     smc_particles: int = option(16, doc="smc_experts: number J of particles (partitions of the data into experts)",
                               low=1, high=100_000)
     smc_max_experts: int = option(32, doc="smc_experts: most experts per particle (when all are in use no new one "
-                                "opens; with gate_on_time the most faded one is retired)", low=1, high=4096)
+                                "opens; with gate_on_time the most faded one joins its neighbour to free a slot)", low=1, high=4096)
     smc_expert_memory: int = option(64, doc="smc_experts: most pseudo-observations per expert (exact GP on them); "
                                   "when full, the closest pair is merged", low=2, high=4096)
     smc_niw_psi: float = option(1.0, doc="smc_experts: gating NIW prior scale Psi0 = smc_niw_psi * I [input units^2]; "
@@ -176,11 +176,12 @@ class ModelConfig:
                              "(prior, as in the paper) or from the gate times the expert's predictive density "
                              "of the reading (adapted: readings that disagree with an expert open a new one)",
                              choices=("adapted", "prior"))
-    gate_on_time: bool = option(False, doc="smc_experts: an expert's gate weight decays with the time since its "
-                              "readings (time scale smc_time_scale), so a field that changed gets a new expert "
-                              "and the map prefers it")
-    smc_time_scale: float = option(300.0, doc="smc_experts with gate_on_time: decay time of an expert's gate weight "
-                                 "[s of sample stamps]", low=0.0, low_open=True, high=1e9)
+    gate_on_time: bool = option(False, doc="smc_experts: where experts overlap, the gate prefers the one with the "
+                              "more recent readings (time scale smc_time_scale), so a field that changed gets a "
+                              "new expert and the map prefers it; a place not driven since stays mapped")
+    smc_time_scale: float = option(300.0, doc="smc_experts with gate_on_time: decay time of an expert's recency; "
+                                 "two experts at one place whose readings are dt apart are weighed e^(dt / scale) "
+                                 "to 1 [s of sample stamps]", low=0.0, low_open=True, high=1e9)
     vargp_block_size: int = option(64, doc="var_gp: most inducing points in one region block (at most half of "
                                    "num_inducing: distillation merges two blocks into one)", low=1, high=4096)
     vargp_new_block: float = option(0.01, doc="var_gp: a new block is opened when, after the current block is full, "
