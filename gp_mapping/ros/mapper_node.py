@@ -88,6 +88,7 @@ from __future__ import annotations
 import argparse
 import array
 import dataclasses
+import faulthandler
 import math
 import os
 import sys
@@ -376,7 +377,12 @@ class _MapperCore:
         self._worker.join(timeout=30.0)
         self._service_executor.shutdown()
         self._service_thread.join(timeout=10.0)
-        self._service_node.destroy_node()
+        if self._service_thread.is_alive():
+            # rclpy crashes (SIGSEGV) when a node is destroyed under an executor still waiting on it: leave the
+            # helper node to the process's exit rather than take the process down
+            self.get_logger().error("the service thread did not stop within 10 s; its node is left undestroyed")
+        else:
+            self._service_node.destroy_node()
         with self._inbox_cond:  # jobs that will never run: their callers get an answer now
             for name, _, future in self._jobs:
                 future.set_exception(RuntimeError(f"{name}: the node stopped before it ran"))
@@ -1112,6 +1118,7 @@ def spin_node(argv: list[str], program: str, logger_name: str, make_node: Callab
     """The process around a gp_mapping node: start ROS with ``argv``, build the node (a NodeStartError is a bad
     configuration, exit 2), ``prepare`` it (False: exit 2), spin until Ctrl-C or shutdown, ``close()`` it, exit 0."""
     keep_freed_memory()  # the published maps are drawn tile by tile (see gp_mapping.runtime)
+    faulthandler.enable()  # a crash in a C extension (rclpy, torch) leaves every thread's Python stack in the log
     try:
         rclpy.init(args=argv)
     except Exception as err:  # rcl refuses malformed --ros-args or an unparsable params file
