@@ -107,6 +107,11 @@ class ModelConfig:
     full_update_every: int = option(1, doc="every n-th update is a full update (memory, hyperparameters, "
                                   "inducing re-selection); the others are fast conditioning (dual_svgp: Z still "
                                   "grows, and a batch that leaves a full Z's cover gets a full update)", low=1, high=1_000_000)
+    full_update_samples: int = option(150, doc="dual_svgp: an update that full_update_every makes full waits until "
+                                    "at least this many samples have arrived since the last full update (this "
+                                    "batch included), so the full-update cost per sample does not depend on the "
+                                    "sensor rate or the batching (1: every scheduled update is full)",
+                                    low=1, high=1_000_000_000)
     jitter: float = option(1e-6, doc="initial diagonal jitter added to K before Cholesky", low=0.0, high=1.0)
     device: str = option("auto", doc="torch device for the model: 'auto' (CUDA when available), 'cpu', 'cuda' or "
                          "'cuda:N' (GPU N)", choices=("auto", "cpu", "cuda"), pattern=r"cuda:[0-9]+",
