@@ -18,6 +18,7 @@ torch.set_num_threads(1)
 def make(d: int = 2, p: int = 1, **kw) -> DualSVGP:
     kw.setdefault("device", "cpu")
     kw.setdefault("full_update_every", 1)  # these tests call update() expecting full updates unless they say
+    kw.setdefault("full_update_samples", 1)
     return build_model(ModelConfig(**kw), d, p)
 
 
@@ -566,3 +567,32 @@ def test_a_few_points_are_predicted_as_within_a_grid():
     (m1, v1), (m2, v2) = model.predict(few), model.predict(many)
     assert torch.allclose(m1, m2[:10], rtol=0, atol=1e-9) and torch.allclose(v1, v2[:10], rtol=1e-7, atol=1e-12)
     assert float(v1.min()) > 0 and float((m1 - m2[:10]).abs().max()) < 1e-9
+
+
+def test_full_updates_are_scheduled_by_samples_as_well_as_by_count():
+    """Shipped schedule: a full update once full_update_samples samples have arrived since the last one (this
+    batch included), so 1-s batches of 50 get every third update full and batches of 470 every one; with
+    full_update_every n a full update also waits for its n-th update. The first update is full. A map saved
+    before the schedule counted samples loads as if its last update was full."""
+    rng = np.random.default_rng(0)
+
+    def modes(batch, n, **kw):
+        # one small area, so no batch leaves the inducing points' cover (that would promote it to full)
+        model = make(num_inducing=32, full_update_samples=150, **kw)
+        out = []
+        for _ in range(n):
+            x = rng.uniform(0.0, 2.0, (batch, 2))
+            out.append(model.update(x, np.sin(x[:, :1]))["mode"])
+        return model, out
+
+    assert modes(50, 7)[1] == ["full", "fast", "fast", "full", "fast", "fast", "full"]
+    assert modes(470, 3)[1] == ["full"] * 3
+    assert modes(100, 6, full_update_every=3)[1] == ["full", "fast", "fast", "full", "fast", "fast"]
+    assert modes(50, 4, full_update_every=2)[1] == ["full", "fast", "fast", "fast"]  # update 2: 100 < 150
+    model, seen = modes(50, 2)
+    state = {k: v for k, v in model.state_dict().items() if k != "seen_at_full_t"}
+    fresh = make(num_inducing=32, full_update_samples=150)
+    fresh.load_state_dict(state)
+    assert int(fresh.seen_at_full_t) == model.num_seen == 100
+    x = rng.uniform(0.0, 2.0, (50, 2))
+    assert fresh.update(x, np.sin(x[:, :1]))["mode"] == "fast"  # 50 samples since the load (its "last full")

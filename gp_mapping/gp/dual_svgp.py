@@ -708,13 +708,16 @@ class DualSVGP(Engine):
 
     def _scheduled_mode(self, n_new: int) -> str:
         """'full' on every full_update_every-th update once full_update_samples samples (this batch included)
-        have arrived since the last full update, else 'fast'; the first update is always full. Counting samples
+        have arrived since the last full update, else 'fast'. Counting samples
         keeps a full update's cost per sample the same at 10 Hz and at 200 Hz: on the Solin recording (1-s
         batches of 50) a full update every third batch mapped better than one every batch (protocol 2, 3 seeds:
-        2.09 against 2.19 uT), while protocol 1's batches of 470 are each full as before."""
+        2.09 against 2.19 uT), while protocol 1's batches of 470 are each full as before. Until hyperparameters
+        have been learned from a batch that spans space, every update is full."""
         cfg = self.config
-        if int(self.seen_at_full_t) < 0:
-            return "full"
+        learning = cfg.learn_hyperparameters and cfg.hyper_steps > 0
+        if int(self.seen_at_full_t) < 0 or (learning and not bool(self.hyper_learned)):
+            return "full"  # nothing learned yet (a robot at rest teaches no hyperparameters): the drive's first
+            # batch must be a full update, not 150 samples of conditioning under the initial kernel
         due = int(self.num_updates_t) % cfg.full_update_every == 0
         enough = self.num_seen + n_new - int(self.seen_at_full_t) >= cfg.full_update_samples
         return "full" if due and enough else "fast"
