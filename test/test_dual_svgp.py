@@ -589,7 +589,7 @@ def test_full_updates_are_scheduled_by_samples_as_well_as_by_count():
     assert modes(470, 3)[1] == ["full"] * 3
     assert modes(100, 6, full_update_every=3)[1] == ["full", "fast", "fast", "full", "fast", "fast"]
     assert modes(50, 4, full_update_every=2)[1] == ["full", "fast", "fast", "fast"]  # update 2: 100 < 150
-    model, seen = modes(50, 2)
+    model, _ = modes(50, 2)
     state = {k: v for k, v in model.state_dict().items() if k != "seen_at_full_t"}
     fresh = make(num_inducing=32, full_update_samples=150)
     fresh.load_state_dict(state)

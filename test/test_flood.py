@@ -77,8 +77,8 @@ def rss_mib(pid: int) -> float:
 def test_flood_keeps_the_node_responsive_with_bounded_queues_and_memory(tmp_path, ros_env):
     params = write_params(tmp_path / "params.yaml",
                           # Every batch is a full update (full_update_samples 1) with its 20 hyperparameter steps
-                          # (no hyper_batch budget after a warm-up), and a batch (10 ms of a 0.5 m/s circle: 2.5 mm from its centroid) spans more
-                          # than 3 % of the 0.05 m lengthscale, so it teaches hyperparameters: the mapper must
+                          # (no hyper_batch budget after a warm-up), and a batch (10 ms of a 0.5 m/s circle: 2.5 mm
+                          # from its centroid) spans more than 3 % of the 0.05 m lengthscale, so it teaches hyperparameters: the mapper must
                           # fall behind (with the shipped budget it keeps up with the flood: no drops to count).
                           model={"num_inducing": 64, "memory_size": 300, "hyper_steps": 20,
                                  "hyper_warmup": 10_000_000, "lengthscale": 0.05, "full_update_samples": 1},

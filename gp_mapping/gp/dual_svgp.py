@@ -715,9 +715,10 @@ class DualSVGP(Engine):
         have been learned from a batch that spans space, every update is full."""
         cfg = self.config
         learning = cfg.learn_hyperparameters and cfg.hyper_steps > 0
+        # Nothing learned yet (a robot at rest teaches no hyperparameters): the drive's first batch must be a full
+        # update, not 150 samples of conditioning under the initial kernel.
         if int(self.seen_at_full_t) < 0 or (learning and not bool(self.hyper_learned)):
-            return "full"  # nothing learned yet (a robot at rest teaches no hyperparameters): the drive's first
-            # batch must be a full update, not 150 samples of conditioning under the initial kernel
+            return "full"
         due = int(self.num_updates_t) % cfg.full_update_every == 0
         enough = self.num_seen + n_new - int(self.seen_at_full_t) >= cfg.full_update_samples
         return "full" if due and enough else "fast"

@@ -448,14 +448,14 @@ class SMCExperts(Engine):
                      - 0.5 * d * (torch.log(nu) + math.log(math.pi)) - 0.5 * logdet)
             log_t = const[..., None] - 0.5 * (nu + d)[..., None] * torch.log1p(maha / nu[..., None])
         used = self.count > 0
-        log_old = torch.where(used[..., None], torch.log(self.count.clamp_min(1e-300))[..., None] + log_t,
-                              torch.full_like(log_t, -math.inf))
+        log_n = torch.log(self.count.clamp_min(1e-300))
+        log_old = torch.where(used[..., None], log_n[..., None] + log_t, torch.full_like(log_t, -math.inf))
         if cfg.gate_on_time:
             # Time moves gate mass between the experts that cover x, it never removes it: expert k's share is
             # scaled by its recency r_k = c_k(t) / n_k over the evidence-weighted mean recency at x, so the
             # total of the old experts stays sum_k n_k T_k(x). The newer of two experts at one place is
             # preferred by r_new / r_old = e^(dt / tau), and a place nobody has driven since is still mapped.
-            log_r = torch.log(self._decayed(t).clamp_min(1e-300)) - torch.log(self.count.clamp_min(1e-300))
+            log_r = torch.log(self._decayed(t).clamp_min(1e-300)) - log_n
             log_mean_r = (torch.logsumexp(log_old + log_r[..., None], 1, keepdim=True)
                           - torch.logsumexp(log_old, 1, keepdim=True))
             log_old = torch.where(used[..., None], log_old + log_r[..., None] - log_mean_r, log_old)
