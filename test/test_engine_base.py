@@ -48,6 +48,36 @@ def test_every_engine_keeps_the_contract_through_a_state_round_trip(name):
     assert torch.equal(mean, mean2) and torch.equal(var, var2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(ENGINES))
+@pytest.mark.parametrize("outputs", [1, 3])
+def test_every_engine_on_cuda_matches_the_cpu_and_its_state_loads_on_the_cpu(name, outputs):
+    """The same stream on the GPU and the CPU (float64 both, random draws from CPU generators): the same map
+    within reduction-order rounding, outputs on the GPU, and a state saved on the GPU that predicts the same on
+    the CPU."""
+    rng = np.random.default_rng(1)
+    x = rng.uniform(-2, 2, (120, 2))
+    y = np.column_stack([np.sin(x[:, 0]), np.cos(x[:, 1]), x[:, 0] * x[:, 1]])[:, :outputs]
+    y = y + 0.05 * rng.standard_normal(y.shape)
+    models = {}
+    for device in ("cpu", "cuda"):
+        config = ModelConfig(engine=name, num_inducing=24, hyper_steps=3, device=device)
+        model = build_model(config, 2, outputs)
+        for lo in range(0, 120, 40):
+            model.update(x[lo:lo + 40], y[lo:lo + 40])
+        models[device] = model
+    test_x = rng.uniform(-2, 2, (50, 2))
+    (mc, vc), (mg, vg) = models["cpu"].predict(test_x), models["cuda"].predict(test_x)
+    assert mg.device.type == vg.device.type == "cuda" and bool(torch.isfinite(mg).all() & (vg >= 0).all())
+    np.testing.assert_allclose(mg.cpu().numpy(), mc.numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(vg.cpu().numpy(), vc.numpy(), rtol=1e-6, atol=1e-6)
+    moved = build_model(ModelConfig(engine=name, num_inducing=24, hyper_steps=3, device="cpu"), 2, outputs)
+    moved.load_state_dict({k: v.cpu() if torch.is_tensor(v) else v for k, v in models["cuda"].state_dict().items()})
+    mm, vm = moved.predict(test_x)
+    np.testing.assert_allclose(mm.numpy(), mg.cpu().numpy(), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(vm.numpy(), vg.cpu().numpy(), rtol=1e-9, atol=1e-9)
+
+
 def test_device_settings_cuda_n_and_the_key_named_by_each_layer():
     assert resolve_device("cpu") == torch.device("cpu")
     assert config_from_dict({"model": {"device": "cuda:1"}}).model.device == "cuda:1"

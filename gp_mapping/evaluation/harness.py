@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from gp_mapping.evaluation.common import default_results_dir, jsonable, machine_info
-from gp_mapping.evaluation.datasets import DatasetNotFoundError
 
 SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore", "merge", "forgetting")
 JSON_NAME = "bench.json"
@@ -120,24 +119,12 @@ def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[
                             models, (lo[0], lo[1], hi[0], hi[1]), plan["grid_cells"], plan["grid_reps"])
                         out[key] = p
             elif section == "speed":
-                out = {"engine": speed.engine_sweep(plan["engine"], "cpu", log)}
-                out["replay"] = []
-                if plan["demo_bag"]:
-                    out["replay"].append(speed.replay_demo(log))
-                if root is None:
-                    out["replay_solin_skipped"] = why
-                else:
-                    out["replay"] += speed.replay_solin(root, plan["solin_sequences"], plan["solin_max_seconds"],
-                                                        log)["runs"]
-                    try:
-                        out["replay"] += speed.replay_osman_vector(root, plan["osman_every"],
-                                                                   plan["solin_max_seconds"], log)
-                    except DatasetNotFoundError as err:
-                        out["replay_osman_skipped"] = str(err)
+                out = {"engine": speed.engine_sweep(plan["engine"], "cpu", log),
+                       **speed.replay_rows(plan, root, why, "cpu", log)}
             elif section == "growth":
                 out = growth.drive(plan["drive_seconds"], plan["drive_sample_every"], log)
             elif section == "cuda":
-                out = speed.cuda_section(plan["engine"], log)
+                out = speed.cuda_section(plan, root, why, log)
             elif section == "large":
                 out = large.run(plan, log)
             elif section == "explore":
@@ -235,18 +222,7 @@ def markdown(results: dict[str, Any]) -> str:
             for g in eng["grids"]:
                 lines.append(f"| {g['M_used']} | {g['grid']}x{g['grid']} | {g['median_ms']:.1f} | "
                              f"{g['mcells_per_s']:.2f} |")
-            lines += ["", "### Replay real-time factor (shipped config/mapper.yaml, CPU)", "",
-                      "| recording | duration s | processing s | real-time factor | updates | update median ms |",
-                      "|:---|---:|---:|---:|---:|---:|"]
-            for r in spd["replay"]:
-                lat = r.get("update_latency") or r.get("update_latency_last_100") or {}
-                lines.append(f"| {r['recording']} | {r['duration_s']:.0f} | {r['processing_s']:.1f} | "
-                             f"{r['real_time_factor']:.1f} | {r['updates']} | {_f(lat.get('median_ms'), '.1f')} |")
-            if "replay_solin_skipped" in spd:
-                lines.append(f"\nSolin replay skipped: {spd['replay_solin_skipped']}")
-            if "replay_osman_skipped" in spd:
-                lines.append(f"\nOptiTrack (continual_mogp) replay skipped: {spd['replay_osman_skipped']}")
-            lines.append("")
+            lines += [""] + _replay_table(spd, "CPU")
     gr = sec.get("growth")
     if gr is not None:
         lines += ["## Cost as the stream grows", ""]
@@ -285,8 +261,24 @@ def markdown(results: dict[str, Any]) -> str:
             lines += [f"| {r['M']} | {r['mode']} | {r['median_ms']:.1f} | {r['p95_ms']:.1f} |" for r in cu["updates"]]
             lines += ["", "| M | grid | median ms |", "|---:|:---|---:|"]
             lines += [f"| {g['M_used']} | {g['grid']}x{g['grid']} | {g['median_ms']:.1f} |" for g in cu["grids"]]
-            lines.append("")
+            lines += [""] + (_replay_table(cu, "CUDA") if "replay" in cu else [])
     return "\n".join(lines)
+
+
+def _replay_table(section: dict[str, Any], device: str) -> list[str]:
+    """The replay real-time factors of the speed section (CPU) or the CUDA section."""
+    lines = [f"### Replay real-time factor (shipped config/mapper.yaml, {device})", "",
+             "| recording | duration s | processing s | real-time factor | updates | update median ms |",
+             "|:---|---:|---:|---:|---:|---:|"]
+    for r in section["replay"]:
+        lat = r.get("update_latency") or r.get("update_latency_last_100") or {}
+        lines.append(f"| {r['recording']} | {r['duration_s']:.0f} | {r['processing_s']:.1f} | "
+                     f"{r['real_time_factor']:.1f} | {r['updates']} | {_f(lat.get('median_ms'), '.1f')} |")
+    if "replay_solin_skipped" in section:
+        lines.append(f"\nSolin replay skipped: {section['replay_solin_skipped']}")
+    if "replay_osman_skipped" in section:
+        lines.append(f"\nOptiTrack (continual_mogp) replay skipped: {section['replay_osman_skipped']}")
+    return lines + [""]
 
 
 def plots(results: dict[str, Any], out: Path) -> list[str]:

@@ -49,9 +49,10 @@ def engine_sweep(plan: dict, device: str, log: Callable[[str], None]) -> dict[st
 DEMO_BAG_COMMAND = ("--seed", "0", "--duration", "180")
 
 
-def replay_demo(log: Callable[[str], None]) -> dict[str, Any]:
-    """Replay bags/demo with the shipped config (no output files: only the final map is predicted); without the
-    source checkout, the same simulated bag written by ``gp-mapping demo-bag`` into a temporary folder."""
+def replay_demo(log: Callable[[str], None], device: str = "cpu") -> dict[str, Any]:
+    """Replay bags/demo with the shipped config on ``device`` (no output files: only the final map is predicted);
+    without the source checkout, the same simulated bag written by ``gp-mapping demo-bag`` into a temporary
+    folder."""
     from gp_mapping.replay import replay_bag
 
     with tempfile.TemporaryDirectory(prefix="gp-mapping-bench-") as tmp:
@@ -65,13 +66,13 @@ def replay_demo(log: Callable[[str], None]) -> dict[str, Any]:
             if demo_bag.run(parser.parse_args([str(bag), *DEMO_BAG_COMMAND])) != 0:
                 raise RuntimeError("the demo bag could not be written")
             recording = "gp-mapping demo-bag " + " ".join(DEMO_BAG_COMMAND)
-        result = replay_bag(bag, shipped_config(), out_dir=None)
+        result = replay_bag(bag, shipped_config(device), out_dir=None)
     mapper = result.mapper
-    out = {"recording": recording, "duration_s": result.bag_duration,
+    out = {"recording": recording, "device": device, "duration_s": result.bag_duration,
            "processing_s": result.processing_seconds, "real_time_factor": result.real_time_factor,
            "updates": result.counts["updates"], "samples": int(mapper.model.num_seen),
            "update_latency_last_100": percentiles(list(mapper._update_seconds))}
-    log(f"  replay bags/demo: {out['duration_s']:.0f} s of bag in {out['processing_s']:.1f} s "
+    log(f"  replay bags/demo on {device}: {out['duration_s']:.0f} s of bag in {out['processing_s']:.1f} s "
         f"(x{out['real_time_factor']:.1f} real time)")
     return out
 
@@ -96,15 +97,15 @@ def _feed(config: MapperConfig, recording: str, t: np.ndarray, position: np.ndar
         row["grid_cells"] = None if grid is None else int(grid.spec.num_cells)
     processing = time.perf_counter() - start
     duration = float(t[-1] - t[0])
-    return {"recording": recording, "duration_s": duration, "processing_s": processing,
+    return {"recording": recording, "device": config.model.device, "duration_s": duration, "processing_s": processing,
             "real_time_factor": duration / processing, "updates": len(seconds),
             "samples": int(mapper.model.num_seen), **row, "update_latency": percentiles(seconds)}
 
 
 def replay_solin(data_root, sequences: tuple[int, ...], max_seconds: float | None,
-                 log: Callable[[str], None]) -> dict[str, Any]:
-    """Feed Solin 2018 sequences through a Mapper with the shipped config; ``max_seconds`` keeps only the start
-    of each sequence (the quick plan)."""
+                 log: Callable[[str], None], device: str = "cpu") -> dict[str, Any]:
+    """Feed Solin 2018 sequences through a Mapper with the shipped config on ``device``; ``max_seconds`` keeps
+    only the start of each sequence (the quick plan)."""
     from gp_mapping.evaluation.datasets import load_solin2018
 
     rows = []
@@ -115,22 +116,22 @@ def replay_solin(data_root, sequences: tuple[int, ...], max_seconds: float | Non
         t, xy = t[keep], seq.xy[keep]
         position = np.column_stack([xy, np.zeros(len(t))])
         identity = np.tile([0.0, 0.0, 0.0, 1.0], (len(t), 1))
-        row = _feed(shipped_config(), f"solin2018 sequence {s}", t, position, identity, seq.field_uT[keep] * 1e-6,
+        row = _feed(shipped_config(device), f"solin2018 sequence {s}", t, position, identity, seq.field_uT[keep] * 1e-6,
                     final_grid=True)
         rows.append(row)
-        log(f"  replay Solin sequence {s}: {row['duration_s']:.0f} s in {row['processing_s']:.1f} s "
+        log(f"  replay Solin sequence {s} on {device}: {row['duration_s']:.0f} s in {row['processing_s']:.1f} s "
             f"(x{row['real_time_factor']:.1f} real time, {row['samples']} samples)")
     return {"runs": rows}
 
 
 def replay_osman_vector(data_root, every: tuple[int, ...], max_seconds: float | None,
-                        log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """continual_mogp with the shipped settings mapping the OptiTrack recording's world-frame field in 3-D, one
-    row per sample step in ``every`` (1: the file's 200 Hz); ``max_seconds`` keeps only the start."""
+                        log: Callable[[str], None], device: str = "cpu") -> list[dict[str, Any]]:
+    """continual_mogp with the shipped settings on ``device`` mapping the OptiTrack recording's world-frame field
+    in 3-D, one row per sample step in ``every`` (1: the file's 200 Hz); ``max_seconds`` keeps only the start."""
     from gp_mapping.evaluation.datasets import load_osman2021
 
     rec = load_osman2021(data_root)
-    cfg = shipped_config()
+    cfg = shipped_config(device)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, engine="continual_mogp"),
                               sync=dataclasses.replace(cfg.sync, target="vector", input_dims=3))
     end = rec.t.shape[0] if max_seconds is None else int(np.searchsorted(rec.t, rec.t[0] + max_seconds))
@@ -142,16 +143,36 @@ def replay_osman_vector(data_root, every: tuple[int, ...], max_seconds: float | 
         row = _feed(cfg, f"osman2021 OptiTrack, 3-D vector, continual_mogp, {rate:.0f} Hz", t, rec.position[keep],
                     rec.orientation_xyzw[keep], rec.field_sensor_nT[keep] * 1e-9, final_grid=False)
         rows.append(row)
-        log(f"  replay {row['recording']}: {row['duration_s']:.0f} s in {row['processing_s']:.1f} s "
+        log(f"  replay {row['recording']} on {device}: {row['duration_s']:.0f} s in {row['processing_s']:.1f} s "
             f"(x{row['real_time_factor']:.2f} real time, {row['samples']} samples)")
     return rows
 
 
-def cuda_section(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
-    """The engine sweep on CUDA beside the same sweep on the CPU, or why it was skipped."""
-    if not torch.cuda.is_available():
-        return {"skipped": "torch.cuda.is_available() is False on this machine (no NVIDIA GPU / CUDA build)"}
-    out = engine_sweep(plan, "cuda", log)
-    out["device_name"] = torch.cuda.get_device_name(0)
+def replay_rows(plan: dict, data_root, why: str | None, device: str, log: Callable[[str], None]) -> dict[str, Any]:
+    """The replay real-time factors on ``device``: bags/demo (when the plan says), the Solin sequences and the
+    continual_mogp vector recording, with the reason for each one skipped."""
+    out: dict[str, Any] = {"replay": []}
+    if plan["demo_bag"]:
+        out["replay"].append(replay_demo(log, device))
+    if data_root is None:
+        out["replay_solin_skipped"] = why
+        return out
+    out["replay"] += replay_solin(data_root, plan["solin_sequences"], plan["solin_max_seconds"], log, device)["runs"]
+    from gp_mapping.evaluation.datasets import DatasetNotFoundError
+
+    try:
+        out["replay"] += replay_osman_vector(data_root, plan["osman_every"], plan["solin_max_seconds"], log, device)
+    except DatasetNotFoundError as err:
+        out["replay_osman_skipped"] = str(err)
     return out
 
+
+def cuda_section(plan: dict, data_root, why: str | None, log: Callable[[str], None]) -> dict[str, Any]:
+    """The engine sweep and the replays on CUDA (the same code as the speed section's CPU rows), or why they
+    were skipped."""
+    if not torch.cuda.is_available():
+        return {"skipped": "torch.cuda.is_available() is False on this machine (no NVIDIA GPU / CUDA build)"}
+    out = engine_sweep(plan["engine"], "cuda", log)
+    out["device_name"] = torch.cuda.get_device_name(0)
+    out.update(replay_rows(plan, data_root, why, "cuda", log))
+    return out

@@ -712,6 +712,7 @@ class SMCExperts(Engine):
             dev = ex - centre
             cov = (w[:, None, None] * dev[:, :, None] * dev[:, None, :]).sum(0)
             axis = torch.linalg.eigh(cov)[1][:, -1]
+            axis = axis * torch.sign(axis[torch.argmax(axis.abs())])  # the sign LAPACK and cuSOLVER leave open
             proj = dev @ axis
             order = torch.argsort(proj)
             cum = torch.cumsum(ec[order], 0)
@@ -835,10 +836,12 @@ class SMCExperts(Engine):
         n_move = min(int(cfg.smc_slice_experts), self.max_experts)
         if cfg.smc_slice_steps == 0 or n_move == 0:
             return 0
-        top = torch.topk(touched, n_move, dim=1)
-        sel = top.values > 0
+        # A stable sort, not topk: experts tied on readings are taken lowest slot first on every device (CUDA's
+        # topk breaks ties its own way, and which experts move decides the random draws that follow).
+        top = torch.argsort(touched, dim=1, descending=True, stable=True)[:, :n_move]
+        sel = torch.gather(touched, 1, top) > 0
         jj = torch.arange(self.num_particles, device=self.device)[:, None].expand(-1, n_move)[sel]
-        kk = top.indices[sel]
+        kk = top[sel]
         if jj.numel() == 0:
             return 0
         u = self._used_memory(self.mem_c[jj, kk])
