@@ -75,7 +75,7 @@ def test_quick_bench_speed_growth_and_cuda_sections(quick_run):
     sec = quick_run["json"]["sections"]
     eng = sec["speed"]["engine"]
     modes = {r["mode"] for r in eng["updates"]}
-    assert modes == {"full", "fast"}
+    assert modes == {"full", "full after warm-up", "fast"}
     for r in eng["updates"]:
         assert r["median_ms"] > 0 and r["p95_ms"] >= r["median_ms"] and r["reps"] >= 3
     assert eng["grids"] and all(g["median_ms"] > 0 and g["cells"] == g["grid"] ** 2 for g in eng["grids"])
