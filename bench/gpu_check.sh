@@ -19,7 +19,7 @@ timeout "${GPU_BENCH_SECONDS:-420}" python3 -m gp_mapping.cli bench --only speed
 cpu_bench=$!
 
 timeout "${GPU_TEST_SECONDS:-240}" python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider \
-  test/test_dual_svgp.py test/test_tiled.py test/test_mapper.py test/test_engine_base.py 2>&1 | tee "$out/test_gpu.log"
+  test/test_dual_svgp.py test/test_tiled.py test/test_mapper.py test/test_engine_base.py test/test_grid.py 2>&1 | tee "$out/test_gpu.log"
 tests=${PIPESTATUS[0]}
 
 timeout "${GPU_BENCH_SECONDS:-420}" python3 -m gp_mapping.cli bench --only cuda --out "$out" > "$out/cuda.log" 2>&1

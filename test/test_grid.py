@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gp_mapping.config import GridConfig
-from gp_mapping.mapping.grid import (Coverage, GridError, GridSpec, GridTooLargeError, decode_occupancy,
-                                     encode_occupancy, fixed_grid_spec, predict_grid)
+from gp_mapping.mapping.grid import (CPU_TILE_CELLS, GPU_TILE_CELLS, Coverage, GridError, GridSpec, GridTooLargeError,
+                                     decode_occupancy, encode_occupancy, fixed_grid_spec, predict_grid, tile_cells)
 
 
 def test_cell_centres_closed_form():
@@ -137,6 +137,40 @@ def test_predict_grid_tiles_cover_every_cell_in_order():
     np.testing.assert_allclose(mean[..., 0].ravel(), np.sin(c[:, 0]))
     np.testing.assert_allclose(mean[..., 1].ravel(), c[:, 0] * c[:, 1])
     np.testing.assert_allclose(var[..., 0].ravel(), 1 + c[:, 0] ** 2)
+
+
+def test_tile_size_zero_tiles_by_the_models_device():
+    assert tile_cells(0, "cpu") == CPU_TILE_CELLS and tile_cells(0, torch.device("cuda")) == GPU_TILE_CELLS
+    assert tile_cells(0, "cuda:1") == GPU_TILE_CELLS and tile_cells(700, "cuda") == 700  # a set size is kept
+    with pytest.raises(GridError, match="at least 0"):
+        tile_cells(-1, "cpu")
+    spec = GridSpec(0.0, 0.0, 0.1, 100, 30)  # 3000 cells: one CPU tile and the rest
+    model = AnalyticModel()
+    mean, _ = predict_grid(model, spec, tile_size=0)
+    assert model.tiles == [CPU_TILE_CELLS, 3000 - CPU_TILE_CELLS]
+    np.testing.assert_array_equal(mean, predict_grid(AnalyticModel(), spec, tile_size=64)[0])
+    assert GridConfig().tile_size == 0  # the shipped setting
+
+
+@pytest.mark.gpu
+def test_gpu_tiles_give_the_cpu_tiles_map():
+    """On CUDA, tile_size 0 predicts in GPU_TILE_CELLS tiles and draws the map that tiles of 2048 draw."""
+    from gp_mapping.gp import ModelConfig, build_model
+
+    rng = np.random.default_rng(4)
+    x = rng.uniform(0, 10, (300, 2))
+    y = np.sin(x[:, :1]) + 0.1 * x[:, 1:]
+    model = build_model(ModelConfig(num_inducing=64, hyper_steps=3, device="cuda"), 2, 1)
+    model.update(x, y)
+    spec = GridSpec(0.0, 0.0, 0.05, 200, 200)
+    calls = []
+    predict = model.predict
+    model.predict = lambda xs: calls.append(xs.shape[0]) or predict(xs)
+    mean, var = predict_grid(model, spec, tile_size=0)
+    assert calls == [GPU_TILE_CELLS] * (40000 // GPU_TILE_CELLS) + [40000 % GPU_TILE_CELLS]
+    small_mean, small_var = predict_grid(model, spec, tile_size=CPU_TILE_CELLS)
+    np.testing.assert_allclose(mean, small_mean, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(var, small_var, rtol=1e-9, atol=1e-9)
 
 
 def test_predict_grid_3d_inputs_at_height():

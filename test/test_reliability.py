@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gp_mapping.config import ConfigError, config_from_dict
+from gp_mapping.mapping.grid import tile_cells
 from gp_mapping.mapping.mapper import Mapper
 from gp_mapping.mapping.state import FORMAT, SCHEMA_VERSION, MapStateError, read_state
 
@@ -371,7 +372,7 @@ def test_publication_cost_is_bounded_by_the_window_not_the_explored_area():
     # The full map is still there for saving and export: the visited extent, predicted in bounded tiles.
     full = mapper.grid(full=True)
     assert full.extent == "full" and full.spec.num_cells > grid.spec.num_cells
-    assert max(counting.calls) <= mapper.config.grid.tile_size
+    assert max(counting.calls) <= tile_cells(mapper.config.grid.tile_size, mapper.model.device)
 
 
 def test_small_maps_are_unchanged_by_the_window():

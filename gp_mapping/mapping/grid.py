@@ -289,9 +289,29 @@ class Coverage:
         return dist[pad:pad + h, pad:pad + w] <= distance * (1 + 1e-12)
 
 
+#: cells per prediction call when ``grid.tile_size`` is 0, by device (measured on a 400x400 grid at M = 256, see
+#: GridConfig.tile_size): on a CPU the tile's kernel matrix must stay in the cache; on a GPU each call is a few
+#: hundred kernel launches and a copy to the host, so fewer, larger tiles win (64 MiB per (cells, M) matrix at
+#: M = 256, which a small GPU still holds).
+CPU_TILE_CELLS = 2048
+GPU_TILE_CELLS = 32768
+
+
+def tile_cells(tile_size: int, device) -> int:
+    """Cells per prediction call: ``tile_size``, or by ``device`` when it is 0."""
+    import torch
+
+    if tile_size < 0:
+        raise GridError(f"tile_size must be at least 0 (0: by device), got {tile_size}")
+    if tile_size > 0:
+        return int(tile_size)
+    return GPU_TILE_CELLS if torch.device(device).type == "cuda" else CPU_TILE_CELLS
+
+
 def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
                  input_dims: int = 2, only=None) -> tuple[np.ndarray, np.ndarray]:
-    """Predict the latent mean and variance at every cell centre, ``tile_size`` cells at a time.
+    """Predict the latent mean and variance at every cell centre, ``tile_size`` cells at a time (0: by the
+    model's device, :func:`tile_cells`).
 
     Cell centres are built on ``model.device`` (no host-to-device copy of the inputs); with ``input_dims``
     3 the cells sit at z = ``height``. ``only`` (H, W) bool: predict those cells alone (the known ones), NaN
@@ -302,9 +322,8 @@ def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
 
     if input_dims not in (2, 3):
         raise GridError(f"input_dims must be 2 or 3, got {input_dims}")
-    if tile_size < 1:
-        raise GridError(f"tile_size must be at least 1, got {tile_size}")
     device = torch.device(getattr(model, "device", "cpu"))
+    tile_size = tile_cells(tile_size, device)
     h, w = spec.shape
     cells = None
     if only is not None:
