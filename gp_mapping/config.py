@@ -91,8 +91,9 @@ class GridConfig:
                                    "mask stays bounded by the published grid", low=0.0, low_open=True, high=1e4)
     tile_size: int = _opt(0, doc="cells predicted per call of the engine; 0: by the model's device, 2048 on a CPU (a "
                           "tile's (cells, M) kernel matrix fits the cache: 4 MiB at M = 256; larger tiles drew a "
-                          "400x400 grid up to 2x slower) and 32768 on a GPU (fewer, larger kernels: the same grid "
-                          "in 7.5 ms against 70 ms in tiles of 2048 on an H200)", low=0, high=10_000_000)
+                          "400x400 grid up to 2x slower) and on a GPU as many as keep a (cells, M) "
+                          "matrix at 64 MiB, 32768 at M = 256 (fewer, larger kernels: the same grid in 7.5 ms "
+                          "against 70 ms in tiles of 2048 on an H200)", low=0, high=10_000_000)
     height: float = _opt(0.0, doc="z of the grid cells when input_dims is 3 [m]", low=-1e4, high=1e4)
     mean_range: list = _opt([], doc="field values [unit] published as 0 and 100 in every mean grid, so a colour "
                             "means the same value all run (values outside are clipped); empty: each map's own "

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gp_mapping.config import GridConfig
-from gp_mapping.mapping.grid import (CPU_TILE_CELLS, GPU_TILE_CELLS, Coverage, GridError, GridSpec, GridTooLargeError,
+from gp_mapping.mapping.grid import (CPU_TILE_CELLS, GPU_TILE_ELEMENTS, Coverage, GridError, GridSpec, GridTooLargeError,
                                      decode_occupancy, encode_occupancy, fixed_grid_spec, predict_grid, tile_cells)
 
 
@@ -140,8 +140,10 @@ def test_predict_grid_tiles_cover_every_cell_in_order():
 
 
 def test_tile_size_zero_tiles_by_the_models_device():
-    assert tile_cells(0, "cpu") == CPU_TILE_CELLS and tile_cells(0, torch.device("cuda")) == GPU_TILE_CELLS
-    assert tile_cells(0, "cuda:1") == GPU_TILE_CELLS and tile_cells(700, "cuda") == 700  # a set size is kept
+    assert tile_cells(0, "cpu") == tile_cells(0, "cpu", 4096) == CPU_TILE_CELLS
+    assert tile_cells(0, torch.device("cuda")) == tile_cells(0, "cuda:1", 256) == GPU_TILE_ELEMENTS // 256 == 32768
+    assert tile_cells(0, "cuda", 512) == 16384 and tile_cells(0, "cuda", 4480) == CPU_TILE_CELLS  # bounded memory
+    assert tile_cells(700, "cuda") == 700 and tile_cells(700, "cpu") == 700  # a set size is kept
     with pytest.raises(GridError, match="at least 0"):
         tile_cells(-1, "cpu")
     spec = GridSpec(0.0, 0.0, 0.1, 100, 30)  # 3000 cells: one CPU tile and the rest
@@ -154,7 +156,8 @@ def test_tile_size_zero_tiles_by_the_models_device():
 
 @pytest.mark.gpu
 def test_gpu_tiles_give_the_cpu_tiles_map():
-    """On CUDA, tile_size 0 predicts in GPU_TILE_CELLS tiles and draws the map that tiles of 2048 draw."""
+    """On CUDA, tile_size 0 predicts in tiles of GPU_TILE_ELEMENTS / M cells and draws the map that tiles of 2048
+    draw."""
     from gp_mapping.gp import ModelConfig, build_model
 
     rng = np.random.default_rng(4)
@@ -167,7 +170,8 @@ def test_gpu_tiles_give_the_cpu_tiles_map():
     predict = model.predict
     model.predict = lambda xs: calls.append(xs.shape[0]) or predict(xs)
     mean, var = predict_grid(model, spec, tile_size=0)
-    assert calls == [GPU_TILE_CELLS] * (40000 // GPU_TILE_CELLS) + [40000 % GPU_TILE_CELLS]
+    tile = GPU_TILE_ELEMENTS // 64
+    assert calls == [tile] * (40000 // tile) + [40000 % tile]
     small_mean, small_var = predict_grid(model, spec, tile_size=CPU_TILE_CELLS)
     np.testing.assert_allclose(mean, small_mean, rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(var, small_var, rtol=1e-9, atol=1e-9)

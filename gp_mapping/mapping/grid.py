@@ -291,21 +291,23 @@ class Coverage:
 
 #: cells per prediction call when ``grid.tile_size`` is 0, by device (measured on a 400x400 grid at M = 256, see
 #: GridConfig.tile_size): on a CPU the tile's kernel matrix must stay in the cache; on a GPU each call is a few
-#: hundred kernel launches and a copy to the host, so fewer, larger tiles win (64 MiB per (cells, M) matrix at
-#: M = 256, which a small GPU still holds).
+#: hundred kernel launches and a copy to the host, so fewer, larger tiles win, as large as keeps a (cells, M)
+#: matrix at GPU_TILE_ELEMENTS numbers (64 MiB in float64, which a small GPU still holds: 32768 cells at M = 256).
 CPU_TILE_CELLS = 2048
-GPU_TILE_CELLS = 32768
+GPU_TILE_ELEMENTS = 1 << 23
 
 
-def tile_cells(tile_size: int, device) -> int:
-    """Cells per prediction call: ``tile_size``, or by ``device`` when it is 0."""
+def tile_cells(tile_size: int, device, num_inducing: int | None = None) -> int:
+    """Cells per prediction call: ``tile_size``, or by ``device`` (and the model's M, 256 if unknown) when 0."""
     import torch
 
     if tile_size < 0:
         raise GridError(f"tile_size must be at least 0 (0: by device), got {tile_size}")
     if tile_size > 0:
         return int(tile_size)
-    return GPU_TILE_CELLS if torch.device(device).type == "cuda" else CPU_TILE_CELLS
+    if torch.device(device).type != "cuda":
+        return CPU_TILE_CELLS
+    return max(CPU_TILE_CELLS, GPU_TILE_ELEMENTS // max(1, int(num_inducing or 256)))
 
 
 def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
@@ -323,7 +325,7 @@ def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
     if input_dims not in (2, 3):
         raise GridError(f"input_dims must be 2 or 3, got {input_dims}")
     device = torch.device(getattr(model, "device", "cpu"))
-    tile_size = tile_cells(tile_size, device)
+    tile_size = tile_cells(tile_size, device, getattr(getattr(model, "config", None), "num_inducing", None))
     h, w = spec.shape
     cells = None
     if only is not None:
