@@ -372,7 +372,8 @@ def test_publication_cost_is_bounded_by_the_window_not_the_explored_area():
     # The full map is still there for saving and export: the visited extent, predicted in bounded tiles.
     full = mapper.grid(full=True)
     assert full.extent == "full" and full.spec.num_cells > grid.spec.num_cells
-    assert max(counting.calls) <= tile_cells(mapper.config.grid.tile_size, mapper.model.device)
+    assert max(counting.calls) <= tile_cells(mapper.config.grid.tile_size, mapper.model.device,
+                                             mapper.config.model.num_inducing)
 
 
 def test_small_maps_are_unchanged_by_the_window():
