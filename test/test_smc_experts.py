@@ -238,6 +238,13 @@ def test_checkpoint_round_trip_resizes_and_continues_identically():
     torch.testing.assert_close(model.log_predictive_density(xt, np.zeros((11, 1))),
                                fresh.log_predictive_density(xt, np.zeros((11, 1))), rtol=1e-10, atol=1e-12)
     assert torch.equal(model.count, fresh.count) and torch.equal(model.expert_id, fresh.expert_id)
+    assert torch.equal(model.mem_t, fresh.mem_t)
+    # a state saved before entries had stamps: each entry takes its expert's last stamp
+    legacy = {k: v for k, v in model.state_dict().items() if k != "mem_t"}
+    older = engine(smc_particles=5, smc_max_experts=7, smc_expert_memory=9, gate_on_time=True, smc_time_scale=2.0)
+    older.load_state_dict(legacy)
+    torch.testing.assert_close(older.mem_t, model.crp_t[..., None].expand_as(model.mem_c))
+    assert bool(torch.isfinite(older.predict(xt)[0]).all())
 
 
 def test_bad_settings_and_inputs_are_refused():
@@ -401,7 +408,7 @@ def test_kernel_gate_is_the_count_weighted_kernel_density_and_full_short_experts
     assert float(short.mem_c[j].sum()) == pytest.approx(40.0)        # every reading held by exactly one entry
     h = 0.4
     xt = torch.as_tensor(rng.uniform(-0.5, 4.5, (7, 2)))
-    got = short._kernel_gate_log(xt)[j]
+    got = short._kernel_gate_log(xt)[0][j]
     for k in torch.nonzero(used).flatten().tolist():
         c = short.mem_c[j, k]
         ent = short.mem_x[j, k][c > 0].numpy()
@@ -538,9 +545,11 @@ def test_a_region_at_another_level_gets_its_own_expert(gate_on_time):
 
 
 def test_time_moves_gate_mass_between_experts_and_never_removes_it():
-    """With gate_on_time, expert k's gate at x is n_k T_k(x) r_k / rbar(x), r_k = c_k(t) / n_k its recency and
-    rbar(x) the evidence-weighted mean recency at x: the old experts' total is the time-free gate's, and two
-    experts' ratio is the time-free ratio times r_a / r_b (closed form)."""
+    """With gate_on_time, expert k's gate at x is n_k T_k(x) r_k / rbar(x), r_k its recency and rbar(x) the
+    evidence-weighted mean recency at x: the old experts' total is the time-free gate's, and two experts' ratio
+    is the time-free ratio times r_a / r_b (closed form). The NIW gate's recency is the expert's, c_k(t) / n_k;
+    the kernel gate's is where x is: sum_i c_i e^(-(t - t_i) / tau) N(x; x_i, h^2) / sum_i c_i N(x; x_i, h^2)
+    over the expert's entries."""
     rng = np.random.default_rng(6)
     x1 = rng.uniform([0.0, 0.0], [3.0, 1.0], (40, 2))
     x2 = rng.uniform([2.0, 0.0], [5.0, 1.0], (40, 2))
@@ -558,13 +567,42 @@ def test_time_moves_gate_mass_between_experts_and_never_removes_it():
         used = model.count > 0
         assert int(used.sum(1).min()) >= 2, "the test needs two experts per particle"
         torch.testing.assert_close(torch.logsumexp(timed, 1), torch.logsumexp(untimed, 1), rtol=1e-10, atol=1e-10)
-        log_r = torch.log(model._decayed(now)) - torch.log(model.count)
+        if gate == "niw":
+            log_r = (torch.log(model._decayed(now)) - torch.log(model.count))[..., None].expand(-1, -1, 9)
+        else:
+            near = torch.exp(-0.5 * ((model.mem_x[:, :, :, None, :] - xq) ** 2).sum(-1) / 0.3 ** 2)  # (J, K, M, G)
+            decay = torch.exp(-(now - model.mem_t) / 5.0)
+            log_r = (torch.log((model.mem_c * decay)[..., None].mul(near).sum(2))
+                     - torch.log(model.mem_c[..., None].mul(near).sum(2)))
         for j in range(model.num_particles):
             ks = torch.nonzero(used[j])[:, 0]
             a, b = int(ks[0]), int(ks[-1])
             torch.testing.assert_close(timed[j, a] - timed[j, b],
                                        untimed[j, a] - untimed[j, b] + log_r[j, a] - log_r[j, b],
                                        rtol=1e-9, atol=1e-9)
+
+
+def test_merged_entries_keep_the_decayed_count_of_their_readings():
+    """An entry's stamp is the one at which its c readings decay as they did one by one: merged pairs get
+    (c_a + c_b) e^(-(t - t_m) / tau) = c_a e^(-(t - t_a) / tau) + c_b e^(-(t - t_b) / tau) at every later t. So
+    each expert's entries, decayed, add up to its decayed CRP count c_k(t) = sum over its readings of
+    e^(-(t - t_r) / tau), however often they were merged (NIW gate: no splits, which share c_k by count)."""
+    rng = np.random.default_rng(9)
+    model = engine(smc_particles=3, smc_max_experts=4, smc_expert_memory=5, gate_on_time=True,
+                   smc_time_scale=3.0, smc_gate="niw")
+    x = rng.uniform(0.0, 4.0, (60, 2))
+    model.update(x, np.sin(x[:, :1]), t=np.sort(rng.uniform(0.0, 20.0, 60)))
+    assert bool((model.mem_c > 1).any()), "the test needs merged entries"
+    for later in (20.0, 27.5):
+        held = (model.mem_c * torch.exp(-(later - model.mem_t) / 3.0)).sum(-1)
+        torch.testing.assert_close(held, model._decayed(later), rtol=1e-9, atol=1e-12)
+    ta, tb = torch.tensor([1.0, 50.0], dtype=F64), torch.tensor([4.0, -900.0], dtype=F64)
+    ca, cb = torch.tensor([2.0, 1.0], dtype=F64), torch.tensor([3.0, 7.0], dtype=F64)
+    tm = model._merged_stamp(ta, ca, tb, cb)
+    for later in (60.0, 1000.0):
+        torch.testing.assert_close((ca + cb) * torch.exp(-(later - tm) / 3.0),
+                                   ca * torch.exp(-(later - ta) / 3.0) + cb * torch.exp(-(later - tb) / 3.0),
+                                   rtol=1e-12, atol=0.0)
 
 
 def test_opening_an_expert_with_every_slot_used_absorbs_the_most_faded_one():

@@ -182,7 +182,7 @@ class ModelConfig:
                              "of the reading (adapted: readings that disagree with an expert open a new one)",
                              choices=("adapted", "prior"))
     gate_on_time: bool = option(False, doc="smc_experts: where experts overlap, the gate prefers the one with the "
-                              "more recent readings (time scale smc_time_scale), so a field that changed gets a "
+                              "more recent readings there (time scale smc_time_scale), so a field that changed gets a "
                               "new expert and the map prefers it; a place not driven since stays mapped")
     smc_time_scale: float = option(300.0, doc="smc_experts with gate_on_time: decay time of an expert's recency; "
                                  "two experts at one place whose readings are dt apart are weighed e^(dt / scale) "

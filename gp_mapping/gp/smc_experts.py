@@ -34,14 +34,21 @@ a slot: its readings stay in the map).
 
 Gating on time (``gate_on_time``). The paper's gate uses inputs only. With this option each expert keeps the
 time-decayed count c_k(t) = sum_{i in k} exp(-(t - t_i) / tau) (as in the time-sensitive DP of Zhu, Ghahramani
-& Lafferty 2005), and its recency r_k = c_k(t) / n_k moves gate mass between the experts that cover x: expert k
-gets n_k T_k(x) r_k / rbar(x), rbar(x) the evidence-weighted mean recency at x, both for assigning new data and
-for gating predictions at the newest stamp. A changed field then gets a new expert (its readings disagree with
-the old expert) and the map prefers it where both cover, by e^(dt / tau) for readings dt apart. The old experts'
-total stays sum_k n_k T_k(x): decaying it (the time-sensitive DP as published) let the new-expert term win
-everywhere not driven for a few tau, so a map forgot every place but the last minutes' (bench: 0.95 uT against
-0.47 on the changed-field world). Appending t / tau to the NIW input fails the same way: a NIW cluster learns its
-own spread in t, so at the present stamp every expert but the most recent has negligible density.
+& Lafferty 2005), and its recency moves gate mass between the experts that cover x: expert k gets
+n_k T_k(x) r_k(x) / rbar(x), rbar(x) the evidence-weighted mean recency at x, both for assigning new data and
+for gating predictions at the newest stamp. With the kernel gate the recency is where x is: every memory entry
+keeps the stamp of its readings (merged entries one that decays as they did, _merged_stamp), and r_k(x) is the
+decayed density of k's entries at x over their density; the NIW gate has one per expert, r_k = c_k(t) / n_k.
+A changed field then gets a new expert (its readings disagree with the old expert) and the map prefers it where
+both cover, by e^(dt / tau) for readings dt apart. Recency by place matters because an expert is large: the old
+expert of a changed spot also took new readings nearby, where nothing changed, and with one recency per expert
+it looked as recent as the new one at the spot and kept getting its readings (change bench, where the field
+changed: 0.435 uT against 0.307 by place; the post-change-only map 0.29 and 0.26). The old experts' total stays
+sum_k n_k T_k(x): decaying it (the time-sensitive DP as published) let the new-expert term win everywhere not
+driven for a few tau, so a map forgot every place but the last minutes' (bench: 0.95 uT against 0.47 on the
+changed-field world); decaying it for assignments only opened experts where nothing changed (0.363 against
+0.307 where it changed). Appending t / tau to the NIW input fails the same way: a NIW cluster learns its own
+spread in t, so at the present stamp every expert but the most recent has negligible density.
 
 Targets are scaled by running statistics (mean and standard deviation of every reading so far, updated per
 reading), never frozen on a first batch: the memories hold raw readings and are standardised when used, so the
@@ -94,7 +101,7 @@ class SMCExperts(Engine):
 
     #: buffers whose size follows the data or the particle count (resized on load_state_dict)
     RESIZABLE = ("log_w", "alpha", "count", "expert_id", "crp_w", "crp_t", "g_mean", "g_scatter", "g_mu0", "theta",
-                 "mem_x", "mem_y", "mem_c", "mem_s", "rng_state")
+                 "mem_x", "mem_y", "mem_c", "mem_s", "mem_t", "rng_state")
     #: update() and predict() take the sample stamps ``t`` (the Mapper passes them)
     wants_stamps = True
 
@@ -146,6 +153,7 @@ class SMCExperts(Engine):
         self.register_buffer("mem_y", torch.zeros(j, k, m, p, **f64))   # raw (unscaled) mean readings
         self.register_buffer("mem_c", torch.zeros(j, k, m, **f64))      # readings merged in an entry (0: free)
         self.register_buffer("mem_s", torch.zeros(j, k, m, p, **f64))   # within-entry sum of squares (raw)
+        self.register_buffer("mem_t", torch.zeros(j, k, m, **f64))      # entry stamp (merged: see _merged_stamp)
         # target scaling (running), bookkeeping, random state
         self.register_buffer("y_count", torch.zeros((), **f64))
         self.register_buffer("y_mean", torch.zeros(p, **f64))
@@ -240,6 +248,10 @@ class SMCExperts(Engine):
             j, k = state_dict[prefix + "count"].shape
             state_dict[prefix + "expert_id"] = torch.arange(j * k).view(j, k)
             state_dict[prefix + "next_expert_id"] = torch.tensor(j * k, dtype=torch.int64)
+        # states saved before entries had stamps: each entry gets its expert's last stamp
+        if prefix + "mem_t" not in state_dict and prefix + "mem_c" in state_dict and prefix + "crp_t" in state_dict:
+            state_dict[prefix + "mem_t"] = state_dict[prefix + "crp_t"][..., None].expand_as(
+                state_dict[prefix + "mem_c"]).clone()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -436,8 +448,9 @@ class SMCExperts(Engine):
         experts in use, log alpha + log T_0(x) for a new one (-inf when none can be opened)."""
         cfg = self.config
         d = self.input_dims
+        log_recent = None
         if cfg.smc_gate == "kernel":
-            log_t = self._kernel_gate_log(x)
+            log_t, log_recent = self._kernel_gate_log(x, t if cfg.gate_on_time else None)
         else:
             mu, L, nu = self._gate_params() if params is None else params
             diff = x[None, None, :, :] - mu[:, :, None, :]                               # (J, K, G, D)
@@ -452,42 +465,54 @@ class SMCExperts(Engine):
         log_old = torch.where(used[..., None], log_n[..., None] + log_t, torch.full_like(log_t, -math.inf))
         if cfg.gate_on_time:
             # Time moves gate mass between the experts that cover x, it never removes it: expert k's share is
-            # scaled by its recency r_k = c_k(t) / n_k over the evidence-weighted mean recency at x, so the
-            # total of the old experts stays sum_k n_k T_k(x). The newer of two experts at one place is
-            # preferred by r_new / r_old = e^(dt / tau), and a place nobody has driven since is still mapped.
-            log_r = torch.log(self._decayed(t).clamp_min(1e-300)) - log_n
-            log_mean_r = (torch.logsumexp(log_old + log_r[..., None], 1, keepdim=True)
+            # scaled by its recency r_k over the evidence-weighted mean recency at x, so the total of the old
+            # experts stays sum_k n_k T_k(x). The newer of two experts at one place is preferred by
+            # r_new / r_old = e^(dt / tau), and a place nobody has driven since is still mapped. The kernel gate
+            # measures recency where x is, r_k(x) = (decayed density of k's readings at x) / (their density):
+            # an expert that took new readings elsewhere is not recent at a place it last saw long ago, so the
+            # newer expert of a changed spot keeps it. The NIW gate has one recency per expert, c_k(t) / n_k.
+            if log_recent is not None:
+                log_r = torch.where(used[..., None], log_recent - log_t, torch.zeros_like(log_t))
+            else:
+                log_r = (torch.log(self._decayed(t).clamp_min(1e-300)) - log_n)[..., None]
+            log_mean_r = (torch.logsumexp(log_old + log_r, 1, keepdim=True)
                           - torch.logsumexp(log_old, 1, keepdim=True))
-            log_old = torch.where(used[..., None], log_old + log_r[..., None] - log_mean_r, log_old)
+            log_old = torch.where(used[..., None], log_old + log_r - log_mean_r, log_old)
         log_new = torch.log(self.alpha)[:, None] + self._log_t0(x)[None, :]
         can_open = (~used).any(1) | bool(cfg.gate_on_time)
         log_new = torch.where(can_open[:, None], log_new, torch.full_like(log_new, -math.inf))
         return torch.cat([log_old, log_new[:, None, :]], dim=1)
 
-    def _kernel_gate_log(self, x: torch.Tensor) -> torch.Tensor:
+    def _kernel_gate_log(self, x: torch.Tensor, t: float | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log of an expert's input density at x (J, K, G) for ``smc_gate: kernel``: the count-weighted mean of
         Gaussian kernels N(x; x_i, h^2 I) over its memory entries (merged entries count their readings), so an
         expert's gate follows the readings it holds rather than a Gaussian blob around them (a distance-dependent
         CRP, Blei & Frazier 2011). On a lawnmower drive an expert's readings lie in lanes, its NIW blob spreads
         over the neighbouring experts' lanes and a test point between them was gated to an expert that holds no
         reading near it; the kernel gate gives it to the experts of the nearest readings. Free experts get -inf
-        (the caller masks them anyway)."""
+        (the caller masks them anyway). With a stamp ``t``, also the same sum with each entry's count decayed to
+        t, c_i e^(-(t - t_i) / tau), over the same normaliser (else None): their ratio is the expert's recency
+        at x."""
         h = float(self.config.smc_gate_bandwidth)
         u = self._used_memory(self.mem_c)
-        mx, mc = self.mem_x[..., :u, :], self.mem_c[..., :u]
+        mx, mc, mt = self.mem_x[..., :u, :], self.mem_c[..., :u], self.mem_t[..., :u]
         if self._pred_ok:  # a map: only the distinct experts (see _ensure_pred_cache)
             rj, rk = self._rep_jk
-            mx, mc = mx[rj, rk], mc[rj, rk]
-        d2 = _squared_distances(mx, x)                                                  # (..., u, G)
+            mx, mc, mt = mx[rj, rk], mc[rj, rk], mt[rj, rk]
+        log_k = -0.5 * _squared_distances(mx, x) / (h * h)                              # (..., u, G)
         logc = torch.log(mc.clamp_min(1e-300)).masked_fill(mc <= 0, -math.inf)
-        tot = torch.log(mc.sum(-1).clamp_min(1e-300))
-        lk = torch.logsumexp(logc[..., None] - 0.5 * d2 / (h * h), -2)                  # (..., G)
-        out = lk - tot[..., None] - 0.5 * self.input_dims * math.log(2.0 * math.pi * h * h)
+        norm = torch.log(mc.sum(-1).clamp_min(1e-300))[..., None] + 0.5 * self.input_dims * math.log(
+            2.0 * math.pi * h * h)
+        outs = [torch.logsumexp(logc[..., None] + log_k, -2) - norm]                  # (..., G)
+        if t is not None:
+            decay = (t - mt).clamp_min(0.0) / float(self.config.smc_time_scale)
+            outs.append(torch.logsumexp((logc - decay)[..., None] + log_k, -2) - norm)
         if self._pred_ok:
             rep = self._rep
-            out = torch.where((rep >= 0)[..., None], out[rep.clamp_min(0)],
-                              torch.full((), -math.inf, dtype=out.dtype, device=out.device))
-        return out
+            outs = [torch.where((rep >= 0)[..., None], out[rep.clamp_min(0)],
+                                torch.full((), -math.inf, dtype=out.dtype, device=out.device)) for out in outs]
+        return outs[0], (outs[1] if t is not None else None)
 
     def _log_t0(self, x: torch.Tensor) -> torch.Tensor:
         """Prior predictive of a new expert's input (G,): at its centre with a local prior mean."""
@@ -583,7 +608,7 @@ class SMCExperts(Engine):
             z = torch.where(is_new, slot, z)
             jn, kn = ar[is_new], z[is_new]
             for buf in (self.count, self.crp_w, self.g_mean, self.g_scatter, self.mem_x, self.mem_y, self.mem_c,
-                        self.mem_s):
+                        self.mem_s, self.mem_t):
                 buf[jn, kn] = 0.0
             self.crp_t[jn, kn] = t
             self.theta[jn, kn] = theta_new[is_new]
@@ -599,7 +624,7 @@ class SMCExperts(Engine):
             self.crp_t[ar, z] = t
         else:
             self.crp_w[ar, z] = self.count[ar, z]
-        self._insert(ar, z, x, y)
+        self._insert(ar, z, x, y, t)
         self._fresh_ids(ar, z, same_as=self.expert_id[ar, z])  # equal experts took the same reading
         self._refresh(ar, z)
         touched[ar, z] += 1.0
@@ -665,7 +690,7 @@ class SMCExperts(Engine):
 
     def _select_particles(self, idx: torch.Tensor) -> None:
         for name in ("alpha", "count", "expert_id", "crp_w", "crp_t", "g_mean", "g_scatter", "g_mu0", "theta",
-                     "mem_x", "mem_y", "mem_c", "mem_s"):
+                     "mem_x", "mem_y", "mem_c", "mem_s", "mem_t"):
             setattr(self, name, getattr(self, name)[idx].clone())
         self._chol, self._ly, self._l1 = self._chol[idx].clone(), self._ly[idx].clone(), self._l1[idx].clone()
         self.log_w = torch.full_like(self.log_w, -math.log(self.num_particles))
@@ -718,7 +743,7 @@ class SMCExperts(Engine):
             cum = torch.cumsum(ec[order], 0)
             cut = int(torch.searchsorted(cum, 0.5 * cum[-1]).clamp(0, m - 2)) + 1
             a_idx, b_idx = order[:cut], order[cut:]
-            for name in ("mem_x", "mem_y", "mem_c", "mem_s"):
+            for name in ("mem_x", "mem_y", "mem_c", "mem_s", "mem_t"):
                 buf = getattr(self, name)
                 old = buf[j, k].clone()
                 buf[j, k] = 0.0
@@ -757,8 +782,8 @@ class SMCExperts(Engine):
         entries keep their counts and within-entry sums of squares, the gating statistics are pooled exactly
         and the CRP weight moves along; the receiving expert's hyperparameters stay."""
         valid = self.mem_c[j, r] > 0
-        ex, ey, ec, es = (self.mem_x[j, r][valid], self.mem_y[j, r][valid], self.mem_c[j, r][valid],
-                          self.mem_s[j, r][valid])
+        ex, ey, ec, es, et = (self.mem_x[j, r][valid], self.mem_y[j, r][valid], self.mem_c[j, r][valid],
+                              self.mem_s[j, r][valid], self.mem_t[j, r][valid])
         centre = (ec[:, None] * ex).sum(0) / ec.sum()
         score = self._gate_log(centre[None], t)[j, :self.max_experts, 0]
         score[r] = -math.inf
@@ -769,7 +794,7 @@ class SMCExperts(Engine):
         jj, kk = torch.tensor([j], device=self.device), torch.tensor([nb], device=self.device)
         w_r = float(self._decayed(t)[j, r])
         for i in range(ex.shape[0]):
-            self._insert(jj, kk, ex[i], ey[i], ec[i], es[i])
+            self._insert(jj, kk, ex[i], ey[i], et[i], ec[i], es[i])
         n1, n2 = self.count[j, nb].clone(), self.count[j, r].clone()
         m1, m2 = self.g_mean[j, nb].clone(), self.g_mean[j, r].clone()
         n = n1 + n2
@@ -782,26 +807,30 @@ class SMCExperts(Engine):
         else:
             self.crp_w[j, nb] = self.count[j, nb]
         for buf in (self.count, self.crp_w, self.g_mean, self.g_scatter, self.mem_x, self.mem_y, self.mem_c,
-                    self.mem_s):
+                    self.mem_s, self.mem_t):
             buf[j, r] = 0.0
         self._fresh_ids(torch.tensor([j, j], device=self.device), torch.tensor([nb, r], device=self.device))
         self._refresh(jj, kk)
 
     def _insert(self, ar: torch.Tensor, z: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                count: torch.Tensor | float = 1.0, scatter: torch.Tensor | float = 0.0) -> None:
-        """Put (x, y) into the memory of expert z_j of every particle j, merging the closest pair of
-        [memory; new] (Euclidean) where the memory is full. The new entry stands for ``count`` readings with
-        within-entry sum of squares ``scatter`` (one reading: 1 and 0)."""
+                stamp: torch.Tensor | float, count: torch.Tensor | float = 1.0,
+                scatter: torch.Tensor | float = 0.0) -> None:
+        """Put (x, y) taken at ``stamp`` into the memory of expert z_j of every particle j, merging the closest
+        pair of [memory; new] (Euclidean) where the memory is full. The new entry stands for ``count`` readings
+        with within-entry sum of squares ``scatter`` (one reading: 1 and 0)."""
         m = self.expert_memory
-        mx, my, mc, ms = self.mem_x[ar, z], self.mem_y[ar, z], self.mem_c[ar, z], self.mem_s[ar, z]
+        mx, my, mc, ms, mt = (self.mem_x[ar, z], self.mem_y[ar, z], self.mem_c[ar, z], self.mem_s[ar, z],
+                              self.mem_t[ar, z])
         j = ar.shape[0]
         rows = torch.arange(j, device=ar.device)
         ex = torch.cat([mx, x.expand(j, 1, -1)], 1)
         ey = torch.cat([my, y.expand(j, 1, -1)], 1)
         new_c = torch.as_tensor(count, dtype=mc.dtype, device=mc.device).expand(j)
         new_s = torch.as_tensor(scatter, dtype=ms.dtype, device=ms.device).expand(j, ms.shape[-1])
+        new_t = torch.as_tensor(stamp, dtype=mt.dtype, device=mt.device).expand(j)
         ec = torch.cat([mc, new_c[:, None]], 1)
         es = torch.cat([ms, new_s[:, None, :]], 1)
+        et = torch.cat([mt, new_t[:, None]], 1)
         free = mc == 0
         has_free = free.any(1)
         # Closest pair among the m + 1 entries (only needed where the memory is full).
@@ -815,6 +844,7 @@ class SMCExperts(Engine):
         xm = (ca[:, None] * ex[rows, p] + cb[:, None] * ex[rows, q]) / c[:, None]
         ym = (ca[:, None] * ey[rows, p] + cb[:, None] * ey[rows, q]) / c[:, None]
         sm = es[rows, p] + es[rows, q] + (ca * cb / c)[:, None] * (ey[rows, p] - ey[rows, q]) ** 2
+        tm = self._merged_stamp(et[rows, p], ca, et[rows, q], cb)
         # Full: merged pair into p, the new entry (index m) into q when q < m. Not full: new entry into a free slot.
         slot_free = torch.argmax(free.to(torch.int8), 1)
         tgt1 = torch.where(has_free, slot_free, p)
@@ -822,12 +852,24 @@ class SMCExperts(Engine):
         v1y = torch.where(has_free[:, None], y.expand(j, -1), ym)
         v1c = torch.where(has_free, new_c, c)
         v1s = torch.where(has_free[:, None], new_s, sm)
+        v1t = torch.where(has_free, new_t, tm)
         second = (~has_free) & (q < m)
-        mx[rows, tgt1], my[rows, tgt1], mc[rows, tgt1], ms[rows, tgt1] = v1x, v1y, v1c, v1s
+        mx[rows, tgt1], my[rows, tgt1], mc[rows, tgt1], ms[rows, tgt1], mt[rows, tgt1] = v1x, v1y, v1c, v1s, v1t
         if bool(second.any()):
             js, qs = rows[second], q[second]
-            mx[js, qs], my[js, qs], mc[js, qs], ms[js, qs] = x, y, new_c[second], new_s[second]
-        self.mem_x[ar, z], self.mem_y[ar, z], self.mem_c[ar, z], self.mem_s[ar, z] = mx, my, mc, ms
+            mx[js, qs], my[js, qs], mc[js, qs], ms[js, qs], mt[js, qs] = x, y, new_c[second], new_s[second], \
+                new_t[second]
+        self.mem_x[ar, z], self.mem_y[ar, z], self.mem_c[ar, z], self.mem_s[ar, z], self.mem_t[ar, z] = \
+            mx, my, mc, ms, mt
+
+    def _merged_stamp(self, ta: torch.Tensor, ca: torch.Tensor, tb: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+        """The stamp of an entry merging (ta, ca) and (tb, cb): the one at which ca + cb readings decay as the
+        two did, (ca + cb) e^(-(t - tm) / tau) = ca e^(-(t - ta) / tau) + cb e^(-(t - tb) / tau) at every later t,
+        so an entry's recency is exact however often it was merged (tau: smc_time_scale)."""
+        tau = float(self.config.smc_time_scale)
+        newest = torch.maximum(ta, tb)
+        mix = (ca * torch.exp((ta - newest) / tau) + cb * torch.exp((tb - newest) / tau)) / (ca + cb)
+        return newest + tau * torch.log(mix)
 
     def _move_hyperparameters(self, touched: torch.Tensor) -> int:
         """Elliptical slice sampling of the hyperparameters of the experts that received data, at most
