@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gp_mapping.config import ModelConfig
-from gp_mapping.gp.kernels import (ConstantKernel, GPNumericalError, Matern12Kernel, Matern32Kernel,
+from gp_mapping.gp.kernels import (ConstantKernel, _StationaryKernelFunction, GPNumericalError, Matern12Kernel, Matern32Kernel,
                                    Matern52Kernel, RBFKernel, SumKernel, build_kernel, jittered_cholesky)
 
 
@@ -161,3 +161,41 @@ def test_the_in_place_path_without_gradients_equals_the_differentiable_one(name)
         ls = np.full(3, 0.7)
         expected = 2.0 * CLOSED_FORMS[type(kernel.parts[0] if constant else kernel)](_scaled_r(x1.numpy(), x2.numpy(), ls))
         np.testing.assert_allclose(untracked.numpy(), expected + (0.3 if constant else 0.0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["matern12", "matern32", "matern52", "rbf"])
+@pytest.mark.parametrize("mode", ["isotropic", "horizontal", "per_axis"])
+def test_closed_form_kernel_gradients_equal_autograd_through_the_formula(name, mode):
+    """Hyperparameter steps differentiate the kernel through closed-form gradients (one pass over the matrix
+    for g and dg/dr^2 in the forward, a few in the backward); they must equal autograd through the elementwise
+    formula for lengthscales, variance and both inputs (learned inducing points), coincident points included,
+    and finite differences away from them (gradcheck)."""
+    rng = np.random.default_rng(11)
+    cls = type(build_kernel(ModelConfig(kernel=name, constant_kernel=False), 3))
+    k = cls(3, lengthscale=0.8, variance=1.7, lengthscales=mode)
+    with torch.no_grad():
+        k.lengthscale_param.raw.add_(torch.as_tensor(rng.normal(0.0, 0.3, k.lengthscale_param.raw.shape)))
+    x1 = torch.as_tensor(rng.uniform(-2, 2, (9, 3))).requires_grad_(True)
+    x2 = torch.cat([x1.detach()[:3], torch.as_tensor(rng.uniform(-2, 2, (6, 3)))]).requires_grad_(True)
+    weights = torch.as_tensor(rng.normal(size=(9, 9)))
+    params = [x1, x2, k.lengthscale_param.raw, k.variance_param.raw]
+    fused = k(x1, x2)
+    assert fused.grad_fn is not None and "StationaryKernelFunction" in type(fused.grad_fn).__name__
+    reference = k.variance * k.profile(k.scaled_distance(x1, x2))   # the elementwise formula under autograd
+    torch.testing.assert_close(fused, reference, rtol=1e-13, atol=1e-15)
+    for got, want in zip(torch.autograd.grad((fused * weights).sum(), params),
+                         torch.autograd.grad((reference * weights).sum(), params)):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-13)
+    apart = torch.as_tensor(rng.uniform(-2, 2, (6, 3))).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b, raw_l, raw_v: _fused(k, a, b, raw_l, raw_v),
+                                    (x1.detach()[:4].clone().requires_grad_(True), apart,
+                                     k.lengthscale_param.raw.detach().clone().requires_grad_(True),
+                                     k.variance_param.raw.detach().clone().requires_grad_(True)))
+
+
+def _fused(kernel, a, b, raw_lengthscale, raw_variance):
+    """The training forward of ``kernel`` at given log hyperparameters (gradcheck varies them)."""
+    lengthscale = torch.exp(raw_lengthscale)
+    if kernel._axis_group is not None:
+        lengthscale = lengthscale[kernel._axis_group]
+    return _StationaryKernelFunction.apply(a, b, lengthscale, torch.exp(raw_variance), kernel.profile_and_slope)

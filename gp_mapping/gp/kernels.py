@@ -121,12 +121,17 @@ class StationaryKernel(Kernel):
     def _scaled_distance_in_place(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """The same distances in one (N1, N2) buffer: no autograd graph to keep, so no temporaries (a grid of
         cells against the inducing points is memory-bound; this is ~4x faster)."""
-        r2 = a[:, 0, None] - b[None, :, 0]
-        r2.square_()
-        for d in range(1, a.shape[1]):
-            diff = a[:, d, None] - b[None, :, d]
-            r2.addcmul_(diff, diff)
-        return r2.sqrt_()
+        return StationaryKernel._squared_scaled_distance_in_place(a, b).sqrt_()
+
+    @staticmethod
+    def _squared_scaled_distance_in_place(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            r2 = a[:, 0, None] - b[None, :, 0]
+            r2.square_()
+            for d in range(1, a.shape[1]):
+                diff = a[:, d, None] - b[None, :, d]
+                r2.addcmul_(diff, diff)
+        return r2
 
     def profile(self, r: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -135,14 +140,58 @@ class StationaryKernel(Kernel):
         """g(r), overwriting r (called only where no gradient is tracked)."""
         return self.profile(r)
 
+    def profile_and_slope(self, r2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """g and dg/d(r^2) at squared scaled distances r2 (no gradient tracked; r2 may be overwritten)."""
+        raise NotImplementedError
+
     def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-        r = self.scaled_distance(x1, x2)
-        if _tracks_gradients(r, self.variance):
-            return self.variance * self.profile(r)
-        return self.profile_(r).mul_(self.variance)
+        if _tracks_gradients(x1, x2, self.lengthscale_param.raw, self.variance_param.raw):
+            if x1.dim() == 2 and x2.dim() == 2:
+                return _StationaryKernelFunction.apply(x1, x2, self.lengthscale, self.variance,
+                                                       self.profile_and_slope)
+            return self.variance * self.profile(self.scaled_distance(x1, x2))
+        return self.profile_(self.scaled_distance(x1, x2)).mul_(self.variance)
 
     def diag(self, x: torch.Tensor) -> torch.Tensor:
         return self.variance.expand(x.shape[0]).clone()
+
+
+class _StationaryKernelFunction(torch.autograd.Function):
+    """variance * g(r) for inputs (N1, D), (N2, D) and per-axis (or one) lengthscales, with its gradients in
+    closed form: the backward pass needs g and dg/d(r^2) only (saved by the forward), so the kernel of every
+    hyperparameter step costs a few passes over the (N1, N2) matrix instead of autograd's ~20 (each elementwise
+    step of the distance and of g saved and differentiated). dk/dl_d = -2 v g'(r^2) (x1_d - x2_d)^2 / l_d^3,
+    dk/dx1_d = 2 v g'(r^2) (x1_d - x2_d) / l_d^2."""
+
+    @staticmethod
+    def forward(ctx, x1, x2, lengthscale, variance, profile_and_slope):
+        a, b = x1 / lengthscale, x2 / lengthscale
+        g, slope = profile_and_slope(StationaryKernel._squared_scaled_distance_in_place(a, b))
+        ctx.save_for_backward(x1, x2, lengthscale, variance, g, slope)
+        return g * variance
+
+    @staticmethod
+    def backward(ctx, grad):
+        x1, x2, lengthscale, variance, g, slope = ctx.saved_tensors
+        need_x1, need_x2, need_ls, need_var, _ = ctx.needs_input_grad
+        grad_x1 = grad_x2 = grad_ls = grad_var = None
+        if need_var:
+            grad_var = (grad * g).sum().reshape(variance.shape)
+        if need_x1 or need_x2 or need_ls:
+            h = grad * slope
+            h.mul_(variance)                                                  # dL/d(r^2)
+            inv_l2 = (1.0 / (lengthscale * lengthscale)).expand(x1.shape[1])
+            if need_ls:
+                per_axis = torch.stack([(h * (x1[:, d, None] - x2[None, :, d]).square_()).sum()
+                                        for d in range(x1.shape[1])])
+                per_axis = -2.0 * per_axis * inv_l2 / lengthscale.expand(x1.shape[1])
+                grad_ls = per_axis if lengthscale.numel() == x1.shape[1] else per_axis.sum().reshape(
+                    lengthscale.shape)
+            if need_x1:
+                grad_x1 = 2.0 * (x1 * h.sum(1)[:, None] - h @ x2) * inv_l2
+            if need_x2:
+                grad_x2 = 2.0 * (x2 * h.sum(0)[:, None] - h.T @ x1) * inv_l2
+        return grad_x1, grad_x2, grad_ls, grad_var, None
 
 
 class Matern12Kernel(StationaryKernel):
@@ -153,6 +202,12 @@ class Matern12Kernel(StationaryKernel):
 
     def profile_(self, r: torch.Tensor) -> torch.Tensor:
         return r.neg_().exp_()
+
+    def profile_and_slope(self, r2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r = r2.sqrt_()
+        g = torch.exp(-r)
+        # -g / (2r), infinite at r = 0 where the distance has no derivative: 0 there, as sqrt's clamp gave
+        return g, torch.where(r > 0.0, -0.5 * g / r.clamp_min(1e-300), torch.zeros_like(g))
 
 
 class Matern32Kernel(StationaryKernel):
@@ -166,6 +221,11 @@ class Matern32Kernel(StationaryKernel):
         s = r.mul_(math.sqrt(3.0))
         poly = s + 1.0
         return poly.mul_(s.neg_().exp_())
+
+    def profile_and_slope(self, r2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = r2.sqrt_().mul_(math.sqrt(3.0))
+        e = torch.exp(-s)
+        return (s + 1.0).mul_(e), e.mul_(-1.5)  # dg/dr = -3 r e^(-s), over 2r
 
 
 class Matern52Kernel(StationaryKernel):
@@ -181,6 +241,12 @@ class Matern52Kernel(StationaryKernel):
         poly.div_(3.0).add_(s).add_(1.0)
         return poly.mul_(s.neg_().exp_())
 
+    def profile_and_slope(self, r2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = r2.sqrt_().mul_(math.sqrt(5.0))
+        e = torch.exp(-s)
+        g = (s * s).div_(3.0).add_(s).add_(1.0).mul_(e)
+        return g, s.add_(1.0).mul_(e).mul_(-5.0 / 6.0)  # dg/dr = -(5/3) r (1 + s) e^(-s), over 2r
+
 
 class RBFKernel(StationaryKernel):
     """Squared exponential: exp(-r^2 / 2)."""
@@ -190,6 +256,10 @@ class RBFKernel(StationaryKernel):
 
     def profile_(self, r: torch.Tensor) -> torch.Tensor:
         return r.square_().mul_(-0.5).exp_()
+
+    def profile_and_slope(self, r2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = r2.mul_(-0.5).exp_()
+        return g, g * -0.5
 
 
 class ConstantKernel(Kernel):
