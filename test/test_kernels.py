@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from gp_mapping.config import ModelConfig
-from gp_mapping.gp.kernels import (ConstantKernel, _StationaryKernelFunction, GPNumericalError, Matern12Kernel, Matern32Kernel,
-                                   Matern52Kernel, RBFKernel, SumKernel, build_kernel, jittered_cholesky)
+from gp_mapping.gp.kernels import (ConstantKernel, GPNumericalError, Matern12Kernel, Matern32Kernel,
+                                   Matern52Kernel, RBFKernel, SumKernel, _StationaryKernelFunction, build_kernel,
+                                   jittered_cholesky)
 
 
 def _scaled_r(x1, x2, ls):
