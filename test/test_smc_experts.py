@@ -636,3 +636,23 @@ def test_opening_an_expert_with_every_slot_used_absorbs_the_most_faded_one():
     mean, _ = model.predict(np.vstack(xs))
     assert float(np.sqrt(np.mean((mean.numpy() - np.vstack(ys)) ** 2))) < 0.45
 
+
+
+@pytest.mark.gpu
+def test_gate_on_time_on_cuda_matches_the_cpu():
+    """The recency by place (entry stamps, merged stamps, the decayed kernel gate) on the GPU: the same stream
+    with stamps, memories small enough to merge, gives the CPU's map and the same entry stamps."""
+    x, y = stream(90, seed=4)
+    t = 0.5 * np.arange(90)
+    models = {}
+    for device in ("cpu", "cuda"):
+        model = engine(device=device, smc_expert_memory=6, gate_on_time=True, smc_time_scale=10.0)
+        for lo in range(0, 90, 30):
+            model.update(x[lo:lo + 30], y[lo:lo + 30], t=t[lo:lo + 30])
+        models[device] = model
+    assert bool((models["cpu"].mem_c > 1).any()), "the test needs merged entries"
+    torch.testing.assert_close(models["cuda"].mem_t.cpu(), models["cpu"].mem_t, rtol=1e-9, atol=1e-9)
+    xt = np.random.default_rng(5).uniform(0, 3, (40, 2))
+    for got, want in zip(models["cuda"].predict(xt), models["cpu"].predict(xt)):
+        assert got.device.type == "cuda"
+        np.testing.assert_allclose(got.cpu().numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
