@@ -103,19 +103,8 @@ class StationaryKernel(Kernel):
         return self.variance_param.value
 
     def scaled_distance(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-        # Differences, one input dimension at a time: exact zeros for coincident points (the expansion
-        # |a|^2 + |b|^2 - 2ab leaves ~1e-8 in r, a first-order error for Matern-1/2) at the speed of the
-        # expansion for the few dimensions of a map; (N1, N2, D) temporaries are several times slower.
-        a = x1 / self.lengthscale
-        b = x2 / self.lengthscale
-        if not _tracks_gradients(a, b):
-            return self._scaled_distance_in_place(a, b)
-        r2 = None
-        for d in range(a.shape[1]):
-            diff = a[:, d, None] - b[None, :, d]
-            r2 = diff * diff if r2 is None else r2 + diff * diff
-        # The clamp keeps d(sqrt)/dr2 finite at r = 0 (its gradient is then zero, which is the true value).
-        return torch.sqrt(r2.clamp_min(1e-36))
+        """r (N1, N2), not differentiated (training differentiates the kernel through _StationaryKernelFunction)."""
+        return self._scaled_distance_in_place(x1 / self.lengthscale, x2 / self.lengthscale)
 
     @staticmethod
     def _scaled_distance_in_place(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -125,6 +114,9 @@ class StationaryKernel(Kernel):
 
     @staticmethod
     def _squared_scaled_distance_in_place(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # Differences, one input dimension at a time: exact zeros for coincident points (the expansion
+        # |a|^2 + |b|^2 - 2ab leaves ~1e-8 in r, a first-order error for Matern-1/2) at the speed of the
+        # expansion for the few dimensions of a map; (N1, N2, D) temporaries are several times slower.
         with torch.no_grad():
             r2 = a[:, 0, None] - b[None, :, 0]
             r2.square_()
@@ -146,10 +138,7 @@ class StationaryKernel(Kernel):
 
     def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         if _tracks_gradients(x1, x2, self.lengthscale_param.raw, self.variance_param.raw):
-            if x1.dim() == 2 and x2.dim() == 2:
-                return _StationaryKernelFunction.apply(x1, x2, self.lengthscale, self.variance,
-                                                       self.profile_and_slope)
-            return self.variance * self.profile(self.scaled_distance(x1, x2))
+            return _StationaryKernelFunction.apply(x1, x2, self.lengthscale, self.variance, self.profile_and_slope)
         return self.profile_(self.scaled_distance(x1, x2)).mul_(self.variance)
 
     def diag(self, x: torch.Tensor) -> torch.Tensor:
