@@ -17,7 +17,7 @@ from .dual_svgp import DualSVGP
 from .errors import ConfigError, GPNumericalError, ModelInputError
 from .likelihoods import BernoulliLikelihood, GaussianLikelihood, StudentTLikelihood
 from .smc_experts import SMCExperts
-from .tiled import TiledModel
+from .tiled import TiledModel, can_tile
 from .var_gp import VARGP
 
 EngineFactory = Callable[[ModelConfig, int, int], Any]
@@ -56,7 +56,9 @@ def build_model(model_config: ModelConfig | Mapping[str, Any], input_dims: int, 
     except KeyError:
         raise ConfigError(f"unknown engine {model_config.engine!r}; registered: {', '.join(sorted(ENGINES))}",
                           "engine") from None
-    if model_config.tile_size > 0:  # local submaps: tiles of this engine (gp/tiled.py)
+    # Local submaps: tiles of this engine (gp/tiled.py). Engines that cover a growing map their own way
+    # (smc_experts, var_gp) are not tiled.
+    if model_config.tile_size > 0 and can_tile(factory):
         return TiledModel(model_config, int(input_dims), int(output_dims), factory)
     return factory(model_config, int(input_dims), int(output_dims))
 

@@ -285,10 +285,16 @@ class ContinualMOGP(Engine):
 
     # ------------------------------------------------------------------ standardisation
     def set_standardisation(self, mean, std) -> None:
-        """Fix the per-channel target offset and scale (P,) instead of learning them from the first batch."""
+        """Standardise with this offset and scale (P,) from now on and never adapt them (a caller that keeps
+        several engines in one unit, e.g. tiles sharing hyperparameters). A channel already seen is re-expressed
+        in the new scale exactly, as in an adaptive re-scaling, and keeps its offset (the constant kernel absorbs
+        the difference; moving it would not be exact)."""
         m, s = self._standardisation_args(mean, std)
         with torch.no_grad():
-            self.y_mean.copy_(m)
+            seen = self.channel_seen.clone()
+            if bool(seen.any()) and not torch.equal(s[seen], self.y_std[seen]):
+                self._rescale_targets(torch.where(seen, s, self.y_std), adaptation=False)
+            self.y_mean.copy_(torch.where(seen, self.y_mean, m))
             self.y_std.copy_(s)
             self.channel_seen.fill_(True)
             self.scale_fixed.fill_(True)
@@ -324,7 +330,7 @@ class ContinualMOGP(Engine):
         if bool(drift.any()):
             self._rescale_targets(torch.where(self.channel_seen & ~first, std, self.y_std))
 
-    def _rescale_targets(self, std: torch.Tensor) -> None:
+    def _rescale_targets(self, std: torch.Tensor, adaptation: bool = True) -> None:
         """Standardise with ``std`` (P,) from now on: y_new = alpha_d y_old with alpha_d = y_std_d / std_d.
 
         Exact in the data: f_d = sum_q A_dq u_q becomes sum_q (alpha_d / c) A_dq (c u_q) with c the geometric
@@ -342,7 +348,8 @@ class ContinualMOGP(Engine):
             if bool(self.hyper_learned):  # a learned noise is the sensor's; an initial guess stays standardised
                 self.likelihood.rescale_targets(alpha)
             self.y_std.copy_(std)
-            self.rescalings_t += 1
+            if adaptation:  # (a scale set from outside is not counted in ``rescalings``)
+                self.rescalings_t += 1
         self._cache = None
 
     def _rescale_latent(self, q: int, c: float) -> None:

@@ -2,11 +2,13 @@
 
 One global set of M inducing points has to cover everything the robot has seen, and an engine's cost is cubic
 in M: a building needs M in the thousands. A :class:`TiledModel` instead covers the map with square tiles
-(cubes when ``model.tile_height`` > 0 and the inputs are 3-D) of side ``s = model.tile_size`` aligned on
-multiples of ``s`` from the map origin, and gives each tile its own engine (``model.engine``: dual_svgp or
-continual_mogp) with ``model.num_inducing`` inducing points, created when data first fall in the tile.
-Neighbouring tiles overlap by a band of width ``o = model.tile_overlap`` centred on their common border:
-tile ``i`` (per axis) spans ``[i s - o/2, (i + 1) s + o/2)``.
+(cubes when ``model.tile_height`` > 0 and the inputs are 3-D) of side ``s = model.tile_size``, and gives each
+tile its own engine (``model.engine``: dual_svgp or continual_mogp) with ``model.num_inducing`` inducing points,
+created when data first fall in the tile. Neighbouring tiles overlap by a band of width ``o = model.tile_overlap``
+centred on their common border. Tile 0 is centred on the map origin: a map's origin is usually where the robot
+started, so a room mapped from there lies in one tile's core and is mapped as by one engine; tiles come in only
+when the robot leaves it. Below, for brevity, coordinates are taken shifted by s/2 so that tile ``i`` (per axis)
+spans ``[i s - o/2, (i + 1) s + o/2)`` (states saved before 2026-11-26 used that lattice unshifted, and keep it).
 
 Updates. A sample is given to every tile whose span holds it (1 tile in a core, 2 in a band, up to 4 at a
 2-D corner, 8 at a 3-D one); an update touches only those tiles, so its cost depends on M, the engine's memory
@@ -19,13 +21,15 @@ full update, so a batch costs at most a few full tile updates, never one per til
 Shared hyperparameters. All tiles share one kernel and one likelihood module (continual_mogp: its latent
 kernels, likelihood and mixing matrix), holding the consensus theta. The tile being updated starts from theta
 and learns on its own batch and memory, as a single engine would; what it ends at, theta_t, is its proposal,
-and its posterior is fitted under it. The consensus then moves to the running average of the proposals, each
-weighted by the samples it learned from: theta <- theta + (n_t / N) (theta_t - theta), with n_t the samples
-the tile got and N all samples seen (raw parameters: logarithms of lengthscales and variances). A single
-tile's batch often cannot identify every hyperparameter (lanes 4 m apart in a 10 m tile say little about the
-lengthscale across them); letting each tile's Adam steps set the shared theta made it swing (a lengthscale
-from 2.4 m to 0.45 m within two minutes of a simulated drive) and the map lose 30 % of its accuracy on ground
-it revisited. Each tile records the hyperparameters theta_t its posterior was last fitted under. A tile is never changed when others learn; when
+and its posterior is fitted under it. The consensus is then the average of every tile's latest proposal, each
+weighted by the samples that tile has learned from: theta = sum_t n_t theta_t / sum_t n_t (raw parameters:
+logarithms of lengthscales and variances). A single tile's batch often cannot identify every hyperparameter
+(lanes 4 m apart in a 10 m tile say little about the lengthscale across them); letting each tile's Adam steps
+set the shared theta made it swing (a lengthscale from 2.4 m to 0.45 m within two minutes of a simulated drive)
+and the map lose 30 % of its accuracy on ground it revisited. Alone, a tile's proposal is the consensus, so a
+map that has one tile (a room) learns exactly as one engine does; an earlier rule, a running average of all
+proposals ever made (theta += (n_t / N) (theta_t - theta)), slowed a lone tile's learning as 1 / N and cost
+2 % on Solin protocol 1. Each tile records the hyperparameters theta_t its posterior was last fitted under. A tile is never changed when others learn; when
 it is next *updated* it is first carried to the current theta by its engine's ``hyperparameter_change()``
 (dual_svgp: the old data's pseudo-likelihood on u = f(Z) is kept, held data are recomputed -- the same
 transport the engine applies to its own hyperparameter steps). continual_mogp has no such hook and needs
@@ -44,10 +48,13 @@ update for hyperparameters already learned (measured over the 30-minute ``large`
 early and late, against 2 with the shared count, and 3.6 x the CPU time per update), and an update in a
 tile that had filled up (all M inducing points, a full memory) cost more than one in a young tile.
 
-Target scaling. Shared hyperparameters live in standardised units, so every tile must standardise alike:
+Target scaling. Shared hyperparameters live in standardised units, so the tiles must standardise alike:
 the wrapper keeps running per-output means and variances of every sample it has seen, and a new tile gets
-the current values (the first tile: its first batch's). A tile keeps that scale: the engines' own adaptive
-re-scaling would put each tile in its own unit, so every engine's set_standardisation fixes it.
+the current values. A tile keeps that scale: the engines' own adaptive re-scaling would put each tile in its
+own unit, so every engine's set_standardisation fixes it. The first tile is the exception while it is alone:
+with no other tile to agree with, it adapts its scale as a single engine does (a robot that stands still for its
+first second gives a first batch whose spread is the sensor noise, a thousandth of the field's), and its scale
+is fixed where it has got to when the second tile is made.
 
 Blending (partition of unity). Per axis, with r(u) = 6u^5 - 15u^4 + 10u^3 on u clamped to [0, 1] (C^2,
 r(0) = 0, r(1) = 1, r(u) + r(1 - u) = 1, flat at both ends), tile i's weight at coordinate x is
@@ -91,7 +98,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .base import Engine, merge_moments, moments_scale, resolve_device
+from .base import Engine, merge_moments, moments_scale, resolve_device, scale_drifted
 from .config import ModelConfig
 from .errors import ConfigError
 
@@ -102,6 +109,13 @@ _SHARED_BY_ENGINE = {"DualSVGP": ("kernel", "likelihood"),
 _TILE_PREFIX = "tiles."
 #: with mode None, a tile given fewer than this fraction of the busiest tile's samples conditions fast
 FAST_FRACTION = 0.25
+
+
+def can_tile(engine_class) -> bool:
+    """Whether an engine class says which of its parts are the hyperparameters its tiles share. smc_experts and
+    var_gp do not: they cover a growing map their own way (experts opened anywhere; region blocks)."""
+    return bool(getattr(engine_class, "SHARED_HYPERPARAMETERS", _SHARED_BY_ENGINE.get(
+        getattr(engine_class, "__name__", ""), ())))
 
 
 def smootherstep(u: torch.Tensor) -> torch.Tensor:
@@ -116,6 +130,10 @@ class TileLayout:
 
     sizes: tuple[float, ...]
     overlap: float
+    #: tiles centred on the origin (tile 0's core is centred on it) rather than cornered there; see
+    #: TiledModel: a map's origin is usually where the robot started, so a room mapped from there stays in
+    #: one tile's core. False: the layout of states saved before 2026-11-26.
+    centred: bool = False
 
     def __post_init__(self) -> None:
         if not self.sizes or not all(math.isfinite(s) and s > 0 for s in self.sizes):
@@ -128,12 +146,18 @@ class TileLayout:
     def dims(self) -> int:
         return len(self.sizes)
 
+    def _lattice(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pitch (dims,), coordinates (N, dims)) of points (N, >= dims) on the lattice whose tile i starts at
+        i s: shifted by half a tile when the tiles are centred on the origin."""
+        s = torch.as_tensor(self.sizes, dtype=x.dtype, device=x.device)
+        xd = x[:, :self.dims]
+        return s, (xd + 0.5 * s if self.centred else xd)
+
     def _per_axis(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For points (N, >= dims): the lower tile index per axis (N, dims) (the other candidate is +1) and
         the blending weights of the lower and upper candidates (N, dims) each."""
-        s = torch.as_tensor(self.sizes, dtype=x.dtype, device=x.device)
+        s, xd = self._lattice(x)
         h = 0.5 * self.overlap
-        xd = x[:, :self.dims]
         lo = torch.floor((xd - h) / s)
         # Band between tile lo and lo + 1 centred on (lo + 1) s: the upper tile's rising ramp.
         up = smootherstep((xd - ((lo + 1.0) * s - h)) / self.overlap)
@@ -141,10 +165,9 @@ class TileLayout:
 
     def memberships(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every (point, tile) pair whose tile span holds the point: point indices (K,) and tile indices
-        (K, dims), sorted by point. Spans are half-open, [i s - o/2, (i + 1) s + o/2)."""
-        s = torch.as_tensor(self.sizes, dtype=x.dtype, device=x.device)
+        (K, dims), sorted by point. Spans are half-open, [i s - o/2, (i + 1) s + o/2) (less s/2 when centred)."""
+        s, xd = self._lattice(x)
         h = 0.5 * self.overlap
-        xd = x[:, :self.dims]
         lo = torch.floor((xd - h) / s).to(torch.int64)
         hi = torch.floor((xd + h) / s).to(torch.int64)
         return self._combine(lo, (hi > lo))
@@ -194,7 +217,8 @@ class TileLayout:
     def span(self, index: tuple[int, ...]) -> list[tuple[float, float]]:
         """[low, high) per tiled axis of a tile's span."""
         h = 0.5 * self.overlap
-        return [(i * s - h, (i + 1) * s + h) for i, s in zip(index, self.sizes)]
+        shift = 0.5 if self.centred else 0.0
+        return [((i - shift) * s - h, (i + 1 - shift) * s + h) for i, s in zip(index, self.sizes)]
 
 
 def tile_key(index: tuple[int, ...]) -> str:
@@ -237,7 +261,7 @@ class TiledModel(Engine):
             sizes.append(float(config.tile_height))
         if d < 2:
             raise ConfigError(f"tiles need 2-D or 3-D inputs, got input_dims {d}", "tile_size")
-        self.layout = TileLayout(tuple(sizes), float(config.tile_overlap))
+        self.layout = TileLayout(tuple(sizes), float(config.tile_overlap), centred=True)
         if config.inducing == "grid" and d != 2:
             raise ConfigError("'grid' needs 2-D inputs; use 'pivoted_cholesky'", "inducing")
         self._device = resolve_device(config.device)
@@ -259,6 +283,15 @@ class TiledModel(Engine):
         self.register_buffer("max_jitter", torch.tensor(float(config.jitter), **f64))
         # Hyperparameter steps taken by all tiles together: the age of the shared hyperparameters.
         self.register_buffer("hyper_steps_t", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("lattice_centred", torch.tensor(True))  # the layout saved with the tiles
+        # The unit every tile standardises its targets in, and how often it was re-expressed.
+        self.register_buffer("scale_offset", torch.zeros(p, **f64))
+        self.register_buffer("scale_std", torch.ones(p, **f64))
+        self.register_buffer("scale_set", torch.tensor(False))
+        self.register_buffer("rescalings_t", torch.tensor(0, dtype=torch.int64))
+        # sum_t n_t theta_t and sum_t n_t over the tiles: the consensus hyperparameters (see _consensus)
+        self.register_buffer("consensus_sum", torch.zeros_like(self._theta()))
+        self.register_buffer("consensus_weight", torch.tensor(0.0, **f64))
         self._journal: dict[str, Any] | None = None
         self.to(self._device)
 
@@ -324,6 +357,32 @@ class TiledModel(Engine):
         finally:
             self._set_theta(current)
 
+    def _consensus(self, proposal: torch.Tensor) -> torch.Tensor:
+        """The shared hyperparameters after a tile's ``proposal``: the tiles' latest proposals averaged, each
+        weighted by the samples its tile has learned from (module docstring, 'Shared hyperparameters'), from the
+        running sums sum_t n_t theta_t and sum_t n_t, so that it costs the same however many tiles exist. A lone
+        tile's proposal is the consensus bit for bit (one tile maps as one engine). Parameters that no longer
+        learn (continual_mogp's frozen mixing matrix) keep their value."""
+        current = self._theta()
+        if len(self.tiles) == 1 or float(self.consensus_weight) <= 0.0:
+            return proposal
+        learning = torch.cat([torch.full((q.numel(),), bool(q.requires_grad), device=current.device)
+                              for q in self._shared_parameters()])
+        return torch.where(learning, self.consensus_sum / self.consensus_weight, current)
+
+    def _count_proposal(self, slot: _Tile, before: tuple[float, torch.Tensor]) -> None:
+        """Replace a tile's term (samples, theta) ``before`` in the running sums by its current one."""
+        n_before, theta_before = before
+        n = float(slot.engine.num_seen)
+        self.consensus_sum.add_(n * slot.theta - n_before * theta_before)
+        self.consensus_weight.add_(n - n_before)
+
+    def _recount_proposals(self) -> None:
+        """The running sums from the tiles (a state saved before they were kept)."""
+        self.consensus_sum.copy_(sum((float(slot.engine.num_seen) * slot.theta for slot in self.tiles.values()),
+                                     torch.zeros_like(self.consensus_sum)))
+        self.consensus_weight.fill_(sum(float(slot.engine.num_seen) for slot in self.tiles.values()))
+
     def _share(self, engine: nn.Module) -> None:
         for name in self._shared_names:
             part = getattr(self.prior, name)
@@ -350,11 +409,47 @@ class TiledModel(Engine):
 
     # ------------------------------------------------------------------ target scaling
     def _scale(self, engine: nn.Module) -> None:
-        """Give an engine the running target scaling (engines without standardised targets keep theirs)."""
-        if not getattr(engine.likelihood, "standardise_targets", True):
-            return
+        """Give an engine the tiles' unit (engines without standardised targets keep theirs)."""
+        if getattr(engine.likelihood, "standardise_targets", True):
+            engine.set_standardisation(self.scale_offset, self.scale_std)
+
+    def _follow_targets(self) -> None:
+        """After the running target statistics took a batch: the first batch sets the tiles' unit; when they
+        have drifted from it (base.scale_drifted, the rule of a single engine), every tile is re-expressed in
+        the new unit (module docstring, 'Target scaling')."""
         mean, std = moments_scale(self.target_count, self.target_mean, self.target_m2)
-        engine.set_standardisation(mean, std)
+        if not bool(self.scale_set):
+            self.scale_offset.copy_(mean)
+            self.scale_std.copy_(std)
+            self.scale_set.fill_(True)
+        elif scale_drifted(mean, std, self.scale_offset, self.scale_std):
+            self.scale_offset.copy_(mean)
+            self.scale_std.copy_(std)
+            for key, slot in self.tiles.items():
+                self._rescale_tile(key, slot)
+            self.rescalings_t += 1
+        shared = self._theta()
+        self._scale(self.prior)
+        self._set_theta(shared)  # the prior holds no data: re-expressing it must not move the shared parts
+
+    def _rescale_tile(self, key: str, slot: _Tile) -> None:
+        """Re-express a tile in the tiles' unit. Its engine re-expresses the data exactly and, once learned, the
+        noise: a shared hyperparameter, so this is done under the tile's own hyperparameters, and the tile's
+        re-expressed ones replace its term in the consensus."""
+        if not getattr(slot.engine.likelihood, "standardise_targets", True):
+            return
+        self._journal_tile(key)
+        consensus = self._theta()
+        before = (float(slot.engine.num_seen), slot.theta.clone())
+        self._set_theta(slot.theta)
+        try:
+            self._scale(slot.engine)
+        except BaseException:
+            self._set_theta(consensus)
+            raise
+        slot.theta.copy_(self._theta())
+        self._count_proposal(slot, before)
+        self._set_theta(consensus if torch.equal(slot.theta, before[1]) else self._consensus(slot.theta))
 
     # ------------------------------------------------------------------ tiles
     @property
@@ -451,6 +546,7 @@ class TiledModel(Engine):
     def _update_tiles(self, xt: torch.Tensor, yt: torch.Tensor, mode: str | None, stats: dict) -> None:
         with torch.no_grad():
             merge_moments(self.target_count, self.target_mean, self.target_m2, yt, ~torch.isnan(yt))
+            self._follow_targets()
         pts, tiles = self.layout.memberships(xt)
         groups = self.layout.group(tiles)  # sorted: a fixed order
         most = max(len(members) for _, members in groups)
@@ -463,6 +559,7 @@ class TiledModel(Engine):
                 self.tiles[key] = self._new_tile(index)
                 stats["tiles_created"] += 1
             slot = self.tiles[key]
+            before = (float(slot.engine.num_seen), slot.theta.clone())
             self._bring_up_to_date(slot)
             warmup = int(self.config.hyper_warmup) if self.hyperparameters_young else 0
             if slot.engine.config.hyper_warmup != warmup:  # the warm-up is the shared hyperparameters'
@@ -476,11 +573,10 @@ class TiledModel(Engine):
             out = slot.engine.update(xt[rows], yt[rows], mode=tile_mode)
             proposal = self._theta()
             slot.theta.copy_(proposal)  # the tile's posterior is fitted under its own proposal
-            if not torch.equal(proposal, consensus):
-                # The shared hyperparameters: the running average of the tiles' proposals, each weighted by
-                # the samples it learned from (a 1/t stochastic-approximation step).
-                step = float(rows.numel()) / float(self.num_seen + rows.numel())
-                self._set_theta(consensus + step * (proposal - consensus))
+            self._count_proposal(slot, before)
+            if not torch.equal(proposal, consensus):  # it learned (a fast update leaves theta as it was)
+                self._set_theta(self._consensus(proposal))
+            self._freeze_after_first_update()  # before the batch's next tile learns it too
             modes.append(out.get("mode"))
             stats["z_moved"] += int(out.get("z_moved", 0))
             stats["hyper_steps"] += int(out.get("hyper_steps", 0))
@@ -493,8 +589,6 @@ class TiledModel(Engine):
         with torch.no_grad():
             self.num_seen_t += xt.shape[0]
             self.num_updates_t += 1
-        self._freeze_after_first_update()
-        self._scale(self.prior)
 
     def _freeze_after_first_update(self) -> None:
         # continual_mogp: the mixing matrix is learned in the first tile's first update only (module docstring).
@@ -565,6 +659,9 @@ class TiledModel(Engine):
                 key = name[len(_TILE_PREFIX):].split(".", 1)[0]
                 if key not in wanted:
                     wanted.append(key)
+        if "lattice_centred" not in state_dict:  # saved before 2026-11-26: tiles cornered on the origin
+            state_dict = {**state_dict, "lattice_centred": torch.tensor(False)}
+        self.layout = dataclasses.replace(self.layout, centred=bool(state_dict["lattice_centred"]))
         for key in list(self.tiles.keys()):
             if key not in wanted:
                 del self.tiles[key]
@@ -578,6 +675,16 @@ class TiledModel(Engine):
                     raise RuntimeError(f"Error(s) in loading state_dict for TiledModel: tile {key!r} has "
                                        f"{len(index)} indices, this layout tiles {self.layout.dims} axes")
                 self.tiles[key] = self._new_tile(index)
+        recount = "consensus_sum" not in state_dict  # saved before 2026-11-26: the sums come from the tiles
+        if recount:
+            state_dict = {**state_dict, "consensus_sum": self.consensus_sum.clone(),
+                          "consensus_weight": self.consensus_weight.clone()}
+        if "scale_set" not in state_dict:  # saved before 2026-11-26: each tile kept the scale it was made with
+            offset, std = moments_scale(state_dict["target_count"], state_dict["target_mean"],
+                                        state_dict["target_m2"])
+            state_dict = {**state_dict, "scale_offset": offset, "scale_std": std,
+                          "scale_set": torch.as_tensor(bool((state_dict["target_count"] > 0).any())),
+                          "rescalings_t": torch.tensor(0, dtype=torch.int64)}
         if "hyper_steps_t" not in state_dict:
             # A state saved before the shared warm-up was counted: every step the tiles took was a shared one.
             steps = sum(int(v) for k, v in state_dict.items()
@@ -585,6 +692,8 @@ class TiledModel(Engine):
             state_dict = {**state_dict, "hyper_steps_t": torch.tensor(steps, dtype=torch.int64)}
         # The shared parts appear under every tile too (one module): every copy holds the same values.
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if recount:
+            self._recount_proposals()
         self._journal = None
         return result
 
@@ -596,4 +705,4 @@ class TiledModel(Engine):
                 f"overlap={self.layout.overlap}, tiles={self.num_tiles}, engine={self.config.engine}")
 
 
-__all__ = ["TileLayout", "TiledModel", "parse_tile_key", "smootherstep", "tile_key"]
+__all__ = ["TileLayout", "TiledModel", "can_tile", "parse_tile_key", "smootherstep", "tile_key"]
