@@ -42,7 +42,9 @@ def generate_launch_description() -> LaunchDescription:
             output="screen",
             parameters=[
                 LaunchConfiguration("params_file"),
-                {"use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"), value_type=bool)},
+                # Maps meant for merging are one engine each: a map of several tiles cannot be merged yet.
+                {"use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"), value_type=bool),
+                 "model.tile_size": 0.0},
             ],
             remappings=[
                 ("mag", LaunchConfiguration("robot1_mag_topic")),
@@ -57,7 +59,8 @@ def generate_launch_description() -> LaunchDescription:
             output="screen",
             parameters=[
                 LaunchConfiguration("params_file"),
-                {"use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"), value_type=bool)},
+                {"use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"), value_type=bool),
+                 "model.tile_size": 0.0},
             ],
             remappings=[
                 ("mag", LaunchConfiguration("robot2_mag_topic")),

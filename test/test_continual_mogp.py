@@ -518,15 +518,15 @@ def test_mapper_vector_target_with_continual_mogp_engine(tmp_path):
     from gp_mapping.mapping.mapper import Mapper
 
     assert ENGINES["continual_mogp"] is ContinualMOGP
-    assert isinstance(build_model({"engine": "continual_mogp", "num_latents": 2, "device": "cpu"}, 2, 3),
-                      ContinualMOGP)
+    assert isinstance(build_model({"engine": "continual_mogp", "num_latents": 2, "device": "cpu", "tile_size": 0.0},
+                                  2, 3), ContinualMOGP)
 
     def field(px, py):  # uT, map frame
         return np.stack([20.0 + 2.0 * np.sin(px), -5.0 + 2.0 * np.cos(py), -42.0 + np.sin(px + py)], axis=-1)
 
     cfg = config_from_dict({
         "model": {"engine": "continual_mogp", "num_latents": 3, "num_inducing": 40, "hyper_steps": 10,
-                  "vem_iterations": 2, "lengthscale": 1.0, "device": "cpu"},
+                  "vem_iterations": 2, "lengthscale": 1.0, "device": "cpu", "tile_size": 0.0},
         "sync": {"target": "vector"},
         "batching": {"size": 120},
         "grid": {"resolution": 0.25, "margin": 0.0, "unknown_distance": 0.3, "tile_size": 50},

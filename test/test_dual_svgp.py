@@ -19,6 +19,7 @@ def make(d: int = 2, p: int = 1, **kw) -> DualSVGP:
     kw.setdefault("device", "cpu")
     kw.setdefault("full_update_every", 1)  # these tests call update() expecting full updates unless they say
     kw.setdefault("full_update_samples", 1)
+    kw.setdefault("tile_size", 0.0)  # the engine itself, not tiles of it
     return build_model(ModelConfig(**kw), d, p)
 
 
@@ -546,7 +547,7 @@ def test_the_learned_noise_reaches_the_sensors_variance_on_a_drive():
     x = rec.sensor_position[:, :2]
     field = rec.field_map_tesla_true * 1e6 + np.random.default_rng(0).normal(scale=0.1, size=(len(x), 3))
     y = np.linalg.norm(field, axis=1, keepdims=True)
-    model = build_model(ModelConfig(num_inducing=64, device="cpu"), 2, 1)
+    model = build_model(ModelConfig(num_inducing=64, device="cpu", tile_size=0.0), 2, 1)
     for i in range(0, len(x), 50):
         model.update(x[i:i + 50], y[i:i + 50])
     noise = float(model.likelihood.noise_variance.detach()[0] * model.y_std[0] ** 2)

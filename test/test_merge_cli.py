@@ -11,7 +11,9 @@ from gp_mapping.config import config_from_dict
 from gp_mapping.mapping.mapper import Mapper
 from gp_mapping.mapping.merge import DuplicateSourceError, MapSource, merge_maps, parse_transform
 
-CONFIG = {"model": {"num_inducing": 48, "device": "cpu"}, "grid": {"resolution": 0.25}, "batching": {"size": 50}}
+# Maps meant for merging are made untiled (a map of several tiles cannot be merged yet).
+CONFIG = {"model": {"num_inducing": 48, "device": "cpu", "tile_size": 0.0}, "grid": {"resolution": 0.25},
+          "batching": {"size": 50}}
 SHIFT = np.array([10.0, -3.0])  # robot B's own frame: map = robot + SHIFT, rotated by YAW
 YAW = 90.0
 

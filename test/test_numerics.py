@@ -172,8 +172,10 @@ def test_non_finite_model_after_an_update_is_rolled_back(monkeypatch):
     def poisoning(x, y, mode=None):
         stats = real(x, y, mode)
         if m.model.num_seen > 25:
+            # the engine that holds the map (with tiles, the first tile's)
+            engine = m.model.tile(m.model.tile_indices()[0]) if hasattr(m.model, "tile_indices") else m.model
             with torch.no_grad():
-                for p in m.model.buffers():
+                for p in engine.buffers():
                     if p.is_floating_point() and p.numel():
                         p.fill_(math.nan)
                         break

@@ -40,7 +40,7 @@ def _config(engine: str) -> ModelConfig:
     # Q = 3 latents starting at lengthscales 0.33, 0.5 and 0.75 m; 3 variational EM iterations per update.
     return ModelConfig(engine=engine, kernel="matern52", constant_kernel=True, lengthscale=0.5, num_inducing=100,
                        noise_variance=0.05, hyper_steps=15, hyper_lr=0.05, device="cpu", seed=0, num_latents=3,
-                       latent_lengthscale_ratio=1.5, vem_iterations=3)
+                       latent_lengthscale_ratio=1.5, vem_iterations=3, tile_size=0.0)  # the engines themselves
 
 
 def _stream(model, x: np.ndarray, y: np.ndarray) -> float:

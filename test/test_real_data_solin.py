@@ -59,7 +59,7 @@ ACCEPTANCE = dict(num_inducing=300, full_update_every=5)
 def engine_config() -> ModelConfig:
     """Matern-5/2 + constant with ARD, Gaussian noise, with the acceptance run's M and update schedule."""
     return ModelConfig(kernel="matern52", constant_kernel=True, lengthscales="per_axis", likelihood="gaussian",
-                       device="cpu", seed=0, **ACCEPTANCE)
+                       device="cpu", seed=0, tile_size=0.0, **ACCEPTANCE)  # the engine itself, not tiles
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,7 @@ def test_a_rest_before_the_drive_leaves_the_map_of_the_drive(engine, target, til
 
 def test_running_statistics_are_those_of_every_target_seen():
     rng = np.random.default_rng(0)
-    model = build_model(ModelConfig(device="cpu", learn_hyperparameters=False), 2, 2)
+    model = build_model(ModelConfig(device="cpu", learn_hyperparameters=False, tile_size=0.0), 2, 2)
     xs, ys = [], []
     for scale in (0.01, 1.0, 5.0, 20.0):
         x = rng.uniform(0, 5, (40, 2))
@@ -118,7 +118,8 @@ def test_dual_svgp_rescaling_re_expresses_the_data_exactly():
     rng = np.random.default_rng(1)
     # jitter 1e-9: the jitter on K is the one term that does not scale with the variances
     model = build_model(ModelConfig(device="cpu", num_inducing=30, memory_size=40, memory_per_batch=10,
-                                    learn_hyperparameters=False, full_update_every=2, jitter=1e-9), 2, 1)
+                                    learn_hyperparameters=False, full_update_every=2, jitter=1e-9, tile_size=0.0),
+                        2, 1)
     for _ in range(6):  # full and fast updates: memory, pending points and an old part
         x = rng.uniform(0, 4, (50, 2))
         model.update(x, (10.0 + np.sin(x[:, :1]) * 3 + 0.1 * rng.standard_normal((50, 1))))
@@ -149,7 +150,7 @@ def test_continual_mogp_channel_rescaling_through_the_mixing_rows_is_exact():
     the noise: the map in the original units does not move."""
     rng = np.random.default_rng(2)
     model = build_model(ModelConfig(engine="continual_mogp", device="cpu", num_inducing=20, hyper_steps=5,
-                                    num_latents=2), 2, 2)
+                                    num_latents=2, tile_size=0.0), 2, 2)
     x = rng.uniform(0, 4, (60, 2))
     model.update(x, np.column_stack([np.sin(x[:, 0]), 3 * np.cos(x[:, 1])]) + 0.05 * rng.standard_normal((60, 2)))
     xt = torch.as_tensor(rng.uniform(0, 4, (100, 2)))
@@ -167,7 +168,7 @@ def test_batches_at_rest_teach_no_hyperparameters():
     x_rest = torch.zeros(100, 2, dtype=torch.float64) + torch.tensor([1.0, 2.0], dtype=torch.float64)
     assert not spans_space(x_rest + 1e-3 * torch.randn(100, 2, dtype=torch.float64), 1.0)  # 1 mm jitter
     assert spans_space(torch.linspace(0, 0.2, 50, dtype=torch.float64)[:, None].expand(50, 2), 1.0)  # a slow walk
-    model = build_model(ModelConfig(device="cpu"), 2, 1)
+    model = build_model(ModelConfig(device="cpu", tile_size=0.0), 2, 1)
     before = [p.detach().clone() for p in model.parameters()]
     stats = model.update(x_rest, 40.0 + 0.01 * torch.randn(100, 1, dtype=torch.float64), mode="full")
     assert stats["hyper_steps"] == 0 and not bool(model.hyper_learned)

@@ -216,6 +216,63 @@ def test_state_dict_round_trip_with_any_number_of_tiles(drive):
         assert torch.equal(tb, tc)
 
 
+def test_one_tile_maps_bit_for_bit_as_one_engine(drive):
+    """A map that stays in one tile's core (tiles centred on the origin) is the engine's own map: the shared
+    hyperparameters are that tile's, and its target unit adapts by the single engine's rule."""
+    x, y = samples(drive)
+    x = (x - 4.0) * 0.5  # the 8 m x 8 m drive shrunk into the core of tile 0 of 12 m tiles: [-4, 4]
+    test_x, truth = held_out(drive)
+    test_x = (test_x - 4.0) * 0.5
+    rest = np.repeat(x[:1], 60, 0), y[:1] + np.random.default_rng(0).normal(0, 0.01, (60, 1))  # rescaled later
+    engine = build_model(model_config(tile_size=0.0), 2, 1)
+    tiled = build_model(model_config(tile_size=12.0), 2, 1)
+    for model in (engine, tiled):
+        stream(model, *rest)
+        stream(model, x[:400], y[:400])
+    assert tiled.num_tiles == 1 and int(tiled.rescalings_t) >= 1 and engine.rescalings >= 1
+    for a, b in zip(engine.predict(test_x), tiled.predict(test_x)):
+        assert torch.equal(a, b)
+
+
+def test_shared_hyperparameters_are_the_sample_weighted_mean_of_the_tiles_proposals(drive):
+    """After a tile learns, the shared hyperparameters are sum_t n_t theta_t / sum_t n_t over the tiles' latest
+    proposals (between learning updates they stay put: a fast update moves no tile's theta)."""
+    x, y = samples(drive)
+    model = stream(build_model(model_config(), 2, 1), x[:400], y[:400])
+    stats = model.update(x[400:450], y[400:450], mode="full")
+    assert stats["hyper_steps"] > 0
+    slots = list(model.tiles.values())
+    n = torch.tensor([float(s.engine.num_seen) for s in slots], dtype=torch.float64)
+    thetas = torch.stack([s.theta for s in slots])
+    assert len(slots) > 3 and len({tuple(t.tolist()) for t in thetas}) > 1
+    assert torch.allclose(model._theta(), (n[:, None] * thetas).sum(0) / n.sum(), rtol=0, atol=1e-12)
+    # A state saved before the running sums were kept recounts them from its tiles.
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("consensus_")}
+    again = build_model(model_config(), 2, 1)
+    again.load_state_dict(state)
+    assert torch.allclose(again.consensus_sum, model.consensus_sum, rtol=1e-12, atol=0)
+    assert float(again.consensus_weight) == float(model.consensus_weight) == float(n.sum())
+
+
+def test_a_state_saved_before_centred_tiles_keeps_its_lattice(drive):
+    """States saved before 2026-11-26 have no lattice_centred: their tiles were cornered on the origin (tile 0
+    spanned [-o/2, s + o/2)), and they load so, with the tiles' unit taken from the running statistics."""
+    x, y = samples(drive)
+    model = stream(build_model(model_config(), 2, 1), x[:300], y[:300])
+    assert model.layout.centred and model.layout.span((0, 0))[0] == (-3.0, 3.0)  # s = 4, o = 2
+    legacy = {k: v for k, v in model.state_dict().items()
+              if k not in ("lattice_centred", "scale_offset", "scale_std", "scale_set", "rescalings_t")}
+    old = build_model(model_config(), 2, 1)
+    old.load_state_dict(legacy)
+    assert not old.layout.centred and old.layout.span((0, 0))[0] == (-1.0, 5.0)
+    assert bool(old.scale_set) and torch.equal(old.scale_offset, old.target_mean)
+    x_new = torch.as_tensor(x[300:350])
+    assert {tuple(t) for t in old.layout.memberships(x_new)[1].tolist()} != \
+        {tuple(t) for t in model.layout.memberships(x_new)[1].tolist()}
+    old.update(x[300:350], y[300:350])  # and it goes on mapping
+    assert np.all(np.isfinite(old.predict(x[:50])[0].numpy()))
+
+
 def test_warm_up_belongs_to_the_shared_hyperparameters(drive):
     """model.hyper_warmup counts the steps of all tiles together: once they have taken it, every tile -- a
     new one included -- takes the post-warm-up budget (one step per hyper_batch new samples), so an update
@@ -440,3 +497,23 @@ def test_tiles_on_cuda_match_the_cpu(drive):
     for a, b in zip(cpu.predict(test_x), gpu.predict(test_x)):
         assert b.device.type == "cuda"
         np.testing.assert_allclose(b.cpu().numpy(), a.numpy(), atol=1e-6, rtol=1e-6)
+
+
+def test_a_map_of_one_tile_merges_and_a_map_of_several_is_refused_by_name(drive):
+    """Merging maps (gp/recyclable.py) takes a map of one tile as its engine's summary; overlapping tiles share
+    their bands' data, so a map of several tiles is refused with a MergeError that says why."""
+    from gp_mapping.gp.recyclable import MergeError
+
+    x, y = samples(drive)
+    x = (x - 4.0) * 0.5  # inside tile 0's core of 12 m tiles
+    engine = stream(build_model(model_config(tile_size=0.0), 2, 1), x[:300], y[:300])
+    one = stream(build_model(model_config(tile_size=12.0), 2, 1), x[:300], y[:300])
+    a, b = engine.recyclable_summary(), one.recyclable_summary()
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+    assert a["num_seen"] == b["num_seen"] == 300
+    several = stream(build_model(model_config(), 2, 1), *samples(drive))
+    with pytest.raises(MergeError, match="tiles cannot be merged"):
+        several.recyclable_summary()

@@ -382,7 +382,7 @@ def test_two_task_classification_keeps_task_one_where_a_global_inducing_set_forg
 
     m_total = 40
     common = dict(device="cpu", likelihood="bernoulli", num_inducing=m_total, lengthscale=1.0,
-                  constant_kernel=False)
+                  constant_kernel=False, tile_size=0.0)  # one global inducing set against the blocks
     var = build_model(ModelConfig(engine="var_gp", vargp_block_size=m_total // 2, hyper_steps=30, **common), 2, 1)
     # (fixed hyperparameters: with learned ones the global set forgets as much, but on some draws the residue
     # of task 1 left by the projection still has the right sign at probabilities near 0.5)

@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     start_all = time.perf_counter()
     x, y, area = load_stream(args.data, args.seed)
-    base = ModelConfig(device=device.type, seed=args.seed)
+    base = ModelConfig(device=device.type, seed=args.seed, tile_size=0.0)  # the engine itself
     updates, grids = run_sweep(plan, base, x, y, area, args.batch)
     meta = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "device": device.type,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()

@@ -6,9 +6,10 @@ robot drives a lawnmower over it (rows ``large_line_spacing`` apart at ``large_s
 the last part of the drive revisits mapped ground (samples grow, the area does not). 2-D inputs (x, y) and 3-D
 inputs (x, y, z, the sensor's height wobbling by ``large_height_amplitude``).
 
-Every pose and reading goes through a ``Mapper`` (config/mapper.yaml, batches of ``large_batch``) twice: with
-tiles (``model.tile_size`` = ``large_tile``, ``tile_overlap`` = ``large_overlap``, ``num_inducing`` =
-``large_m`` per tile) and without (one engine, ``num_inducing`` = ``large_untiled_m``). Recorded per update: wall
+Every pose and reading goes through a ``Mapper`` (config/mapper.yaml, batches of ``large_batch``) three times:
+with the plan's tiles (``model.tile_size`` = ``large_tile``, ``tile_overlap`` = ``large_overlap``,
+``num_inducing`` = ``large_m`` per tile), with the shipped model section as it is (its tiles and M), and without
+tiles (one engine, ``num_inducing`` = ``large_untiled_m``). Recorded per update: wall
 and CPU time, the number of tiles; every ``large_sample_every`` samples the process RSS and the bytes of the
 model state. Accuracy: RMSE of |B| (uT) at test points beside the path (every ``large_test_every``-th sample,
 moved sideways by up to 0.3 m; truth from the simulated world), for both online maps and:
@@ -58,13 +59,19 @@ def _test_points(rec, plan: dict, dims: int, rng: np.random.Generator) -> tuple[
     return pos[:, :dims], truth
 
 
-def _config(plan: dict, dims: int, tiled: bool, engine: str | None = None):
-    """The shipped config with the plan's tiles (``tiled``) or one engine; ``engine`` 'var_gp': one VAR-GP
-    with ``large_vargp_m`` inducing points over all its region blocks (its own block settings as shipped)."""
+def _config(plan: dict, dims: int, tiled: bool | str, engine: str | None = None):
+    """The shipped config with the plan's tiles (``tiled`` True), one engine (False) or its own model section
+    ('shipped'); ``engine`` 'var_gp': one VAR-GP with ``large_vargp_m`` inducing points over all its region
+    blocks (its own block settings as shipped)."""
     from gp_mapping.evaluation.speed import shipped_config
     import dataclasses
 
     cfg = shipped_config()
+    if tiled == "shipped":
+        return dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, input_dims=dims),
+                                   batching=dataclasses.replace(cfg.batching, mode="count",
+                                                                size=int(plan["large_batch"])),
+                                   grid=dataclasses.replace(cfg.grid, resolution=0.25, max_cells=10_000_000))
     m = int(plan["large_m"] if tiled else plan["large_untiled_m"])
     if engine is not None:
         m = int(plan["large_vargp_m"])
@@ -77,7 +84,7 @@ def _config(plan: dict, dims: int, tiled: bool, engine: str | None = None):
                                grid=dataclasses.replace(cfg.grid, resolution=0.25, max_cells=10_000_000))
 
 
-def _stream(rec, plan: dict, dims: int, tiled: bool, test_x: np.ndarray, truth: np.ndarray,
+def _stream(rec, plan: dict, dims: int, tiled: bool | str, test_x: np.ndarray, truth: np.ndarray,
             log: Callable[[str], None], label: str, engine: str | None = None) -> dict[str, Any]:
     import torch
 
@@ -249,13 +256,17 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
                                  "rate_hz": plan["large_rate"], "path_m": path, "test_points": len(test_x),
                                  "dipoles": int(plan["large_dipoles"]),
                                  "extent_m": (np.ptp(rec.position[:, :2], axis=0)).tolist()}
+        shipped = _config(plan, dims, "shipped").model
+        entry["plan_tiles"] = f"{plan['large_tile']:g} m, M = {plan['large_m']}, memory {plan['large_memory']}"
+        entry["shipped_tiles"] = (f"{shipped.tile_size:g} m, M = {shipped.num_inducing}, memory {shipped.memory_size}"
+                                  if shipped.tile_size > 0 else f"no tiles, M = {shipped.num_inducing}")
         entry["tiled"] = _stream(rec, plan, dims, True, test_x, truth, log, f"tiled {dims}-D")
+        entry["shipped"] = _stream(rec, plan, dims, "shipped", test_x, truth, log, f"shipped {dims}-D")
         entry["untiled"] = _stream(rec, plan, dims, False, test_x, truth, log, f"untiled {dims}-D")
         first_pass = _first_pass_end(rec)
-        entry["tiled"]["memory_summary"] = _memory_summary(entry["tiled"], first_pass)
-        entry["untiled"]["memory_summary"] = _memory_summary(entry["untiled"], first_pass)
         warmup = min(plan["large_warmup_seconds"] * plan["large_rate"], 0.5 * first_pass)
-        for name in ("tiled", "untiled"):
+        for name in ("tiled", "shipped", "untiled"):
+            entry[name]["memory_summary"] = _memory_summary(entry[name], first_pass)
             entry[name]["growing"] = growing_ratios(entry[name], first_pass, warmup)
         nn = NearestNeighbour(x, y)
         entry["nearest_neighbour"] = {"rmse": float(np.sqrt(np.mean((nn.predict(test_x)[:, 0] - truth) ** 2)))}
@@ -278,10 +289,11 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
                              "seconds": time.perf_counter() - start}
         del exact, hyper  # its factors (~1 GiB) would otherwise count in the next streams' RSS
         ref = entry["exact_gp"]["rmse"]
-        entry["tiled"]["rmse_ratio"] = entry["tiled"]["rmse"] / ref
-        entry["untiled"]["rmse_ratio"] = entry["untiled"]["rmse"] / ref
+        for name in ("tiled", "shipped", "untiled"):
+            entry[name]["rmse_ratio"] = entry[name]["rmse"] / ref
         entry["nearest_neighbour"]["rmse_ratio"] = entry["nearest_neighbour"]["rmse"] / ref
-        log(f"[large {dims}-D] RMSE uT: tiled {entry['tiled']['rmse']:.3f}, untiled {entry['untiled']['rmse']:.3f}, "
+        log(f"[large {dims}-D] RMSE uT: tiled {entry['tiled']['rmse']:.3f}, shipped {entry['shipped']['rmse']:.3f}, "
+            f"untiled {entry['untiled']['rmse']:.3f}, "
             f"exact GP {ref:.3f}, nearest neighbour {entry['nearest_neighbour']['rmse']:.3f}; latency ratio "
             f"tiled {entry['tiled']['latency_ratio']:.2f} (CPU {entry['tiled']['cpu_ratio']:.2f})")
         results[f"{dims}d"] = entry
@@ -307,7 +319,7 @@ def markdown(sec: dict[str, Any]) -> list[str]:
         if not e:
             continue
         t, u = e["tiled"], e["untiled"]
-        ms_t, ms_u = t["memory_summary"], u["memory_summary"]
+        ms_t = t["memory_summary"]
         lines += [f"### {key[0]}-D inputs: {e['extent_m'][0]:.0f} m x {e['extent_m'][1]:.0f} m driven, "
                   f"{e['duration_s'] / 60:.0f} min at {e['rate_hz']:g} Hz ({e['samples']} samples, path "
                   f"{e['path_m']:.0f} m, {e['dipoles']} dipoles); {e['test_points']} test points beside the path", "",
@@ -315,7 +327,12 @@ def markdown(sec: dict[str, Any]) -> list[str]:
                   "CPU: growing, end | "
                   "tiles | state MiB (first pass -> end) | RSS MiB (first pass -> end) | window / full map s |",
                   "|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for name, r, m in (("tiled", t, ms_t), ("untiled (one engine)", u, ms_u)):
+        rows = [(f"tiled ({e.get('plan_tiles', 'plan')})", t)]
+        if "shipped" in e:  # runs before 2026-11-26 had no shipped row
+            rows.append((f"shipped ({e.get('shipped_tiles', 'config/mapper.yaml')})", e["shipped"]))
+        rows.append(("untiled (one engine)", u))
+        for name, r in rows:
+            m = r["memory_summary"]
             g = r.get("growing") or growing_ratios(r, m["first_pass_samples"], 600.0)
             lines.append(f"| {name} | {r['rmse']:.3f} | {r['rmse_ratio']:.2f} | "
                          f"{r['update_latency']['median_ms']:.0f} | {g['latency_ratio_growing']:.2f}, "

@@ -55,7 +55,7 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     world = _world(plan["merge_seed"])
     grid, truth = _grid(world, plan["merge_resolution"])
     seconds, rate, batch, m = plan["merge_seconds"], plan["merge_rate"], plan["merge_batch"], plan["merge_m"]
-    cfg = ModelConfig(device="cpu", num_inducing=m)
+    cfg = ModelConfig(device="cpu", tile_size=0.0, num_inducing=m)
     # 1. Two halves.
     xa, ya = _drive(world, (-5.0, -5.0, 0.0, 5.0), seconds, rate, 1)
     xb, yb = _drive(world, (0.0, -5.0, 5.0, 5.0), seconds, rate, 2)
@@ -63,8 +63,8 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     n = min(len(xa), len(xb)) // batch * batch
     xi = np.stack([xa[:n].reshape(-1, batch, 2), xb[:n].reshape(-1, batch, 2)], 1).reshape(-1, 2)
     yi = np.stack([ya[:n].reshape(-1, batch), yb[:n].reshape(-1, batch)], 1).reshape(-1)
-    single = _train(ModelConfig(device="cpu", num_inducing=2 * m), xi, yi, batch)
-    gcfg = ModelConfig(device="cpu", num_inducing=a.num_inducing + b.num_inducing)
+    single = _train(ModelConfig(device="cpu", tile_size=0.0, num_inducing=2 * m), xi, yi, batch)
+    gcfg = ModelConfig(device="cpu", tile_size=0.0, num_inducing=a.num_inducing + b.num_inducing)
     res = merge([source_from_engine(a, "A"), source_from_engine(b, "B")], gcfg, steps=plan["merge_steps"])
     merged = merged_engine(res, gcfg, 1)
     halves = {"merged_rmse": _rmse(merged, grid, truth), "single_rmse": _rmse(single, grid, truth),
@@ -79,7 +79,7 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     strips = []
     for k in range(kmax):
         x, y = _drive(world, (AREA[0], edges[k], AREA[2], edges[k + 1]), plan["merge_strip_seconds"], rate, 10 + k)
-        strips.append(source_from_engine(_train(ModelConfig(device="cpu", num_inducing=plan["merge_strip_m"]), x, y,
+        strips.append(source_from_engine(_train(ModelConfig(device="cpu", tile_size=0.0, num_inducing=plan["merge_strip_m"]), x, y,
                                                 batch), f"strip{k}"))
     timing = []
     for count in plan["merge_sources"]:
@@ -89,7 +89,7 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
         row = {"sources": count, "global_m": gm}
         for label, steps in (("closed_form", 0), ("learned", plan["merge_steps"])):
             start = time.perf_counter()
-            r = merge(used, ModelConfig(device="cpu", num_inducing=gm), steps=steps)
+            r = merge(used, ModelConfig(device="cpu", tile_size=0.0, num_inducing=gm), steps=steps)
             row[f"{label}_seconds"] = time.perf_counter() - start
         covered = grid[:, 1] < edges[count]
         row["rmse_covered"] = float(np.sqrt(np.mean((r.predict(grid[covered])[0][:, 0].numpy()

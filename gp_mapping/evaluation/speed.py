@@ -39,7 +39,7 @@ def shipped_config(device: str = "cpu") -> MapperConfig:
 def engine_sweep(plan: dict, device: str, log: Callable[[str], None]) -> dict[str, Any]:
     """bench_engine's latency sweep (M, memory, full/fast, grid sizes) on the simulated stream."""
     x, y, area = bench_engine.load_stream("sim", 0)
-    base = ModelConfig(device=device, seed=0)
+    base = ModelConfig(device=device, seed=0, tile_size=0.0)  # the engine itself, not tiles of it
     updates, grids = bench_engine.run_sweep(plan, base, x, y, area, int(bench_engine.SAMPLE_RATE_HZ), log=log)
     return {"device": device, "data": "sim", "batch": int(bench_engine.SAMPLE_RATE_HZ), "updates": updates,
             "grids": grids}

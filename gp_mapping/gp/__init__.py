@@ -56,9 +56,9 @@ def build_model(model_config: ModelConfig | Mapping[str, Any], input_dims: int, 
     except KeyError:
         raise ConfigError(f"unknown engine {model_config.engine!r}; registered: {', '.join(sorted(ENGINES))}",
                           "engine") from None
-    # Local submaps: tiles of this engine (gp/tiled.py). Engines that cover a growing map their own way
-    # (smc_experts, var_gp) are not tiled.
-    if model_config.tile_size > 0 and can_tile(factory):
+    # Local submaps: tiles of this engine (gp/tiled.py) over the plane. Engines that cover a growing map their
+    # own way (smc_experts, var_gp) and 1-D inputs (a series, not a map) are not tiled.
+    if model_config.tile_size > 0 and can_tile(factory) and int(input_dims) >= 2:
         return TiledModel(model_config, int(input_dims), int(output_dims), factory)
     return factory(model_config, int(input_dims), int(output_dims))
 

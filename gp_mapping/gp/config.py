@@ -210,9 +210,11 @@ class ModelConfig:
                                  choices=("refine", "freeze"))
     vargp_block_memory: int = option(1024, doc="var_gp: most samples of the current block's data kept for its "
                                      "bound (a uniform weighted sample above it)", low=1, high=1_000_000)
-    tile_size: float = option(0.0, doc="local submaps: side of the square tiles that each hold their own engine "
-                              "with num_inducing points, for areas larger than a room (README 'Large areas'); 0: one "
-                              "global engine [m]", low=0.0, high=1e5)
+    tile_size: float = option(12.0, doc="local submaps: side of the square tiles, centred on the map origin, that "
+                              "each hold their own engine with num_inducing points, so a map grows at constant cost "
+                              "(README 'Large areas'); a room within 5 m of the origin stays in one tile and maps as "
+                              "one engine. smc_experts and var_gp cover a growing map their own way and are not "
+                              "tiled; 0: one global engine [m]", low=0.0, high=1e5)
     tile_overlap: float = option(2.0, doc="tiles: width of the band around a tile border where two tiles share the "
                                  "data and their maps are blended; at most tile_size (and tile_height) [m]", low=0.0,
                                  low_open=True, high=1e5)

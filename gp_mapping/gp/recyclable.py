@@ -537,6 +537,7 @@ def merged_engine(result: MergeResult, model_config, output_dims: int):
 
     cfg = copy.deepcopy(model_config)
     cfg.engine = "dual_svgp"
+    cfg.tile_size = 0.0
     cfg.num_inducing = max(int(cfg.num_inducing), int(result.z.shape[0]))
     if cfg.inducing == "grid":
         cfg.inducing = "pivoted_cholesky"

@@ -29,8 +29,8 @@ set the shared theta made it swing (a lengthscale from 2.4 m to 0.45 m within tw
 and the map lose 30 % of its accuracy on ground it revisited. Alone, a tile's proposal is the consensus, so a
 map that has one tile (a room) learns exactly as one engine does; an earlier rule, a running average of all
 proposals ever made (theta += (n_t / N) (theta_t - theta)), slowed a lone tile's learning as 1 / N and cost
-2 % on Solin protocol 1. Each tile records the hyperparameters theta_t its posterior was last fitted under. A tile is never changed when others learn; when
-it is next *updated* it is first carried to the current theta by its engine's ``hyperparameter_change()``
+2 % on Solin protocol 1. Each tile records the hyperparameters theta_t its posterior was last fitted under. A
+tile is never changed when others learn; when it is next *updated* it is first carried to the current theta by its engine's ``hyperparameter_change()``
 (dual_svgp: the old data's pseudo-likelihood on u = f(Z) is kept, held data are recomputed -- the same
 transport the engine applies to its own hyperparameter steps). continual_mogp has no such hook and needs
 none: its q(u) on u = f(Z) is stored unwhitened and is kept as the prior changes (its own convention
@@ -48,13 +48,15 @@ update for hyperparameters already learned (measured over the 30-minute ``large`
 early and late, against 2 with the shared count, and 3.6 x the CPU time per update), and an update in a
 tile that had filled up (all M inducing points, a full memory) cost more than one in a young tile.
 
-Target scaling. Shared hyperparameters live in standardised units, so the tiles must standardise alike:
-the wrapper keeps running per-output means and variances of every sample it has seen, and a new tile gets
-the current values. A tile keeps that scale: the engines' own adaptive re-scaling would put each tile in its
-own unit, so every engine's set_standardisation fixes it. The first tile is the exception while it is alone:
-with no other tile to agree with, it adapts its scale as a single engine does (a robot that stands still for its
-first second gives a first batch whose spread is the sensor noise, a thousandth of the field's), and its scale
-is fixed where it has got to when the second tile is made.
+Target scaling. Shared hyperparameters live in standardised units, so all tiles standardise in one unit
+(``scale_offset``, ``scale_std``), which adapts as a single engine's does (base.Engine._track_targets): the
+wrapper keeps running per-output means and variances of every sample it has seen, the first batch sets the
+unit, and when the statistics drift from it (base.scale_drifted) every tile is re-expressed in the new unit by
+its engine's set_standardisation (exact in the data; the noise once learned), under its own hyperparameters.
+A unit fixed at the first batch failed on a robot that stands still for its first second: the batch's spread is
+the sensor noise, a thousandth of the field's. The engines' own adaptive re-scaling is off in tiles (it would put
+each tile in its own unit). Re-expressions are rare (logarithmic in how far the first unit was off) and cost one
+re-expression per tile. With one tile this is the single engine's rule on the same data, bit for bit.
 
 Blending (partition of unity). Per axis, with r(u) = 6u^5 - 15u^4 + 10u^3 on u clamped to [0, 1] (C^2,
 r(0) = 0, r(1) = 1, r(u) + r(1 - u) = 1, flat at both ends), tile i's weight at coordinate x is
@@ -425,8 +427,9 @@ class TiledModel(Engine):
         elif scale_drifted(mean, std, self.scale_offset, self.scale_std):
             self.scale_offset.copy_(mean)
             self.scale_std.copy_(std)
-            for key, slot in self.tiles.items():
-                self._rescale_tile(key, slot)
+            # A fixed order: a reloaded map (its tiles in the file's order) sums alike.
+            for key in sorted(self.tiles.keys()):
+                self._rescale_tile(key, self.tiles[key])
             self.rescalings_t += 1
         shared = self._theta()
         self._scale(self.prior)
@@ -649,6 +652,23 @@ class TiledModel(Engine):
             for rows, terms in parts:
                 total.index_add_(0, rows, torch.exp(terms - top[rows]))
             return top + torch.log(total)
+
+    # ------------------------------------------------------------------ merging maps
+    def recyclable_summary(self) -> dict:
+        """The summary of a map of one tile (a room) for merging maps (gp/recyclable.py): its engine's, under
+        the hyperparameters it was fitted with. Several tiles overlap and share the data in their bands, so
+        summing them would count those data twice: such maps cannot be merged yet (a MergeError says so)."""
+        from .recyclable import MergeError
+
+        if self.num_tiles != 1:
+            raise MergeError(f"a map of {self.num_tiles} tiles cannot be merged yet (overlapping tiles share "
+                             "data): only maps of one tile, or made with model.tile_size 0")
+        slot = next(iter(self.tiles.values()))
+        summarise = getattr(slot.engine, "recyclable_summary", None)
+        if summarise is None:
+            raise MergeError(f"engine {type(slot.engine).__name__} cannot be summarised for a merge")
+        with self._hyperparameters(slot.theta):
+            return summarise()
 
     # ------------------------------------------------------------------ state
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

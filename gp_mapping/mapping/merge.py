@@ -213,6 +213,7 @@ def merged_config(sources: Sequence[MapSource], config: MapperConfig | None = No
     for section, key in MERGE_DEFINING_KEYS:
         setattr(getattr(cfg, section), key, getattr(getattr(sources[0].config, section), key))
     cfg.model.engine = "dual_svgp"
+    cfg.model.tile_size = 0.0  # the merged map is one engine
     if cfg.model.inducing == "grid":
         cfg.model.inducing = "pivoted_cholesky"
     return cfg
