@@ -272,6 +272,7 @@ class TiledModel(Engine):
         self.prior = factory(self._tile_config((0,) * self.layout.dims), d, p)
         cls = type(self.prior)
         self._shared_names = tuple(getattr(cls, "SHARED_HYPERPARAMETERS", _SHARED_BY_ENGINE.get(cls.__name__, ())))
+        self._shared_list: list[torch.Tensor] | None = None
         if not self._shared_names:
             raise ConfigError(f"engine {config.engine!r} does not say which of its parts are hyperparameters "
                               "(SHARED_HYPERPARAMETERS); it cannot be tiled", "tile_size")
@@ -326,11 +327,19 @@ class TiledModel(Engine):
 
     # ------------------------------------------------------------------ shared hyperparameters
     def _shared_parameters(self) -> list[torch.Tensor]:
-        out = []
-        for name in self._shared_names:
-            part = getattr(self.prior, name)
-            out.extend(part.parameters() if isinstance(part, nn.Module) else [part])
-        return out
+        # Looked up once (a walk over the modules costs more than the rest of _theta); a load or a move to
+        # another device may replace the tensors, so both drop the list.
+        if self._shared_list is None:
+            out = []
+            for name in self._shared_names:
+                part = getattr(self.prior, name)
+                out.extend(part.parameters() if isinstance(part, nn.Module) else [part])
+            self._shared_list = out
+        return self._shared_list
+
+    def _apply(self, fn, *args, **kwargs):
+        self._shared_list = None
+        return super()._apply(fn, *args, **kwargs)
 
     def _theta(self) -> torch.Tensor:
         params = self._shared_parameters()
@@ -431,6 +440,9 @@ class TiledModel(Engine):
             for key in sorted(self.tiles.keys()):
                 self._rescale_tile(key, self.tiles[key])
             self.rescalings_t += 1
+        else:
+            return
+        self._journal_prior()
         shared = self._theta()
         self._scale(self.prior)
         self._set_theta(shared)  # the prior holds no data: re-expressing it must not move the shared parts
@@ -482,8 +494,12 @@ class TiledModel(Engine):
         """Start recording what the next updates change, so that :meth:`rollback` can undo them; the record
         holds only the tiles touched (the cost does not grow with the map)."""
         self._journal = {"tiles": {}, "shared": self._theta(),
-                         "buffers": {name: buf.detach().clone() for name, buf in self._buffers.items()},
-                         "prior": {k: v.detach().clone() for k, v in self.prior.state_dict().items()}}
+                         "buffers": {name: buf.detach().clone() for name, buf in self._buffers.items()}}
+
+    def _journal_prior(self) -> None:
+        """Record the prior engine before its unit changes (the only change to it that is not the shared theta)."""
+        if self._journal is not None and "prior" not in self._journal:
+            self._journal["prior"] = {k: v.detach().clone() for k, v in self.prior.state_dict().items()}
 
     def _journal_tile(self, key: str) -> None:
         if self._journal is None or key in self._journal["tiles"]:
@@ -506,7 +522,8 @@ class TiledModel(Engine):
                 if key not in self.tiles:
                     self.tiles[key] = self._new_tile(parse_tile_key(key))
                 self.tiles[key].load_state_dict(state)
-        self.prior.load_state_dict(journal["prior"])
+        if "prior" in journal:
+            self.prior.load_state_dict(journal["prior"])
         self._set_theta(journal["shared"])
         with torch.no_grad():
             for name, value in journal["buffers"].items():
@@ -712,6 +729,7 @@ class TiledModel(Engine):
             state_dict = {**state_dict, "hyper_steps_t": torch.tensor(steps, dtype=torch.int64)}
         # The shared parts appear under every tile too (one module): every copy holds the same values.
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self._shared_list = None  # (assign=True replaces the tensors)
         if recount:
             self._recount_proposals()
         self._journal = None
