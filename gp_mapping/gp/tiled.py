@@ -113,11 +113,16 @@ _TILE_PREFIX = "tiles."
 FAST_FRACTION = 0.25
 
 
+def shared_hyperparameter_names(engine_class) -> tuple[str, ...]:
+    """The parts of an engine class that its tiles share (its ``SHARED_HYPERPARAMETERS``, or the table above)."""
+    return tuple(getattr(engine_class, "SHARED_HYPERPARAMETERS",
+                         _SHARED_BY_ENGINE.get(getattr(engine_class, "__name__", ""), ())))
+
+
 def can_tile(engine_class) -> bool:
     """Whether an engine class says which of its parts are the hyperparameters its tiles share. smc_experts and
     var_gp do not: they cover a growing map their own way (experts opened anywhere; region blocks)."""
-    return bool(getattr(engine_class, "SHARED_HYPERPARAMETERS", _SHARED_BY_ENGINE.get(
-        getattr(engine_class, "__name__", ""), ())))
+    return bool(shared_hyperparameter_names(engine_class))
 
 
 def smootherstep(u: torch.Tensor) -> torch.Tensor:
@@ -270,8 +275,7 @@ class TiledModel(Engine):
         # An engine that never sees data: the owner of the shared hyperparameters, and the prior where no tile
         # exists. Its scaling follows the running target statistics.
         self.prior = factory(self._tile_config((0,) * self.layout.dims), d, p)
-        cls = type(self.prior)
-        self._shared_names = tuple(getattr(cls, "SHARED_HYPERPARAMETERS", _SHARED_BY_ENGINE.get(cls.__name__, ())))
+        self._shared_names = shared_hyperparameter_names(type(self.prior))
         self._shared_list: list[torch.Tensor] | None = None
         if not self._shared_names:
             raise ConfigError(f"engine {config.engine!r} does not say which of its parts are hyperparameters "
@@ -374,9 +378,9 @@ class TiledModel(Engine):
         running sums sum_t n_t theta_t and sum_t n_t, so that it costs the same however many tiles exist. A lone
         tile's proposal is the consensus bit for bit (one tile maps as one engine). Parameters that no longer
         learn (continual_mogp's frozen mixing matrix) keep their value."""
-        current = self._theta()
         if len(self.tiles) == 1 or float(self.consensus_weight) <= 0.0:
             return proposal
+        current = self._theta()
         learning = torch.cat([torch.full((q.numel(),), bool(q.requires_grad), device=current.device)
                               for q in self._shared_parameters()])
         return torch.where(learning, self.consensus_sum / self.consensus_weight, current)
