@@ -4,7 +4,8 @@ Each argument is a map state file (``~/save_map``, checkpoints, ``gp-mapping rep
 followed by ``@x,y,yaw_deg`` (or ``@x,y,z,yaw_deg``): the rigid transform from that map's frame into the merged
 frame. Writes ``DIR/merged.safetensors`` (a state file: start a node from it with ``node.initial_map``, or merge
 it again), ``DIR/map.npz`` and ``DIR/map.png`` (as the replay writes them). Maps made from the same data (one
-map twice, a map and a map merged or continued from it) are refused: their data would count twice.
+map twice, a map and a map merged or continued from it) are refused: their data would count twice. Tiled maps
+merge tile by tile into a map tiled alike (gp_mapping/mapping/merge.py).
 """
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=None,
                         help="parameter YAML for the merged map (model kernel, num_inducing, grid); default: the "
                              "first map's config")
-    parser.add_argument("--steps", type=int, default=100,
-                        help="Adam steps on the global inducing inputs and hyperparameters (default 100; 0: none)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="Adam steps on the global inducing inputs and hyperparameters (per tile for tiled maps; "
+                             "default 100 for maps of one engine, 0 (the closed form) for tiled maps; 0: none)")
     parser.add_argument("--num-inducing", type=int, default=None,
-                        help="global inducing points (default: the sum of the maps', up to 1024 or model.num_inducing)")
+                        help="global inducing points, per tile for tiled maps (default: the sum of the maps', up "
+                             "to 1024 or model.num_inducing)")
 
 
 def _split(arg: str) -> tuple[Path, str | None]:
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"gp-mapping merge: error: {message}", file=sys.stderr)
         return 1
 
-    if args.steps < 0 or (args.num_inducing is not None and args.num_inducing < 1):
+    if (args.steps is not None and args.steps < 0) or (args.num_inducing is not None and args.num_inducing < 1):
         return fail("--steps must be >= 0 and --num-inducing >= 1")
     try:
         config = load_config(args.config) if args.config else None
@@ -70,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
         png = draw_map(out / "map.png", grid, mapper.trajectory, f"merged: {len(sources)} maps")
     except (ConfigError, MapStateError, MergeError, GridError, OSError) as err:
         return fail(str(err))
-    print(f"merged {len(sources)} maps ({result.num_data} samples, {result.z.shape[0]} inducing points, bound "
-          f"{result.bound:.1f} after {result.steps} steps, {result.seconds:.1f} s)")
+    tiles = f"{result.tiles} tiles of up to " if hasattr(result, "tiles") else ""
+    print(f"merged {len(sources)} maps ({result.num_data} samples, {tiles}{result.num_inducing} inducing points, "
+          f"bound {result.bound:.1f} after {result.steps} steps, {result.seconds:.1f} s)")
     for path in (state, npz, png):
         print(f"wrote {Path(path).resolve()}")
     return 0

@@ -42,7 +42,8 @@ def generate_launch_description() -> LaunchDescription:
             output="screen",
             parameters=[
                 LaunchConfiguration("params_file"),
-                # Maps meant for merging are one engine each: a map of several tiles cannot be merged yet.
+                # Live merging takes one summary per map: a map of several tiles has none (it merges from its
+                # state file, tile by tile), so these maps are one engine each.
                 {"use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"), value_type=bool),
                  "model.tile_size": 0.0},
             ],

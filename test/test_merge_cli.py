@@ -11,9 +11,12 @@ from gp_mapping.config import config_from_dict
 from gp_mapping.mapping.mapper import Mapper
 from gp_mapping.mapping.merge import DuplicateSourceError, MapSource, merge_maps, parse_transform
 
-# Maps meant for merging are made untiled (a map of several tiles cannot be merged yet).
+# One engine per map here; tiled maps (merged tile by tile) have their own test below.
 CONFIG = {"model": {"num_inducing": 48, "device": "cpu", "tile_size": 0.0}, "grid": {"resolution": 0.25},
           "batching": {"size": 50}}
+TILED = {"model": {"num_inducing": 32, "device": "cpu", "tile_size": 5.0, "tile_overlap": 1.5},
+         "grid": {"resolution": 0.25}, "batching": {"size": 50}}
+TILED_SHIFT = np.array([10.0, -5.0])  # whole tiles of TILED
 SHIFT = np.array([10.0, -3.0])  # robot B's own frame: map = robot + SHIFT, rotated by YAW
 YAW = 90.0
 
@@ -24,10 +27,10 @@ def _record(world, area, seed):
                         sim.SensorConfig(noise_std=0.1e-6), seed=seed)
 
 
-def _map(rec, to_robot=None) -> Mapper:
+def _map(rec, to_robot=None, config=None) -> Mapper:
     """A mapper fed the recording; with ``to_robot`` (a Rotation and a shift) the poses are given in the robot's
     own frame (map = R robot + shift): the magnitude does not depend on the frame."""
-    mapper = Mapper(config_from_dict(CONFIG))
+    mapper = Mapper(config_from_dict(config or CONFIG))
     for k, t in enumerate(rec.t):
         pos, quat = rec.position[k], rec.orientation_xyzw[k]
         if to_robot is not None:
@@ -154,3 +157,55 @@ def test_model_summaries_round_trip_and_bad_ones_are_refused(saved_maps):
         tampered = MapSource(**{**src.__dict__, "summary": {**src.summary, key: value}})
         with pytest.raises(SummaryError, match="NaN|expected"):
             decode_summary(encode_summary(tampered), 10**8)
+
+
+def test_tiled_maps_merge_tile_by_tile_into_a_tiled_map_a_node_continues(tmp_path, capsys):
+    """Maps made with tiles (the shipped setting) merge tile by tile: robot B's frame is a quarter turn and whole
+    tiles from the map frame, so its tiles land on tiles. The merged map is tiled alike, loads with the same
+    config (what node.initial_map does), keeps mapping, and maps both halves far better than either. A frame
+    that does not carry tiles onto tiles, a tiled map with a map of one engine, and a several-tile map's summary
+    for ~/model are refused with the reason."""
+    from gp_mapping.gp import TiledModel
+    from gp_mapping.gp.recyclable import MergeError
+    from gp_mapping.mapping.merge import SummaryError, encode_summary
+
+    world = sim.World.from_config(sim.WorldConfig(area=(-5, -5, 5, 5), depth_range=(1.0, 2.5)),
+                                  np.random.default_rng(3))
+    a = _map(_record(world, (-5, -5, 0, 5), 1), config=TILED)
+    b = _map(_record(world, (0, -5, 5, 5), 2), (Rotation.from_euler("z", YAW, degrees=True), TILED_SHIFT),
+             config=TILED)
+    assert a.model.num_tiles > 1 and b.model.num_tiles > 1
+    a.save(tmp_path / "A.safetensors")
+    b.save(tmp_path / "B.safetensors")
+    b_frame = f"{TILED_SHIFT[0]},{TILED_SHIFT[1]},{YAW}"
+    out = tmp_path / "out"
+    assert main(["merge", str(tmp_path / "A.safetensors"), f"{tmp_path / 'B.safetensors'}@{b_frame}",
+                 "--out", str(out)]) == 0  # per tile the closed form by default
+    assert "tiles of up to" in capsys.readouterr().out
+    merged = Mapper.load(out / "merged.safetensors", config=config_from_dict(TILED))
+    assert isinstance(merged.model, TiledModel) and merged.model.layout == a.model.layout
+    assert merged.model.num_seen == a.model.num_seen + b.model.num_seen
+    b_moved = merge_maps([MapSource.from_mapper("B", b, parse_transform(b_frame))], steps=0)[0]
+    assert set(merged.model.tile_indices()) == set(a.model.tile_indices()) | set(b_moved.model.tile_indices())
+    grid = merged.grid()
+    rmse = _rmse_known(grid, world)
+    c = grid.spec.cell_centres()
+    inside = np.asarray(grid.known).reshape(-1) & (np.abs(c[:, 0]) < 4.5) & (np.abs(c[:, 1]) < 4.5)
+    truth = world.magnitude(np.column_stack([c[inside], np.zeros(int(inside.sum()))])) * 1e6
+    for half in (a, b_moved):
+        alone = float(np.sqrt(np.mean((half.model.predict(c[inside])[0][:, 0].numpy() - truth) ** 2)))
+        with capsys.disabled():
+            print(f"tiled: merged {rmse:.3f} uT, one half alone {alone:.3f} uT")
+        assert rmse < 0.5 * alone
+    before = merged.model.num_seen
+    merged.model.update(np.array([[0.0, 0.0], [0.1, 0.0]]), np.array([[50.0], [50.1]]))
+    assert merged.model.num_seen == before + 2
+    # Refusals, each with its reason.
+    assert main(["merge", str(tmp_path / "A.safetensors"), f"{tmp_path / 'B.safetensors'}@{SHIFT[0]},{SHIFT[1]},"
+                 f"{YAW}", "--out", str(tmp_path / "bad")]) == 1
+    assert "carry its tiles onto tiles" in capsys.readouterr().err
+    untiled = _map(_record(world, (0, -5, 5, 5), 2), config=CONFIG)
+    with pytest.raises(MergeError, match="merges tile by tile, only with maps tiled alike"):
+        merge_maps([MapSource.from_mapper("A", a), MapSource.from_mapper("B", untiled)], steps=0)
+    with pytest.raises(SummaryError, match="no single summary"):
+        encode_summary(MapSource.from_mapper("A", a))

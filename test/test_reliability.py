@@ -449,3 +449,26 @@ def test_node_keeps_publishing_after_a_50_km_teleport(node_factory):
     assert node._counts["maps_published"] == 2 and node._last_error == "", node._last_error
     spec = node._last_grid.spec
     assert spec.num_cells <= 40 * 40 and spec.origin_x <= far + 4.0 <= spec.origin_x + spec.width * spec.resolution
+
+
+def test_a_map_of_several_tiles_sends_no_model_summary_and_says_so_once_without_an_error(node_factory):
+    """~/model carries one summary per map, which a map of several tiles has not (it merges from its state file,
+    tile by tile): the node counts the periods it sends none (`tiled` in the diagnostics), warns once, and stays
+    free of errors. A map still in one tile sends its summary as before."""
+    node = node_factory(**NODE_PARAMS, **{"model.tile_size": 4.0, "model.tile_overlap": 0.5})
+    _feed_node(node, 21, x0=-1.0)  # x -1..1 m: in tile 0's core [-1.75, 1.75]
+    _wait_idle(node)
+    assert node.mapper.model.num_tiles == 1
+    assert node.publish_model() and node._model["sent"] == 1
+    _feed_node(node, 41, t0=110.0, x0=3.0)  # x 3..7 m: on into tiles 1 and 2
+    _wait_idle(node)
+    assert node.mapper.model.num_tiles > 1
+    assert not node.publish_model()
+    assert node._model["tiled"] == 1 and node._model["failed"] == 0 and node._last_error == ""
+    published = []
+    node._diag_pub.publish = published.append
+    node._publish_diagnostics()
+    status = published[-1].status[0]
+    values = {kv.key: kv.value for kv in status.values}
+    assert values["node/model_summaries_tiled"] == "1" and values["node/model_summaries_failed"] == "0"
+    assert status.message == "mapping"

@@ -499,9 +499,10 @@ def test_tiles_on_cuda_match_the_cpu(drive):
         np.testing.assert_allclose(b.cpu().numpy(), a.numpy(), atol=1e-6, rtol=1e-6)
 
 
-def test_a_map_of_one_tile_merges_and_a_map_of_several_is_refused_by_name(drive):
+def test_a_map_of_one_tile_summarises_as_its_engine_and_a_map_of_several_has_no_single_summary(drive):
     """Merging maps (gp/recyclable.py) takes a map of one tile as its engine's summary; overlapping tiles share
-    their bands' data, so a map of several tiles is refused with a MergeError that says why."""
+    their bands' data, so a map of several tiles has no single summary (a MergeError says why): it merges tile
+    by tile (the tests below)."""
     from gp_mapping.gp.recyclable import MergeError
 
     x, y = samples(drive)
@@ -515,5 +516,61 @@ def test_a_map_of_one_tile_merges_and_a_map_of_several_is_refused_by_name(drive)
             assert torch.equal(a[key], b[key]), key
     assert a["num_seen"] == b["num_seen"] == 300
     several = stream(build_model(model_config(), 2, 1), *samples(drive))
-    with pytest.raises(MergeError, match="tiles cannot be merged"):
+    with pytest.raises(MergeError, match="no single summary"):
         several.recyclable_summary()
+
+
+def test_tiled_maps_of_two_robots_merge_tile_by_tile_as_well_as_one_map_of_all_their_data(drive):
+    """Robot A maps the west half, robot B the east half, each with tiles; merged tile by tile (each merged tile
+    the merge of the sources' tiles of one span, so a band's data are counted once per tile), the map of both is
+    as good as one tiled map fed all the data and far better than either half. Measured when written: A 3.14, B
+    2.23, all data 0.094, merged 0.073 uT (the merged tiles hold up to twice the inducing points)."""
+    from gp_mapping.gp.tiled import merge_tiled
+
+    x, y = samples(drive)
+    test_x, truth = held_out(drive)
+    west = x[:, 0] < 4.0
+    a = stream(build_model(model_config(), 2, 1), x[west], y[west])
+    b = stream(build_model(model_config(), 2, 1), x[~west], y[~west])
+    both = stream(build_model(model_config(), 2, 1), x, y)
+
+    def rmse(model):
+        return float(np.sqrt(np.mean((model.predict(test_x)[0][:, 0].numpy() - truth) ** 2)))
+
+    merged, result = merge_tiled([("A", a.tile_summaries(), None), ("B", b.tile_summaries(), None)],
+                                 model_config(), steps=30)
+    assert isinstance(merged, TiledModel) and merged.layout == both.layout
+    assert set(merged.tile_indices()) == set(a.tile_indices()) | set(b.tile_indices())
+    assert result.tiles == merged.num_tiles and merged.num_seen == a.num_seen + b.num_seen == len(x)
+    print(f"A {rmse(a):.3f} B {rmse(b):.3f} all data {rmse(both):.3f} merged {rmse(merged):.3f} uT")
+    assert rmse(merged) <= 1.25 * rmse(both)
+    assert rmse(merged) < 0.2 * min(rmse(a), rmse(b))
+    # The merged map is a tiled map like any: it keeps mapping (tiles brought to the consensus first).
+    before = merged.num_seen
+    merged.update(x[:50], y[:50])
+    assert merged.num_seen == before + 50 and rmse(merged) <= 1.25 * rmse(both)
+
+
+def test_a_tiled_map_moved_onto_its_lattice_merges_to_itself_exactly_and_other_moves_are_refused(drive):
+    """One source, no optimisation steps: the merged tiles are the source's (the ensemble bound is 0 there) in
+    the moved frame, here a quarter turn and a shift by whole tiles, so the merged map at the moved points is
+    the source's map to rounding. A move that does not carry tiles onto tiles (their spans, and so their data,
+    would straddle tiles), other tile sizes and a mix with a map of one engine are refused by name."""
+    from gp_mapping.gp.recyclable import MergeError, RigidTransform
+    from gp_mapping.gp.tiled import merge_tiled
+
+    source = stream(build_model(model_config(), 2, 1), *samples(drive))
+    test_x, _ = held_out(drive)
+    move = RigidTransform.planar(x=8.0, y=-4.0, yaw=np.pi / 2)
+    moved, _ = merge_tiled([("A", source.tile_summaries(), move)], model_config(), steps=0)
+    assert moved.num_tiles == source.num_tiles
+    mean, var = source.predict(test_x)
+    mean_m, var_m = moved.predict(move.apply_inputs(torch.as_tensor(test_x)))
+    torch.testing.assert_close(mean_m, mean, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(var_m, var, rtol=1e-7, atol=1e-9)
+    for bad in (RigidTransform.planar(x=1.0), RigidTransform.planar(yaw=np.pi / 6)):
+        with pytest.raises(MergeError, match="carry its tiles onto tiles"):
+            merge_tiled([("A", source.tile_summaries(), bad)], model_config(), steps=0)
+    other = stream(build_model(model_config(tile_size=6.0), 2, 1), *samples(drive))
+    with pytest.raises(MergeError, match="must share model.tile_size"):
+        merge_tiled([("A", source.tile_summaries(), None), ("B", other.tile_summaries(), None)], model_config())

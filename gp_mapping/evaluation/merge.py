@@ -6,6 +6,10 @@
 2. Merge time against the number of sources: K robots (1..16) each map one east-west strip of the world; the
    merge of their maps is timed with the closed-form q(u*) only (no gradient steps) and with ``merge_steps``
    Adam steps on Z* and the kernel, with the merged map's RMSE.
+3. Two sessions of a building (``merge_sessions``): the ``large`` section's 2-D drive (its plan keys) cut into
+   its first and second half, each mapped with the shipped model section (tiles as shipped), merged tile by tile
+   (gp/tiled.py ``merge_tiled``) in closed form and with ``merge_steps`` Adam steps per tile; against one map of
+   the whole drive and each session alone, RMSE of |B| at the large section's test points.
 """
 from __future__ import annotations
 
@@ -97,7 +101,61 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
         timing.append(row)
         log(f"  {count:2d} sources, M* {gm}: {row['closed_form_seconds']:.2f} s closed form, "
             f"{row['learned_seconds']:.2f} s with {plan['merge_steps']} steps; RMSE {row['rmse_covered']:.2f} uT")
-    return {"halves": halves, "timing": timing, "steps": plan["merge_steps"]}
+    out = {"halves": halves, "timing": timing, "steps": plan["merge_steps"]}
+    if plan.get("merge_sessions"):
+        out["sessions"] = sessions(plan, log)
+    return out
+
+
+def sessions(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
+    """Part 3 (module docstring): a building mapped in two sessions with the shipped tiles, merged tile by tile."""
+    import dataclasses
+
+    import torch
+
+    from gp_mapping.evaluation import large
+    from gp_mapping.evaluation.speed import shipped_config
+    from gp_mapping.gp import build_model
+    from gp_mapping.gp.tiled import merge_tiled
+
+    rec = large._world_and_drive(plan, 2, seed=int(plan["large_seed"]))
+    test_x, truth = large._test_points(rec, plan, 2, np.random.default_rng(1))
+    x = rec.sensor_position[:, :2]
+    y = np.linalg.norm(rec.field_sensor_tesla, axis=1)[:, None] * 1e6
+    cfg = dataclasses.replace(shipped_config().model, device="cpu")
+    batch = int(plan["large_batch"])
+
+    def mapped(xs: np.ndarray, ys: np.ndarray) -> tuple[Any, float]:
+        model, start = build_model(cfg, 2, 1), time.process_time()
+        for b in range(0, len(xs), batch):
+            model.update(xs[b:b + batch], ys[b:b + batch])
+        return model, time.process_time() - start
+
+    def rmse(model) -> float:
+        with torch.no_grad():
+            return float(np.sqrt(np.mean((model.predict(test_x)[0][:, 0].numpy() - truth) ** 2)))
+
+    half = len(x) // 2 // batch * batch
+    out: dict[str, Any] = {"samples": int(len(x)), "area_m": list(plan["large_area"]),
+                           "tiles": f"{cfg.tile_size:g} m, M = {cfg.num_inducing}, memory {cfg.memory_size}"}
+    for name, rows in (("whole", slice(None)), ("first", slice(0, half)), ("second", slice(half, None))):
+        model, cpu = mapped(x[rows], y[rows])
+        out[name] = {"rmse": rmse(model), "tiles": model.num_tiles, "cpu_s": cpu}
+        if name == "first":
+            first = model
+        elif name == "second":
+            second = model
+    parts = [("first", first.tile_summaries(), None), ("second", second.tile_summaries(), None)]
+    for label, steps in (("closed_form", 0), ("learned", int(plan["merge_steps"]))):
+        start = time.process_time()
+        merged, result = merge_tiled(parts, cfg, steps=steps)
+        out[label] = {"rmse": rmse(merged), "tiles": merged.num_tiles, "cpu_s": time.process_time() - start,
+                      "max_m": result.num_inducing}
+    out["ratio"] = out["learned"]["rmse"] / out["whole"]["rmse"]
+    log(f"  sessions: merged {out['learned']['rmse']:.3f} uT ({out['closed_form']['rmse']:.3f} closed form), "
+        f"whole drive {out['whole']['rmse']:.3f}, sessions alone {out['first']['rmse']:.3f}, "
+        f"{out['second']['rmse']:.3f}")
+    return out
 
 
 def markdown(sec: dict[str, Any]) -> list[str]:
@@ -116,4 +174,18 @@ def markdown(sec: dict[str, Any]) -> list[str]:
               "| sources | M* | closed form s | learned s | RMSE on the covered area |", "|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['sources']} | {r['global_m']} | {r['closed_form_seconds']:.2f} | {r['learned_seconds']:.2f} | "
               f"{r['rmse_covered']:.2f} |" for r in sec["timing"]]
-    return lines + [""]
+    lines += [""]
+    ss = sec.get("sessions")
+    if ss:
+        lines += [f"A building in two sessions (the large section's 2-D drive, {ss['area_m'][0]:g} m x "
+                  f"{ss['area_m'][1]:g} m, {ss['samples']} samples, cut in two halves in time; shipped tiles "
+                  f"{ss['tiles']}), merged tile by tile; RMSE of |B| at the large section's test points, uT; CPU "
+                  "seconds:", "",
+                  "| map | RMSE | tiles | CPU s |", "|---|---:|---:|---:|"]
+        for key, label in (("whole", "one map of the whole drive"), ("first", "first session alone"),
+                           ("second", "second session alone"), ("closed_form", "merged, closed form"),
+                           ("learned", f"merged, {sec['steps']} Adam steps per tile")):
+            lines.append(f"| {label} | {ss[key]['rmse']:.3f} | {ss[key]['tiles']} | {ss[key]['cpu_s']:.1f} |")
+        lines += ["", f"Merged / whole drive: {ss['ratio']:.3f}; largest merged tile M = {ss['learned']['max_m']}.",
+                  ""]
+    return lines

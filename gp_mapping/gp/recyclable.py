@@ -284,6 +284,10 @@ class MergeResult:
     seconds: float
     history: list = field(default_factory=list)
 
+    @property
+    def num_inducing(self) -> int:
+        return int(self.z.shape[0])
+
     def predict(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent mean and variance (N, P) in original units (for checks; the merged engine predicts the same)."""
         x = torch.as_tensor(x, dtype=torch.float64)
@@ -542,6 +546,13 @@ def merged_engine(result: MergeResult, model_config, output_dims: int):
     if cfg.inducing == "grid":
         cfg.inducing = "pivoted_cholesky"
     engine = DualSVGP(cfg, result.z.shape[1], output_dims)
+    load_merged(engine, result)
+    return engine
+
+
+def load_merged(engine, result: MergeResult) -> None:
+    """Make a DualSVGP the merged map: the merged kernel and noise into its modules (a tile's are the ones its
+    tiled map shares), then the merged posterior under them."""
     with torch.no_grad():
         engine.kernel.load_state_dict(result.kernel.state_dict())
         noise = getattr(engine.likelihood, "noise_param", getattr(engine.likelihood, "scale_param", None))
@@ -549,9 +560,8 @@ def merged_engine(result: MergeResult, model_config, output_dims: int):
             noise.set(result.noise.to(engine.device))
     engine.set_recycled_posterior(result.z, result.site_a, result.site_W, result.target_mean,
                                   result.target_scale, result.jitter, result.num_data)
-    return engine
 
 
 __all__ = ["MergeError", "MergeResult", "RawData", "RecyclableMerge", "RigidTransform", "Source", "dual_sum",
-           "initial_inducing", "initial_kernel", "merge", "merged_engine", "sites_from_moments",
+           "initial_inducing", "initial_kernel", "load_merged", "merge", "merged_engine", "sites_from_moments",
            "source_from_engine"]

@@ -96,13 +96,14 @@ import contextlib
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
 from .base import Engine, merge_moments, moments_scale, resolve_device, scale_drifted
 from .config import ModelConfig
 from .errors import ConfigError
+from .recyclable import MergeError, MergeResult, RigidTransform, Source, load_merged, merge
 
 #: the hyperparameter attributes tiles share, by engine class name (an engine may declare its own with a
 #: class attribute ``SHARED_HYPERPARAMETERS``)
@@ -238,6 +239,25 @@ def parse_tile_key(key: str) -> tuple[int, ...]:
         return tuple(int(part) for part in key.split("_"))
     except ValueError:
         raise ValueError(f"not a tile name: {key!r}") from None
+
+
+@dataclasses.dataclass
+class TiledSummary:
+    """A tiled map as merging needs it (:meth:`TiledModel.tile_summaries`): its lattice, each tile's engine
+    summary (``recyclable_summary()``, original target units) by tile index, the tiles' target unit
+    (``scale_offset``, ``scale_std``) and running target statistics, samples seen and shared warm-up steps."""
+
+    layout: TileLayout
+    tiles: dict[tuple[int, ...], dict]
+    input_dims: int
+    output_dims: int
+    num_seen: int
+    hyper_steps: int
+    target_count: torch.Tensor
+    target_mean: torch.Tensor
+    target_m2: torch.Tensor
+    scale_offset: torch.Tensor
+    scale_std: torch.Tensor
 
 
 class _Tile(nn.Module):
@@ -678,18 +698,74 @@ class TiledModel(Engine):
     def recyclable_summary(self) -> dict:
         """The summary of a map of one tile (a room) for merging maps (gp/recyclable.py): its engine's, under
         the hyperparameters it was fitted with. Several tiles overlap and share the data in their bands, so
-        summing them would count those data twice: such maps cannot be merged yet (a MergeError says so)."""
-        from .recyclable import MergeError
-
+        summing them would count those data twice: such a map has no single summary (a MergeError says so) and
+        merges tile by tile instead (:meth:`tile_summaries`, :func:`merge_tiled`)."""
         if self.num_tiles != 1:
-            raise MergeError(f"a map of {self.num_tiles} tiles cannot be merged yet (overlapping tiles share "
-                             "data): only maps of one tile, or made with model.tile_size 0")
+            raise MergeError(f"a map of {self.num_tiles} tiles has no single summary (overlapping tiles share "
+                             "data); it merges tile by tile with maps tiled alike (gp-mapping merge), or make "
+                             "it with model.tile_size 0")
         slot = next(iter(self.tiles.values()))
+        with self._hyperparameters(slot.theta):
+            return self._summary_of(slot)
+
+    def tile_summaries(self) -> "TiledSummary":
+        """What merging needs of this map, tile by tile (:func:`merge_tiled`): the lattice, every tile's engine
+        summary under the hyperparameters its posterior was fitted with, the target unit and statistics."""
+        tiles = {}
+        for key in sorted(self.tiles.keys()):
+            slot = self.tiles[key]
+            with self._hyperparameters(slot.theta):
+                tiles[parse_tile_key(key)] = self._summary_of(slot)
+        cpu = dict(device="cpu")
+        return TiledSummary(layout=self.layout, tiles=tiles, input_dims=self.input_dims,
+                            output_dims=self.output_dims, num_seen=int(self.num_seen),
+                            hyper_steps=int(self.hyper_steps_t),
+                            target_count=self.target_count.to(**cpu).clone(),
+                            target_mean=self.target_mean.to(**cpu).clone(),
+                            target_m2=self.target_m2.to(**cpu).clone(),
+                            scale_offset=self.scale_offset.to(**cpu).clone(),
+                            scale_std=self.scale_std.to(**cpu).clone())
+
+    @staticmethod
+    def _summary_of(slot: _Tile) -> dict:
         summarise = getattr(slot.engine, "recyclable_summary", None)
         if summarise is None:
             raise MergeError(f"engine {type(slot.engine).__name__} cannot be summarised for a merge")
-        with self._hyperparameters(slot.theta):
-            return summarise()
+        return summarise()
+
+    def set_merged_tiles(self, results: dict[tuple[int, ...], MergeResult], summary: "TiledSummary") -> None:
+        """Make this (empty, dual_svgp) tiled map the merge: one merged posterior per tile (:func:`merge_tiled`),
+        each under the hyperparameters its merge learned (the tile's theta_t), the consensus their average
+        weighted by the samples each tile holds, and the unit, statistics and counters of ``summary``."""
+        if self.tiles or self.layout != summary.layout:
+            raise MergeError("merged tiles go into an empty tiled map of the sources' layout")
+        with torch.no_grad():
+            dev = self.device
+            self.target_count.copy_(summary.target_count.to(dev))
+            self.target_mean.copy_(summary.target_mean.to(dev))
+            self.target_m2.copy_(summary.target_m2.to(dev))
+            self.scale_offset.copy_(summary.scale_offset.to(dev))
+            self.scale_std.copy_(summary.scale_std.to(dev))
+            self.scale_set.fill_(True)
+            self.num_seen_t.fill_(int(summary.num_seen))
+            self.hyper_steps_t.fill_(int(summary.hyper_steps))
+            self.lattice_centred.fill_(bool(summary.layout.centred))
+            shared = self._theta()
+            self._scale(self.prior)
+            self._set_theta(shared)
+            self.consensus_sum.zero_()
+            self.consensus_weight.zero_()
+            for index in sorted(results):
+                result = results[index]
+                slot = self._new_tile(index)
+                self.tiles[tile_key(index)] = slot
+                load_merged(slot.engine, result)  # the merged kernel and noise land in the shared modules
+                slot.theta.copy_(self._theta())
+                self._count_proposal(slot, (0.0, torch.zeros_like(slot.theta)))
+                self.max_jitter.fill_(max(float(self.max_jitter), float(result.jitter)))
+            if float(self.consensus_weight) > 0:
+                self._set_theta(self.consensus_sum / self.consensus_weight)
+        self._journal = None
 
     # ------------------------------------------------------------------ state
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -747,4 +823,139 @@ class TiledModel(Engine):
                 f"overlap={self.layout.overlap}, tiles={self.num_tiles}, engine={self.config.engine}")
 
 
-__all__ = ["TileLayout", "TiledModel", "can_tile", "parse_tile_key", "smootherstep", "tile_key"]
+# ---------------------------------------------------------------------------------------------- merging maps
+@dataclasses.dataclass
+class TiledMergeResult:
+    """What a tile-by-tile merge did: tiles made, samples merged, the largest tile's inducing points, the sum of
+    the tiles' ensemble bounds and Adam steps, seconds."""
+
+    tiles: int
+    num_data: int
+    num_inducing: int
+    bound: float
+    steps: int
+    seconds: float
+
+
+def moved_tile(layout: TileLayout, index: tuple[int, ...], input_dims: int,
+               transform: RigidTransform | None) -> tuple[int, ...]:
+    """The tile of ``layout`` that tile ``index`` becomes when its map is moved by ``transform``; a MergeError
+    unless the move carries the lattice onto itself (quarter turns, and shifts by whole tiles along the
+    tiled axes), since only then is a moved tile's span, and so its data, one tile's span."""
+    if transform is None:
+        return tuple(index)
+    d, n = int(input_dims), layout.dims
+    rot = transform.rotation[:d, :d]
+    perm = rot.round()
+    whole = bool((rot - perm).abs().max() <= 1e-9)
+    for a in range(n):
+        b = int(perm[:, a].abs().argmax())
+        whole = whole and b < n and layout.sizes[b] == layout.sizes[a]
+    shift = 0.0 if layout.centred else 0.5
+    centre = torch.zeros(1, d, dtype=torch.float64)
+    centre[0, :n] = torch.tensor([(i + shift) * size for i, size in zip(index, layout.sizes)], dtype=torch.float64)
+    moved = transform.apply_inputs(centre)[0, :n]
+    sizes = torch.tensor(layout.sizes, dtype=torch.float64)
+    target = torch.round(moved / sizes - shift)
+    if not whole or float(((target + shift) * sizes - moved).abs().max()) > 1e-6 * float(sizes.min()):
+        raise MergeError(f"a tiled map merges tile by tile, so its frame transform must carry its tiles onto "
+                         f"tiles: quarter turns and shifts by whole tiles ({', '.join(f'{s:g}' for s in layout.sizes)}"
+                         " m); give maps in one frame, or make them with model.tile_size 0")
+    return tuple(int(i) for i in target.tolist())
+
+
+def _merged_statistics(summaries: Sequence[TiledSummary], transforms: Sequence[RigidTransform | None]):
+    """The sources' running target statistics pooled (a vector target's moved by each frame's rotation, its
+    channels' cross terms dropped as in recyclable.Source.transformed), and the merged map's unit: the first
+    source's while the pooled statistics have not drifted from it (base.scale_drifted), else theirs."""
+    p = summaries[0].output_dims
+
+    def moved(transform, centre: torch.Tensor, spread: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if transform is None or p != 3:
+            return centre.clone(), spread.clone()
+        return transform.rotation @ centre, (transform.rotation ** 2) @ spread
+
+    count = torch.zeros(p, dtype=torch.float64)
+    mean = torch.zeros(p, dtype=torch.float64)
+    m2 = torch.zeros(p, dtype=torch.float64)
+    for summary, transform in zip(summaries, transforms):
+        c = summary.target_count.clone()
+        mu, s2 = moved(transform, summary.target_mean, summary.target_m2)
+        total = count + c
+        share = torch.where(total > 0, c / total.clamp_min(1.0), torch.zeros_like(total))
+        delta = mu - mean
+        mean += delta * share
+        m2 += s2 + delta * delta * count * share
+        count = total
+    offset, std = moments_scale(count, mean, m2)
+    first_offset, first_var = moved(transforms[0], summaries[0].scale_offset, summaries[0].scale_std ** 2)
+    if not scale_drifted(offset, std, first_offset, first_var.sqrt()):
+        offset, std = first_offset, first_var.sqrt()
+    return count, mean, m2, offset, std
+
+
+def merge_tiled(sources: Sequence[tuple[str, TiledSummary, RigidTransform | None]], model_config: ModelConfig, *,
+                steps: int = 0, lr: float = 0.02, num_inducing: int | None = None,
+                max_inducing: int = 1024) -> tuple[TiledModel, TiledMergeResult]:
+    """Merge tiled maps (name, summary, transform into the merged frame) tile by tile into one tiled map.
+
+    Sources tiled alike (the same lattice) hold, in their tiles of one index, the data of one span: merging
+    those tiles (gp/recyclable.py: the ensemble bound, each source's tile a pseudo-likelihood; its closed-form
+    posterior, and ``steps`` Adam steps on the tile's inducing inputs and kernel) gives the tile of a map of all
+    their data. Tiles of one source are never merged with each other, so the data of a band
+    (held by both neighbouring tiles) are counted once per tile, as in a map that took them all. Each tile
+    gets ``num_inducing`` inducing points (default: its sources' together, up to ``max_inducing`` or
+    ``model_config.num_inducing`` if larger), its own hyperparameters from its merge, and the map a consensus
+    as while mapping. The merged tiles are dual SVGPs (the form of a merged posterior) in one target unit.
+    """
+    start = time.perf_counter()
+    sources = list(sources)
+    if not sources:
+        raise MergeError("nothing to merge: no maps given")
+    first_name, first, _ = sources[0]
+    for name, summary, _ in sources[1:]:
+        if summary.layout != first.layout:
+            raise MergeError(f"{name} is tiled as {summary.layout} but {first_name} as {first.layout}; tiled maps "
+                             "merge tile by tile and must share model.tile_size, tile_overlap and tile_height")
+        if (summary.input_dims, summary.output_dims) != (first.input_dims, first.output_dims):
+            raise MergeError(f"{name} has {summary.input_dims}-D inputs and {summary.output_dims} outputs, "
+                             f"{first_name} {first.input_dims} and {first.output_dims}")
+    layout = first.layout
+    d, p = first.input_dims, first.output_dims
+    count, mean, m2, offset, std = _merged_statistics([s for _, s, _ in sources], [t for _, _, t in sources])
+    by_tile: dict[tuple[int, ...], list[Source]] = {}
+    for name, summary, transform in sources:
+        for index, tile_summary in summary.tiles.items():
+            target = moved_tile(layout, index, d, transform)
+            by_tile.setdefault(target, []).append(
+                Source.from_summary(tile_summary, name=f"{name}, tile {tile_key(index)}", transform=transform))
+    cfg = dataclasses.replace(model_config, engine="dual_svgp", tile_size=float(layout.sizes[0]),
+                              tile_overlap=float(layout.overlap),
+                              tile_height=float(layout.sizes[2]) if layout.dims == 3 else 0.0,
+                              inducing="pivoted_cholesky" if model_config.inducing == "grid"
+                              else model_config.inducing)
+    results: dict[tuple[int, ...], MergeResult] = {}
+    for index in sorted(by_tile):
+        local = by_tile[index]
+        m = num_inducing if num_inducing is not None else min(sum(s.num_inducing for s in local),
+                                                             max(int(cfg.num_inducing), int(max_inducing)))
+        results[index] = merge(local, cfg, num_inducing=m, steps=steps, lr=lr, target_mean=offset,
+                               target_scale=std)
+    largest = max((r.num_inducing for r in results.values()), default=int(cfg.num_inducing))
+    cfg = dataclasses.replace(cfg, num_inducing=max(int(cfg.num_inducing), largest))
+    from .dual_svgp import DualSVGP
+
+    model = TiledModel(cfg, d, p, DualSVGP)
+    model.layout = layout
+    pooled = dataclasses.replace(first, target_count=count, target_mean=mean, target_m2=m2, scale_offset=offset,
+                                 scale_std=std, num_seen=sum(s.num_seen for _, s, _ in sources),
+                                 hyper_steps=max(s.hyper_steps for _, s, _ in sources))
+    model.set_merged_tiles(results, pooled)
+    return model, TiledMergeResult(tiles=len(results), num_data=pooled.num_seen, num_inducing=largest,
+                                   bound=float(sum(r.bound for r in results.values())),
+                                   steps=int(sum(r.steps for r in results.values())),
+                                   seconds=time.perf_counter() - start)
+
+
+__all__ = ["TileLayout", "TiledMergeResult", "TiledModel", "TiledSummary", "can_tile", "merge_tiled", "moved_tile",
+           "parse_tile_key", "smootherstep", "tile_key"]

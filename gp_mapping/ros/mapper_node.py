@@ -309,7 +309,7 @@ class _MapperCore:
         self._tf: TfPoseMatcher | None = None
         self._map_pubs, self._cloud_pub, self._scale_pub = create_map_publishers(self, self.config)
         self._model_pub = self.create_publisher(UInt8MultiArray, MODEL_TOPIC, MAP_QOS)
-        self._model = {"sent": 0, "too_large": 0, "failed": 0, "bytes": 0, "num_seen": -1}
+        self._model = {"sent": 0, "too_large": 0, "failed": 0, "tiled": 0, "bytes": 0, "num_seen": -1}
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
 
     def _activate(self) -> None:
@@ -790,13 +790,24 @@ class _MapperCore:
         self._publish_grid(dataclasses.replace(grid, known=np.zeros(grid.spec.shape, dtype=bool)))
 
     def publish_model(self) -> bool:
-        """Send the model summary on ~/model if the map took data since the last one (on the update thread).
+        """Send the model summary on ~/model if the map took data since the last one (on the update thread; a map of
+        several tiles has none: counted as `tiled`, a warning once).
         Returns whether one was sent; a summary over ``node.model_max_bytes`` is counted and logged, not sent."""
         from gp_mapping.mapping.merge import MapSource, encode_summary
 
         with self._lock:
             seen = int(self.mapper.model.num_seen)
             if seen == 0 or seen == self._model["num_seen"]:
+                return False
+            tiles = int(getattr(self.mapper.model, "num_tiles", 1))
+            if tiles > 1:
+                # Not an error: a map of several tiles merges from its saved state, tile by tile.
+                if not self._model["tiled"]:
+                    self.get_logger().warning(
+                        f"~/model: the map now has {tiles} tiles and no single summary (its tiles share their "
+                        "bands' data), so none is sent; merge its saved state with gp-mapping merge, or map with "
+                        "model.tile_size 0 for a live merger")
+                self._model["tiled"] += 1
                 return False
             try:
                 data = encode_summary(MapSource.from_mapper(self.get_fully_qualified_name(), self.mapper))
@@ -884,7 +895,7 @@ class _MapperCore:
         values["node/update_latency_max_s"] = lat["max"]
         values["node/publish_latency_last_s"] = self._publish_seconds
         if self.config.node.model_period > 0:
-            for key in ("sent", "too_large", "failed", "bytes"):
+            for key in ("sent", "too_large", "failed", "tiled", "bytes"):
                 values[f"node/model_summaries_{key}" if key != "bytes" else "node/model_summary_bytes"] = \
                     self._model[key]
         if self.config.node.checkpoint_interval_s > 0:
