@@ -27,8 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Adam steps on the global inducing inputs and hyperparameters (per tile for tiled maps; "
                              "default 100 for maps of one engine, 0 (the closed form) for tiled maps; 0: none)")
     parser.add_argument("--num-inducing", type=int, default=None,
-                        help="global inducing points, per tile for tiled maps (default: the sum of the maps', up "
-                             "to 1024 or model.num_inducing)")
+                        help="global inducing points (default: the sum of the maps', up to 1024 or "
+                             "model.num_inducing); for tiled maps per tile (default: the largest source tile's, or "
+                             "model.num_inducing if larger)")
 
 
 def _split(arg: str) -> tuple[Path, str | None]:

@@ -250,8 +250,9 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
                ) -> tuple[Mapper, MergeResult | TiledMergeResult]:
     """Merge ``sources`` into a new Mapper (see the module docstring): tile by tile when every source is a tiled
     map (the merged map is tiled alike), else as one engine. ``steps`` (per tile when tiled) defaults to
-    DEFAULT_STEPS, or DEFAULT_TILED_STEPS when tiled. ``num_inducing`` (per tile when tiled) defaults to the sum
-    of the sources' inducing points, capped at DEFAULT_MAX_INDUCING (or ``model.num_inducing`` if larger).
+    DEFAULT_STEPS, or DEFAULT_TILED_STEPS when tiled. ``num_inducing`` defaults to the sum of the sources'
+    inducing points, capped at DEFAULT_MAX_INDUCING (or ``model.num_inducing`` if larger); per tile when tiled
+    to the largest source tile's (or ``model.num_inducing`` if larger: gp/tiled.py ``merge_tiled``).
     Raises MergeError (DuplicateSourceError) with the reason when the sources cannot be merged."""
     sources = list(sources)
     if not sources:
@@ -262,7 +263,7 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
     if all(s.tiles is not None for s in sources):
         model, result = merge_tiled([(s.name, s.tiles, s.transform) for s in sources], cfg.model,
                                     steps=DEFAULT_TILED_STEPS if steps is None else steps, lr=lr,
-                                    num_inducing=num_inducing, max_inducing=DEFAULT_MAX_INDUCING)
+                                    num_inducing=num_inducing)
         cfg.model = model.config
         return _merged_mapper(sources, Mapper(cfg, model=model)), result
     several = [s for s in sources if s.summary is None]
