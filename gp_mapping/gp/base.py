@@ -129,8 +129,14 @@ def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, y: 
         n_b = mask.sum(0).to(count.dtype)
         mean_b = torch.where(mask, y, torch.zeros_like(y)).sum(0) / n_b.clamp_min(1.0)
         m2_b = (torch.where(mask, y - mean_b, torch.zeros_like(y)) ** 2).sum(0)
-    total = count + n_b
-    share = torch.where(total > 0, n_b / total.clamp_min(1.0), torch.zeros_like(total))
+    pool_moments(count, mean, m2, n_b, mean_b, m2_b)
+
+
+def pool_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, count_b: torch.Tensor,
+                 mean_b: torch.Tensor, m2_b: torch.Tensor) -> None:
+    """Fold the moments (count_b, mean_b, m2_b) of other data into (count, mean, m2) in place (Chan et al.)."""
+    total = count + count_b
+    share = torch.where(total > 0, count_b / total.clamp_min(1.0), torch.zeros_like(total))
     delta = mean_b - mean
     mean += delta * share
     m2 += m2_b + delta * delta * count * share

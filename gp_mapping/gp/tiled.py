@@ -100,8 +100,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from .base import Engine, merge_moments, moments_scale, resolve_device, scale_drifted
+from .base import Engine, merge_moments, moments_scale, pool_moments, resolve_device, scale_drifted
 from .config import ModelConfig
+from .dual_svgp import DualSVGP
 from .errors import ConfigError
 from .recyclable import MergeError, MergeResult, RigidTransform, Source, load_merged, merge
 
@@ -879,14 +880,7 @@ def _merged_statistics(summaries: Sequence[TiledSummary], transforms: Sequence[R
     mean = torch.zeros(p, dtype=torch.float64)
     m2 = torch.zeros(p, dtype=torch.float64)
     for summary, transform in zip(summaries, transforms):
-        c = summary.target_count.clone()
-        mu, s2 = moved(transform, summary.target_mean, summary.target_m2)
-        total = count + c
-        share = torch.where(total > 0, c / total.clamp_min(1.0), torch.zeros_like(total))
-        delta = mu - mean
-        mean += delta * share
-        m2 += s2 + delta * delta * count * share
-        count = total
+        pool_moments(count, mean, m2, summary.target_count, *moved(transform, summary.target_mean, summary.target_m2))
     offset, std = moments_scale(count, mean, m2)
     first_offset, first_var = moved(transforms[0], summaries[0].scale_offset, summaries[0].scale_std ** 2)
     if not scale_drifted(offset, std, first_offset, first_var.sqrt()):
@@ -947,8 +941,6 @@ def merge_tiled(sources: Sequence[tuple[str, TiledSummary, RigidTransform | None
                                target_scale=std)
     largest = max((r.num_inducing for r in results.values()), default=int(cfg.num_inducing))
     cfg = dataclasses.replace(cfg, num_inducing=max(int(cfg.num_inducing), largest))
-    from .dual_svgp import DualSVGP
-
     model = TiledModel(cfg, d, p, DualSVGP)
     model.layout = layout
     pooled = dataclasses.replace(first, target_count=count, target_mean=mean, target_m2=m2, scale_offset=offset,
