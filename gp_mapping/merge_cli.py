@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
             path, frame = _split(arg)
             sources.append(MapSource.from_mapper(str(path), Mapper.load(path),
                                      parse_transform(frame) if frame is not None else None))
-        mapper, result = merge_maps(sources, config, steps=args.steps, num_inducing=args.num_inducing)
+        steps = {} if args.steps is None else {"steps": args.steps, "tiled_steps": args.steps}
+        mapper, result = merge_maps(sources, config, num_inducing=args.num_inducing, **steps)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         state = out / STATE_NAME

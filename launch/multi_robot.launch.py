@@ -7,6 +7,12 @@ Each mapper (/robot1/mapper, /robot2/mapper) maps its robot's mag and pose topic
 ~/model every node.model_period seconds; the merger (/merger) merges the summaries as they arrive and publishes
 /merger/mean, /merger/variance, /merger/cloud and /merger/scale exactly as a mapper publishes its map. A robot
 whose map frame is not the merged frame gets a transform "x,y,yaw_deg" (its frame into the merged one).
+
+    ros2 launch gp_mapping multi_robot.launch.py tile_size:=12.0
+
+maps with tiles (the mappers' shipped default, better in a building), merged tile by tile; the transforms must
+then carry tiles onto tiles (quarter turns, shifts by whole tiles) and a map's summary grows with its tiles, up to
+node.model_max_bytes. The launch default, 0, gives each robot one engine: any transform, a summary of fixed size.
 """
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument
@@ -22,6 +28,9 @@ def generate_launch_description() -> LaunchDescription:
         DeclareLaunchArgument("params_file", default_value=default_params,
                               description="gp_mapping parameter file for both mappers (/**: ros__parameters: form)"),
         DeclareLaunchArgument("merge_period", default_value="2.0", description="seconds between merges"),
+        DeclareLaunchArgument("tile_size", default_value="0.0",
+                              description="model.tile_size of both mappers: 0 one engine each (any transform); "
+                                          "12.0 tiles as shipped (transforms by quarter turns and whole tiles)"),
         DeclareLaunchArgument("robot1_mag_topic", default_value="/robot1/mag",
                               description="robot1's sensor_msgs/MagneticField topic"),
         DeclareLaunchArgument("robot1_pose_topic", default_value="/robot1/pose",
@@ -42,10 +51,8 @@ def generate_launch_description() -> LaunchDescription:
             output="screen",
             parameters=[
                 LaunchConfiguration("params_file"),
-                # Live merging takes one summary per map: a map of several tiles has none (it merges from its
-                # state file, tile by tile), so these maps are one engine each.
                 {"use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"), value_type=bool),
-                 "model.tile_size": 0.0},
+                 "model.tile_size": ParameterValue(LaunchConfiguration("tile_size"), value_type=float)},
             ],
             remappings=[
                 ("mag", LaunchConfiguration("robot1_mag_topic")),
@@ -61,7 +68,7 @@ def generate_launch_description() -> LaunchDescription:
             parameters=[
                 LaunchConfiguration("params_file"),
                 {"use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"), value_type=bool),
-                 "model.tile_size": 0.0},
+                 "model.tile_size": ParameterValue(LaunchConfiguration("tile_size"), value_type=float)},
             ],
             remappings=[
                 ("mag", LaunchConfiguration("robot2_mag_topic")),

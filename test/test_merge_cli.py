@@ -1,8 +1,12 @@
 """`gp-mapping merge`: saved maps of two simulated robots merged into one map; frames; duplicates refused."""
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
+import torch
 from scipy.spatial.transform import Rotation
 
 from gp_mapping import sim
@@ -131,8 +135,6 @@ def test_model_summaries_round_trip_and_bad_ones_are_refused(saved_maps):
     large, truncated, not safetensors, a pickle, non-finite or mistyped tensors) is refused with a reason."""
     import pickle
 
-    import torch
-
     from gp_mapping.mapping.merge import SummaryError, decode_summary, encode_summary
 
     _, _, a, b = saved_maps
@@ -167,7 +169,7 @@ def test_tiled_maps_merge_tile_by_tile_into_a_tiled_map_a_node_continues(tmp_pat
     for ~/model are refused with the reason."""
     from gp_mapping.gp import TiledModel
     from gp_mapping.gp.recyclable import MergeError
-    from gp_mapping.mapping.merge import SummaryError, encode_summary
+    from gp_mapping.mapping.merge import SummaryError, decode_summary, encode_summary
 
     world = sim.World.from_config(sim.WorldConfig(area=(-5, -5, 5, 5), depth_range=(1.0, 2.5)),
                                   np.random.default_rng(3))
@@ -207,5 +209,26 @@ def test_tiled_maps_merge_tile_by_tile_into_a_tiled_map_a_node_continues(tmp_pat
     untiled = _map(_record(world, (0, -5, 5, 5), 2), config=CONFIG)
     with pytest.raises(MergeError, match="merges tile by tile, only with maps tiled alike"):
         merge_maps([MapSource.from_mapper("A", a), MapSource.from_mapper("B", untiled)], steps=0)
-    with pytest.raises(SummaryError, match="no single summary"):
-        encode_summary(MapSource.from_mapper("A", a))
+    # What a mapper node sends on ~/model: the tiles, decoded to the same merge; tampering is refused.
+    tf = parse_transform(b_frame)
+    data = encode_summary(MapSource.from_mapper("A", a))
+    back = decode_summary(data, len(data), name="A")
+    assert back.summary is None and sorted(back.tiles.tiles) == sorted(a.model.tile_indices())
+    direct, _ = merge_maps([MapSource.from_mapper("A", a), MapSource.from_mapper("B", b, tf)])
+    via_bytes, _ = merge_maps([back, MapSource.from_mapper("B", b, tf)])
+    xy = np.random.default_rng(0).uniform(-4, 4, (50, 2))
+    for u, v in zip(direct.model.predict(xy), via_bytes.model.predict(xy)):
+        torch.testing.assert_close(u, v, rtol=1e-9, atol=1e-9)
+    src = MapSource.from_mapper("A", a)
+    index = next(iter(src.tiles.tiles))
+    bad_tile = dict(src.tiles.tiles[index], site_W=src.tiles.tiles[index]["site_W"] * float("nan"))
+    tampered = MapSource(**{**src.__dict__, "tiles": dataclasses.replace(src.tiles,
+                                                                          tiles={**src.tiles.tiles, index: bad_tile})})
+    with pytest.raises(SummaryError, match="NaN"):
+        decode_summary(encode_summary(tampered), 10**8)
+    from safetensors.torch import load, save
+    extra = load(data)
+    extra["tile/99_99/z"] = extra[next(k for k in extra if k.endswith("/z"))].clone()
+    with pytest.raises(SummaryError, match="unexpected tensor"):
+        decode_summary(save(extra, metadata=json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+                            ["__metadata__"]), 10**8)

@@ -451,24 +451,33 @@ def test_node_keeps_publishing_after_a_50_km_teleport(node_factory):
     assert spec.num_cells <= 40 * 40 and spec.origin_x <= far + 4.0 <= spec.origin_x + spec.width * spec.resolution
 
 
-def test_a_map_of_several_tiles_sends_no_model_summary_and_says_so_once_without_an_error(node_factory):
-    """~/model carries one summary per map, which a map of several tiles has not (it merges from its state file,
-    tile by tile): the node counts the periods it sends none (`tiled` in the diagnostics), warns once, and stays
-    free of errors. A map still in one tile sends its summary as before."""
+def test_a_tiled_map_sends_its_tiles_on_model_until_they_outgrow_the_limit_then_warns_once(node_factory):
+    """~/model carries a tiled map tile by tile (as it merges); its size grows with the map, so once it would pass
+    node.model_max_bytes the node sends none, counts it (`too_large`) and warns once, without an error: the map
+    merges from its saved state then."""
+    from gp_mapping.mapping.merge import decode_summary
+
     node = node_factory(**NODE_PARAMS, **{"model.tile_size": 4.0, "model.tile_overlap": 0.5})
+    sent = []
+    node._model_pub.publish = sent.append
     _feed_node(node, 21, x0=-1.0)  # x -1..1 m: in tile 0's core [-1.75, 1.75]
     _wait_idle(node)
-    assert node.mapper.model.num_tiles == 1
-    assert node.publish_model() and node._model["sent"] == 1
+    assert node.mapper.model.num_tiles == 1 and node.publish_model()
     _feed_node(node, 41, t0=110.0, x0=3.0)  # x 3..7 m: on into tiles 1 and 2
     _wait_idle(node)
-    assert node.mapper.model.num_tiles > 1
+    assert node.mapper.model.num_tiles > 1 and node.publish_model()
+    source = decode_summary(bytes(sent[-1].data), 10**8)
+    assert sorted(source.tiles.tiles) == sorted(node.mapper.model.tile_indices())
+    assert source.num_seen == node.mapper.model.num_seen and node._model["sent"] == 2
+    node.config.node.model_max_bytes = 1024  # below the tiles' summary
+    _feed_node(node, 21, t0=120.0, x0=7.0)
+    _wait_idle(node)
     assert not node.publish_model()
-    assert node._model["tiled"] == 1 and node._model["failed"] == 0 and node._last_error == ""
+    assert node._model["too_large"] == 1 and node._model["failed"] == 0 and node._last_error == ""
     published = []
     node._diag_pub.publish = published.append
     node._publish_diagnostics()
     status = published[-1].status[0]
     values = {kv.key: kv.value for kv in status.values}
-    assert values["node/model_summaries_tiled"] == "1" and values["node/model_summaries_failed"] == "0"
+    assert values["node/model_summaries_too_large"] == "1" and values["node/model_summaries_sent"] == "2"
     assert status.message == "mapping"

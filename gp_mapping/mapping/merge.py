@@ -26,7 +26,7 @@ import torch
 
 from gp_mapping.config import ConfigError, MapperConfig, config_from_dict, to_dict
 from gp_mapping.gp.recyclable import MergeError, MergeResult, RigidTransform, Source, merge, merged_engine
-from gp_mapping.gp.tiled import TiledMergeResult, TiledModel, TiledSummary, merge_tiled
+from gp_mapping.gp.tiled import TiledMergeResult, TiledModel, TiledSummary, merge_tiled, tile_key
 from gp_mapping.mapping.mapper import Mapper
 
 DEFAULT_MAX_INDUCING = 1024
@@ -42,6 +42,10 @@ _SUMMARY_TENSORS = {"z": (torch.float64, 2), "target_mean": (torch.float64, 1), 
                     "prior_cov": (torch.float64, 3), "noise": (torch.float64, 1), "site_a": (torch.float64, 2),
                     "site_W": (torch.float64, 3), "mean": (torch.float64, 2), "cov": (torch.float64, 3),
                     "coverage_cells": (torch.int64, 2), "trajectory": (torch.float64, 2)}
+# An engine's summary tensors (the rest of _SUMMARY_TENSORS is the map's coverage and trajectory). A tiled map's
+# summary holds them per tile as "tile/<key>/<name>", its running target statistics as "tiled/<name>".
+_MODEL_TENSORS = tuple(k for k in _SUMMARY_TENSORS if k not in ("coverage_cells", "trajectory"))
+_TILED_STATISTICS = ("target_count", "target_mean", "target_m2", "scale_offset", "scale_std")
 # Config keys that every source of a merge must share (what the map's values mean and where they live).
 MERGE_DEFINING_KEYS = (("sync", "target"), ("sync", "input_dims"), ("sync", "field_unit"), ("grid", "frame_id"))
 
@@ -97,25 +101,43 @@ class SummaryError(MergeError):
     """A model summary (bytes from ~/model) that is malformed, oversized or not a gp_mapping summary."""
 
 
+def _model_tensors(summary: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """An engine summary's tensors and kernel state, named with ``prefix``."""
+    tensors = {prefix + k: torch.as_tensor(v).detach().cpu().contiguous().clone() for k, v in summary.items()
+               if k in _MODEL_TENSORS}
+    kernel = summary.get("kernel")
+    if kernel is not None:
+        tensors.update({f"{prefix}kernel/{k}": v.detach().cpu().contiguous().clone()
+                        for k, v in kernel.state_dict().items()})
+    return tensors
+
+
 def encode_summary(source: MapSource) -> bytes:
-    """A source as safetensors bytes (tensors and JSON metadata; nothing in it can execute when read)."""
+    """A source as safetensors bytes (tensors and JSON metadata; nothing in it can execute when read). A tiled
+    map is sent tile by tile (every tile's summary, the lattice and the target statistics), as it merges."""
     from safetensors.torch import save
 
-    if source.summary is None:
-        raise SummaryError(f"{source.name} is a map of {len(source.tiles.tiles) if source.tiles else 0} tiles: it "
-                           "has no single summary to send (its tiles share their bands' data); merge its state "
-                           "file (gp-mapping merge), or map with model.tile_size 0 for live merging")
-    tensors = {k: torch.as_tensor(v).detach().cpu().contiguous().clone() for k, v in source.summary.items()
-               if k in _SUMMARY_TENSORS}
-    tensors["coverage_cells"] = torch.as_tensor(np.asarray(source.coverage_cells, dtype=np.int64).reshape(-1, 2))
-    tensors["trajectory"] = torch.as_tensor(np.asarray(source.trajectory, dtype=np.float64).reshape(-1, 2))
-    kernel = source.summary.get("kernel")
-    if kernel is not None:
-        tensors.update({f"kernel/{k}": v.detach().cpu().contiguous().clone() for k, v in kernel.state_dict().items()})
     metadata = {"format": SUMMARY_FORMAT, "version": SUMMARY_VERSION, "source_id": source.source_id,
                 "lineage": json.dumps(list(source.lineage)), "config": json.dumps(to_dict(source.config)),
                 "info": json.dumps({"num_seen": source.num_seen, "coverage_resolution": source.coverage_resolution,
                                     "last_stamp": source.last_stamp if math.isfinite(source.last_stamp) else None})}
+    tiles = source.tiles
+    if tiles is not None:
+        tensors = {}
+        for index, summary in tiles.tiles.items():
+            tensors.update(_model_tensors(summary, f"tile/{tile_key(index)}/"))
+        tensors.update({f"tiled/{k}": getattr(tiles, k).detach().cpu().to(torch.float64).contiguous().clone()
+                        for k in _TILED_STATISTICS})
+        metadata["tiled"] = json.dumps({
+            "sizes": list(tiles.layout.sizes), "overlap": tiles.layout.overlap, "centred": tiles.layout.centred,
+            "input_dims": tiles.input_dims, "output_dims": tiles.output_dims, "hyper_steps": tiles.hyper_steps,
+            "tiles": {tile_key(i): int(summary.get("num_seen", 0)) for i, summary in tiles.tiles.items()}})
+    elif source.summary is None:
+        raise SummaryError(f"{source.name} has no model summary to send")
+    else:
+        tensors = _model_tensors(source.summary)
+    tensors["coverage_cells"] = torch.as_tensor(np.asarray(source.coverage_cells, dtype=np.int64).reshape(-1, 2))
+    tensors["trajectory"] = torch.as_tensor(np.asarray(source.trajectory, dtype=np.float64).reshape(-1, 2))
     return save(tensors, metadata=metadata)
 
 
@@ -123,8 +145,6 @@ def decode_summary(data: bytes, max_bytes: int, name: str = "summary") -> MapSou
     """Check and read :func:`encode_summary` bytes; raises SummaryError saying what is wrong (size first, so an
     oversized message is never parsed)."""
     from safetensors.torch import load
-
-    from gp_mapping.gp.kernels import build_kernel
 
     data = bytes(data)
     if len(data) > max_bytes:
@@ -153,41 +173,107 @@ def decode_summary(data: bytes, max_bytes: int, name: str = "summary") -> MapSou
         raise SummaryError(f"{name}: malformed model summary: {err}") from None
     if not source_id or not isinstance(lineage, list) or not all(isinstance(i, str) for i in lineage):
         raise SummaryError(f"{name}: source id or lineage missing or malformed")
+    try:
+        tiled = json.loads(meta["tiled"]) if "tiled" in meta else None
+        tile_keys = [str(k) for k in tiled["tiles"]] if tiled is not None else []
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise SummaryError(f"{name}: malformed tiled summary: {type(err).__name__}: {err}") from None
     for key, t in tensors.items():
-        if key.startswith("kernel/"):
-            continue
-        if key not in _SUMMARY_TENSORS:
+        expected = _expected_tensor(key, tiled is not None, tile_keys)
+        if expected is None:
             raise SummaryError(f"{name}: unexpected tensor {key!r}")
-        dtype, dims = _SUMMARY_TENSORS[key]
+        if expected == "kernel":
+            continue
+        dtype, dims = expected
         if t.dtype != dtype or t.dim() != dims:
             raise SummaryError(f"{name}: tensor {key!r} is {t.dtype} with {t.dim()} dimensions, expected {dtype} "
                                f"with {dims}")
-    summary = {k: v for k, v in tensors.items() if k in _SUMMARY_TENSORS and k not in ("coverage_cells", "trajectory")}
     try:
-        summary["num_seen"] = int(info["num_seen"])
-        kernel_state = {k[len("kernel/"):]: v for k, v in tensors.items() if k.startswith("kernel/")}
-        summary["kernel"] = None
-        if kernel_state:
-            kernel = build_kernel(config.model, int(tensors["z"].shape[1]))
-            kernel.load_state_dict(kernel_state)
-            summary["kernel"] = kernel
+        if tiled is None:
+            summary = _decoded_model(tensors, "", int(info["num_seen"]), config, name)
+            tiles = None
+        else:
+            tiles = _decoded_tiles(tensors, tiled, tile_keys, int(info["num_seen"]), config, name)
+            summary = next(iter(tiles.tiles.values())) if len(tiles.tiles) == 1 else None
         cells = tensors.get("coverage_cells", torch.zeros(0, 2, dtype=torch.int64)).numpy()
         trajectory = tensors.get("trajectory", torch.zeros(0, 2, dtype=torch.float64)).numpy()
         resolution = float(info["coverage_resolution"])
         stamp = -math.inf if info.get("last_stamp") is None else float(info["last_stamp"])
+    except SummaryError:
+        raise
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
         raise SummaryError(f"{name}: malformed model summary: {type(err).__name__}: {err}") from None
     if not (math.isfinite(resolution) and resolution > 0) or cells.shape[1:] != (2,) \
             or trajectory.shape[1:] != (2,) or not np.all(np.isfinite(trajectory)):
         raise SummaryError(f"{name}: malformed coverage or trajectory")
-    source = MapSource(name=name, summary=summary, config=config, source_id=source_id, lineage=lineage,
-                       coverage_cells=cells, coverage_resolution=resolution, trajectory=trajectory,
-                       last_stamp=stamp)
+    return MapSource(name=name, summary=summary, config=config, source_id=source_id, lineage=lineage,
+                     coverage_cells=cells, coverage_resolution=resolution, trajectory=trajectory, last_stamp=stamp,
+                     tiles=tiles)
+
+
+def _expected_tensor(key: str, tiled: bool, tile_keys: list[str]):
+    """(dtype, dimensions) that a summary's tensor ``key`` must have, "kernel" for a kernel's state (checked as it
+    loads), None for a name that has no place in the summary."""
+    if key in ("coverage_cells", "trajectory"):
+        return _SUMMARY_TENSORS[key]
+    part = key
+    if tiled:
+        if key.startswith("tiled/"):
+            return (torch.float64, 1) if key[len("tiled/"):] in _TILED_STATISTICS else None
+        tile, sep, part = key[len("tile/"):].partition("/") if key.startswith("tile/") else ("", "", "")
+        if not sep or tile not in tile_keys:
+            return None
+    if part.startswith("kernel/"):
+        return "kernel"
+    return _SUMMARY_TENSORS[part] if part in _MODEL_TENSORS else None
+
+
+def _decoded_model(tensors: dict, prefix: str, num_seen: int, config: MapperConfig, name: str) -> dict:
+    """An engine summary from the tensors named with ``prefix``, checked as a merge reads it (shapes,
+    finiteness, a positive definite prior)."""
+    from gp_mapping.gp.kernels import build_kernel
+
+    summary = {k: tensors[prefix + k] for k in _MODEL_TENSORS if prefix + k in tensors}
+    summary["num_seen"] = int(num_seen)
+    kernel_state = {k[len(prefix) + len("kernel/"):]: v for k, v in tensors.items()
+                    if k.startswith(prefix + "kernel/")}
+    summary["kernel"] = None
+    if kernel_state:
+        kernel = build_kernel(config.model, int(summary["z"].shape[1]))
+        kernel.load_state_dict(kernel_state)
+        summary["kernel"] = kernel
     try:
-        Source.from_summary(summary, name=name)  # shapes, finiteness, a positive definite prior
+        Source.from_summary(summary, name=name)
     except MergeError as err:
         raise SummaryError(str(err)) from None
-    return source
+    return summary
+
+
+def _decoded_tiles(tensors: dict, tiled: dict, tile_keys: list[str], num_seen: int, config: MapperConfig,
+                   name: str) -> TiledSummary:
+    """A tiled map's summary from its tensors and the "tiled" metadata (:func:`encode_summary`)."""
+    from gp_mapping.gp.tiled import TileLayout, parse_tile_key
+
+    try:
+        layout = TileLayout(tuple(float(v) for v in tiled["sizes"]), float(tiled["overlap"]),
+                            centred=bool(tiled["centred"]))
+    except ConfigError as err:
+        raise SummaryError(f"{name}: malformed tile layout: {err}") from None
+    d, p = int(tiled["input_dims"]), int(tiled["output_dims"])
+    stats = {k: tensors.get(f"tiled/{k}") for k in _TILED_STATISTICS}
+    if any(t is None or t.shape != (p,) or not bool(torch.isfinite(t).all()) for t in stats.values()):
+        raise SummaryError(f"{name}: tiled summary's target statistics missing or malformed")
+    tiles = {}
+    for key in tile_keys:
+        index = parse_tile_key(key)
+        if len(index) != layout.dims:
+            raise SummaryError(f"{name}: tile {key!r} does not fit a layout of {layout.dims} tiled axes")
+        summary = _decoded_model(tensors, f"tile/{key}/", int(tiled["tiles"][key]), config, f"{name}, tile {key}")
+        if summary["z"].shape[1] != d or summary["target_mean"].shape != (p,):
+            raise SummaryError(f"{name}: tile {key!r} has other dimensions than its map's")
+        tiles[index] = summary
+    return TiledSummary(layout=layout, tiles=tiles, input_dims=d, output_dims=p,
+                        num_seen=num_seen, hyper_steps=int(tiled["hyper_steps"]), **stats)
 
 
 def parse_transform(text: str) -> RigidTransform:
@@ -245,12 +331,11 @@ def merged_config(sources: Sequence[MapSource], config: MapperConfig | None = No
     return cfg
 
 
-def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None, *, steps: int | None = None,
-               num_inducing: int | None = None, lr: float = 0.02
+def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None, *, steps: int = DEFAULT_STEPS,
+               tiled_steps: int = DEFAULT_TILED_STEPS, num_inducing: int | None = None, lr: float = 0.02
                ) -> tuple[Mapper, MergeResult | TiledMergeResult]:
     """Merge ``sources`` into a new Mapper (see the module docstring): tile by tile when every source is a tiled
-    map (the merged map is tiled alike), else as one engine. ``steps`` (per tile when tiled) defaults to
-    DEFAULT_STEPS, or DEFAULT_TILED_STEPS when tiled. ``num_inducing`` defaults to the sum of the sources'
+    map (the merged map is tiled alike; ``tiled_steps`` Adam steps per tile), else as one engine (``steps``). ``num_inducing`` defaults to the sum of the sources'
     inducing points, capped at DEFAULT_MAX_INDUCING (or ``model.num_inducing`` if larger); per tile when tiled
     to the largest source tile's (or ``model.num_inducing`` if larger: gp/tiled.py ``merge_tiled``).
     Raises MergeError (DuplicateSourceError) with the reason when the sources cannot be merged."""
@@ -262,7 +347,7 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
     cfg = merged_config(sources, config)
     if all(s.tiles is not None for s in sources):
         model, result = merge_tiled([(s.name, s.tiles, s.transform) for s in sources], cfg.model,
-                                    steps=DEFAULT_TILED_STEPS if steps is None else steps, lr=lr,
+                                    steps=tiled_steps, lr=lr,
                                     num_inducing=num_inducing)
         cfg.model = model.config
         return _merged_mapper(sources, Mapper(cfg, model=model)), result
@@ -277,7 +362,7 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
     # DEFAULT_MAX_INDUCING or the config's num_inducing if larger.
     m = num_inducing if num_inducing is not None else min(sum(src.num_inducing for src in local),
                                                           max(cfg.model.num_inducing, DEFAULT_MAX_INDUCING))
-    result = merge(local, cfg.model, num_inducing=m, steps=DEFAULT_STEPS if steps is None else steps, lr=lr)
+    result = merge(local, cfg.model, num_inducing=m, steps=steps, lr=lr)
     cfg.model.num_inducing = max(int(cfg.model.num_inducing), int(result.z.shape[0]))
     engine = merged_engine(result, cfg.model, local[0].output_dims)
     return _merged_mapper(sources, Mapper(cfg, model=engine)), result

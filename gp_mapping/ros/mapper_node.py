@@ -309,7 +309,7 @@ class _MapperCore:
         self._tf: TfPoseMatcher | None = None
         self._map_pubs, self._cloud_pub, self._scale_pub = create_map_publishers(self, self.config)
         self._model_pub = self.create_publisher(UInt8MultiArray, MODEL_TOPIC, MAP_QOS)
-        self._model = {"sent": 0, "too_large": 0, "failed": 0, "tiled": 0, "bytes": 0, "num_seen": -1}
+        self._model = {"sent": 0, "too_large": 0, "failed": 0, "bytes": 0, "num_seen": -1}
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
 
     def _activate(self) -> None:
@@ -790,41 +790,52 @@ class _MapperCore:
         self._publish_grid(dataclasses.replace(grid, known=np.zeros(grid.spec.shape, dtype=bool)))
 
     def publish_model(self) -> bool:
-        """Send the model summary on ~/model if the map took data since the last one (on the update thread; a map of
-        several tiles has none: counted as `tiled`, a warning once).
-        Returns whether one was sent; a summary over ``node.model_max_bytes`` is counted and logged, not sent."""
+        """Send the model summary on ~/model if the map took data since the last one (on the update thread).
+        Returns whether one was sent; a summary over ``node.model_max_bytes`` is counted and logged, not sent. A
+        tiled map's summary (every tile's) grows with the map, so for it that is a warning, once: it merges from
+        its saved state instead (gp-mapping merge)."""
         from gp_mapping.mapping.merge import MapSource, encode_summary
 
+        limit = self.config.node.model_max_bytes
         with self._lock:
-            seen = int(self.mapper.model.num_seen)
+            model = self.mapper.model
+            seen = int(model.num_seen)
             if seen == 0 or seen == self._model["num_seen"]:
                 return False
-            tiles = int(getattr(self.mapper.model, "num_tiles", 1))
-            if tiles > 1:
-                # Not an error: a map of several tiles merges from its saved state, tile by tile.
-                if not self._model["tiled"]:
-                    self.get_logger().warning(
-                        f"~/model: the map now has {tiles} tiles and no single summary (its tiles share their "
-                        "bands' data), so none is sent; merge its saved state with gp-mapping merge, or map with "
-                        "model.tile_size 0 for a live merger")
-                self._model["tiled"] += 1
-                return False
+            tiled = hasattr(model, "tile_indices")
+            if tiled:
+                # Two M x M float64 matrices per output and tile (prior and sites, or moments), known before
+                # encoding (continual_mogp: M at most the latents' inducing points together).
+                size = 16 * model.output_dims * sum(_as_count(model.tile(i).num_inducing) ** 2
+                                                    for i in model.tile_indices())
+                if size > limit:
+                    return self._tiled_summary_too_large(size, limit)
             try:
                 data = encode_summary(MapSource.from_mapper(self.get_fully_qualified_name(), self.mapper))
             except Exception as err:
                 self._model["failed"] += 1
                 self._report(f"model summary failed: {type(err).__name__}: {err}")
                 return False
-        if len(data) > self.config.node.model_max_bytes:
+        if len(data) > limit:
+            if tiled:
+                return self._tiled_summary_too_large(len(data), limit)
             self._model["too_large"] += 1
-            self._report(f"model summary of {len(data)} bytes exceeds node.model_max_bytes = "
-                         f"{self.config.node.model_max_bytes}; not sent")
+            self._report(f"model summary of {len(data)} bytes exceeds node.model_max_bytes = {limit}; not sent")
             return False
         msg = UInt8MultiArray()
         msg.data = data
         self._model_pub.publish(msg)
         self._model.update(sent=self._model["sent"] + 1, bytes=len(data), num_seen=seen)
         return True
+
+    def _tiled_summary_too_large(self, size: int, limit: int) -> bool:
+        if not self._model["too_large"]:
+            self.get_logger().warning(
+                f"~/model: the tiled map's summary has grown to about {size} bytes, over node.model_max_bytes = "
+                f"{limit}; not sent from now on (counted in the diagnostics): merge the saved map with gp-mapping "
+                "merge, or raise node.model_max_bytes")
+        self._model["too_large"] += 1
+        return False
 
     def _on_checkpoint_timer(self) -> None:
         self._submit("checkpoint", self.write_checkpoint)
@@ -895,7 +906,7 @@ class _MapperCore:
         values["node/update_latency_max_s"] = lat["max"]
         values["node/publish_latency_last_s"] = self._publish_seconds
         if self.config.node.model_period > 0:
-            for key in ("sent", "too_large", "failed", "tiled", "bytes"):
+            for key in ("sent", "too_large", "failed", "bytes"):
                 values[f"node/model_summaries_{key}" if key != "bytes" else "node/model_summary_bytes"] = \
                     self._model[key]
         if self.config.node.checkpoint_interval_s > 0:
@@ -1010,6 +1021,11 @@ class _MapperCore:
         """Shut down from whatever state the node is in (:meth:`_stop`), then destroy it."""
         self._stop()
         self.destroy_node()
+
+
+def _as_count(num_inducing) -> int:
+    """An engine's inducing points in all (continual_mogp counts them per latent)."""
+    return int(sum(num_inducing)) if isinstance(num_inducing, (list, tuple)) else int(num_inducing)
 
 
 class MapperNode(_MapperCore, Node):

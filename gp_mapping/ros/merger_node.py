@@ -12,14 +12,16 @@ Parameters (validated at start; a bad one stops the node with exit status 2, nam
 | ``transforms`` | string array | empty, or one per source: ``""`` (same frame) or ``"x,y,yaw_deg"`` into the merged frame |
 | ``merge_period`` | double | seconds between merges (a merge runs only when a source changed) |
 | ``steps`` | int | Adam steps on the global inducing inputs and hyperparameters per merge (0: none) |
-| ``num_inducing`` | int | global inducing points (0: the sum of the sources', up to 1024) |
+| ``tiled_steps`` | int | the same per tile, when the sources are tiled maps (0, the default: the closed form) |
+| ``num_inducing`` | int | global inducing points (0: the sum of the sources', up to 1024; tiled maps: per tile, 0: the largest source tile's) |
 | ``max_summary_bytes`` | int | larger summaries are refused unread |
 
 Subscribes (reliable, transient local, depth 1) to every source topic; publishes ``~/mean``, ``~/variance``
 (per layer for a vector target), ``~/cloud``, ``~/scale`` (latched, the mapping node's layout and code) and
 ``/diagnostics``. A summary that is oversized, malformed, incompatible (another target, unit, frame) or that
 shares data with another source (its lineage overlaps another's) is refused, counted under
-``rejected/<reason>`` and logged; the merger keeps merging what it has.
+``rejected/<reason>`` and logged; the merger keeps merging what it has. Tiled maps (the mappers' default) arrive
+tile by tile and merge tile by tile into a map tiled alike (gp_mapping/mapping/merge.py).
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ _PARAMETERS = {
                    "empty, or one per source: '' or 'x,y,yaw_deg' (that source's frame into the merged frame)"),
     "merge_period": (2.0, ParameterType.PARAMETER_DOUBLE, "seconds between merges (only when a source changed); > 0"),
     "steps": (50, ParameterType.PARAMETER_INTEGER, "Adam steps on the global Z and hyperparameters per merge; >= 0"),
+    "tiled_steps": (0, ParameterType.PARAMETER_INTEGER, "the same per tile, for tiled maps (0: closed form); >= 0"),
     "num_inducing": (0, ParameterType.PARAMETER_INTEGER, "global inducing points (0: sum of the sources', <= 1024)"),
     "max_summary_bytes": (16_000_000, ParameterType.PARAMETER_INTEGER, "larger summaries are refused; >= 1024"),
 }
@@ -110,6 +113,7 @@ class MergerNode(Node):
         except MergeError as err:
             raise NodeStartError(f"bad parameter: transforms: {err}") from None
         checks = {"merge_period": values["merge_period"] > 0, "steps": 0 <= values["steps"] <= 100_000,
+                  "tiled_steps": 0 <= values["tiled_steps"] <= 100_000,
                   "num_inducing": 0 <= values["num_inducing"] <= 8192,
                   "max_summary_bytes": values["max_summary_bytes"] >= 1024}
         for name, ok in checks.items():
@@ -118,6 +122,7 @@ class MergerNode(Node):
         self.source_topics = topics
         self.merge_period = float(values["merge_period"])
         self.steps = int(values["steps"])
+        self.tiled_steps = int(values["tiled_steps"])
         self.num_inducing = int(values["num_inducing"]) or None
         self.max_summary_bytes = int(values["max_summary_bytes"])
 
@@ -184,7 +189,8 @@ class MergerNode(Node):
         """Merge ``sources`` and publish the merged map; a failure is counted and the last map stays."""
         start = time.perf_counter()
         try:
-            mapper, _ = merge_maps(sources, steps=self.steps, num_inducing=self.num_inducing)
+            mapper, _ = merge_maps(sources, steps=self.steps, tiled_steps=self.tiled_steps,
+                                   num_inducing=self.num_inducing)
             grid = mapper.grid(predict_unknown=False)
         except Exception as err:  # a merge that fails leaves the last map published
             self._counts["failed_merges"] += 1
