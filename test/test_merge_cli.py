@@ -227,8 +227,13 @@ def test_tiled_maps_merge_tile_by_tile_into_a_tiled_map_a_node_continues(tmp_pat
     with pytest.raises(SummaryError, match="NaN"):
         decode_summary(encode_summary(tampered), 10**8)
     from safetensors.torch import load, save
+    metadata = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])["__metadata__"]
     extra = load(data)
     extra["tile/99_99/z"] = extra[next(k for k in extra if k.endswith("/z"))].clone()
     with pytest.raises(SummaryError, match="unexpected tensor"):
-        decode_summary(save(extra, metadata=json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
-                            ["__metadata__"]), 10**8)
+        decode_summary(save(extra, metadata=metadata), 10**8)
+    for change, match in (({"sizes": [5.0, 2.5]}, "no such tiled map"), ({"overlap": -1.0}, "malformed tile layout"),
+                          ({"tiles": {}}, "unexpected tensor"), ({"input_dims": 1}, "no such tiled map")):
+        bad = dict(metadata, tiled=json.dumps({**json.loads(metadata["tiled"]), **change}))
+        with pytest.raises(SummaryError, match=match):
+            decode_summary(save(load(data), metadata=bad), 10**8)

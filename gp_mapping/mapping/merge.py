@@ -260,6 +260,9 @@ def _decoded_tiles(tensors: dict, tiled: dict, tile_keys: list[str], num_seen: i
     except ConfigError as err:
         raise SummaryError(f"{name}: malformed tile layout: {err}") from None
     d, p = int(tiled["input_dims"]), int(tiled["output_dims"])
+    if not tile_keys or d not in (2, 3) or layout.dims not in (2, d) or layout.sizes[0] != layout.sizes[1]:
+        raise SummaryError(f"{name}: tiled summary of {len(tile_keys)} tiles, tile sizes {layout.sizes} for "
+                           f"{d}-D inputs: no such tiled map")
     stats = {k: tensors.get(f"tiled/{k}") for k in _TILED_STATISTICS}
     if any(t is None or t.shape != (p,) or not bool(torch.isfinite(t).all()) for t in stats.values()):
         raise SummaryError(f"{name}: tiled summary's target statistics missing or malformed")
