@@ -199,6 +199,12 @@ def test_quick_bench_merge_section(quick_run):
         assert ss[key]["tiles"] == ss["whole"]["tiles"] and ss[key]["rmse"] <= 1.2 * ss["whole"]["rmse"]
         assert ss[key]["rmse"] < 0.7 * min(ss["first"]["rmse"], ss["second"]["rmse"])
     assert "A building in two sessions" in quick_run["md"]
+    so = sec["solin_sessions"]  # a real room in two sessions (the quick plan's first 30 s of each sequence)
+    if "skipped" not in so:
+        keys = ("all", "first", "second", "tiled_closed_form", "tiled_learned", "engine_closed_form", "engine_learned")
+        assert all(_finite(so[k]["rmse"]) and so[k]["rmse"] > 0 for k in keys)
+        assert so["tiled_closed_form"]["m"] <= so["engine_closed_form"]["m"]
+        assert "A real room in two sessions" in quick_run["md"]
 
 
 def test_quick_bench_forgetting_section(quick_run):

@@ -57,7 +57,7 @@ FULL = {
        "explore_warmup_seconds": 180.0, "explore_seed": 0, "explore_window": None},
     **{"merge_seconds": 120.0, "merge_rate": 10.0, "merge_batch": 50, "merge_m": 64, "merge_steps": 100,
        "merge_sources": (1, 2, 4, 8, 16), "merge_strip_seconds": 60.0, "merge_strip_m": 32, "merge_resolution": 0.25,
-       "merge_seed": 3, "merge_sessions": True},
+       "merge_seed": 3, "merge_sessions": True, "merge_solin": True, "merge_solin_seconds": None},
     **{"forget_radius": 0.1, "forget_variants": 1, "vargp_drive_seconds": 1800.0, "vargp_drive_m": 256},
 }
 QUICK = {
@@ -79,7 +79,7 @@ QUICK = {
        "explore_warmup_seconds": 5.0, "explore_seed": 0, "explore_window": None},
     **{"merge_seconds": 30.0, "merge_rate": 5.0, "merge_batch": 25, "merge_m": 24, "merge_steps": 10,
        "merge_sources": (1, 2, 4), "merge_strip_seconds": 15.0, "merge_strip_m": 12, "merge_resolution": 0.5,
-       "merge_seed": 3, "merge_sessions": True},
+       "merge_seed": 3, "merge_sessions": True, "merge_solin": True, "merge_solin_seconds": 30.0},
     **{"forget_radius": 0.1, "forget_variants": 0, "vargp_drive_seconds": 60.0, "vargp_drive_m": 32},
 }
 
@@ -130,7 +130,7 @@ def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[
             elif section == "explore":
                 out = explore.run(plan, log)
             elif section == "merge":
-                out = merge.run(plan, log)
+                out = merge.run(plan, log, root, why)
             elif section == "forgetting":
                 out = forgetting.run(plan, root, why, log)
             else:
