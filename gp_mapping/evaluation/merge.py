@@ -134,10 +134,18 @@ def _mapped(cfg, parts, batch: int) -> tuple[Any, float]:
     return model, time.process_time() - start
 
 
+def _mapped_sessions(cfg, batch: int, rmse: Callable[[Any], float], parts: dict[str, list]
+                     ) -> tuple[dict[str, dict], dict[str, Any]]:
+    """Each named session [(x, y), ...] mapped (:func:`_mapped`): its row (RMSE, CPU seconds) and its model."""
+    rows, models = {}, {}
+    for name, session in parts.items():
+        models[name], cpu = _mapped(cfg, session, batch)
+        rows[name] = {"rmse": rmse(models[name]), "cpu_s": cpu}
+    return rows, models
+
+
 def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[str, Any]:
     """Part 4 (module docstring): two sessions of a real room merged, tile by tile and as one engine."""
-    import torch
-
     from gp_mapping.evaluation.datasets import load_solin2018
     from gp_mapping.gp.recyclable import Source
     from gp_mapping.gp.tiled import merge_tiled
@@ -153,18 +161,14 @@ def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[st
     test_x, test_y = sequence(5)
 
     def rmse(model) -> float:
-        with torch.no_grad():
-            return float(np.sqrt(np.mean((model.predict(test_x)[0][:, 0].numpy() - test_y[:, 0]) ** 2)))
+        return _rmse(model, test_x, test_y[:, 0])
 
     seqs = {i: sequence(i) for i in (1, 2, 3, 4)}
     out: dict[str, Any] = {"test": "sequence 5", "samples": {str(i): int(len(v[0])) for i, v in seqs.items()}}
-    for name, ids in (("all", (1, 2, 3, 4)), ("first", (1, 2)), ("second", (3, 4))):
-        model, cpu = _mapped(cfg, [seqs[i] for i in ids], batch)
-        out[name] = {"rmse": rmse(model), "cpu_s": cpu}
-        if name == "first":
-            first = model
-        elif name == "second":
-            second = model
+    rows, models = _mapped_sessions(cfg, batch, rmse, {name: [seqs[i] for i in ids] for name, ids in (
+        ("all", (1, 2, 3, 4)), ("first", (1, 2)), ("second", (3, 4)))})
+    out.update(rows)
+    first, second = models["first"], models["second"]
     tiled = [("1-2", first.tile_summaries(), None), ("3-4", second.tile_summaries(), None)]
     engines = [Source.from_summary(m.recyclable_summary(), name=n) for n, m in (("1-2", first), ("3-4", second))]
     m_sum = sum(s.num_inducing for s in engines)
@@ -183,11 +187,8 @@ def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[st
     return out
 
 
-
 def sessions(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     """Part 3 (module docstring): a building mapped in two sessions with the shipped tiles, merged tile by tile."""
-    import torch
-
     from gp_mapping.evaluation import large
     from gp_mapping.gp.tiled import merge_tiled
 
@@ -198,139 +199,16 @@ def sessions(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     cfg, batch = _shipped_model(), int(plan["large_batch"])
 
     def rmse(model) -> float:
-        with torch.no_grad():
-            return float(np.sqrt(np.mean((model.predict(test_x)[0][:, 0].numpy() - truth) ** 2)))
+        return _rmse(model, test_x, truth)
 
     half = len(x) // 2 // batch * batch
     out: dict[str, Any] = {"samples": int(len(x)), "area_m": list(plan["large_area"]),
                            "tiles": f"{cfg.tile_size:g} m, M = {cfg.num_inducing}, memory {cfg.memory_size}"}
-    for name, rows in (("whole", slice(None)), ("first", slice(0, half)), ("second", slice(half, None))):
-        model, cpu = _mapped(cfg, [(x[rows], y[rows])], batch)
-        out[name] = {"rmse": rmse(model), "tiles": model.num_tiles, "cpu_s": cpu}
-        if name == "first":
-            first = model
-        elif name == "second":
-            second = model
-    parts = [("first", first.tile_summaries(), None), ("second", second.tile_summaries(), None)]
-    for label, steps in (("closed_form", 0), ("learned", int(plan["merge_steps"]))):
-        start = time.process_time()
-        merged, result = merge_tiled(parts, cfg, steps=steps)
-        out[label] = {"rmse": rmse(merged), "tiles": merged.num_tiles, "cpu_s": time.process_time() - start,
-                      "max_m": result.num_inducing}
-    out["ratio"] = out["learned"]["rmse"] / out["whole"]["rmse"]
-    log(f"  sessions: merged {out['learned']['rmse']:.3f} uT ({out['closed_form']['rmse']:.3f} closed form), "
-        f"whole drive {out['whole']['rmse']:.3f}, sessions alone {out['first']['rmse']:.3f}, "
-        f"{out['second']['rmse']:.3f}")
-    return out
-
-
-def _shipped_model():
-    import dataclasses
-
-    from gp_mapping.evaluation.speed import shipped_config
-
-    return dataclasses.replace(shipped_config().model, device="cpu")
-
-
-def _mapped(cfg, parts, batch: int) -> tuple[Any, float]:
-    """A model (``build_model``) fed ``parts`` [(x, y), ...] in batches, and its CPU seconds."""
-    from gp_mapping.gp import build_model
-
-    model, start = build_model(cfg, int(parts[0][0].shape[1]), 1), time.process_time()
-    for xs, ys in parts:
-        for b in range(0, len(xs), batch):
-            model.update(xs[b:b + batch], ys[b:b + batch])
-    return model, time.process_time() - start
-
-
-def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[str, Any]:
-    """Part 4 (module docstring): two sessions of a real room merged, tile by tile and as one engine."""
-    import torch
-
-    from gp_mapping.evaluation.datasets import load_solin2018
-    from gp_mapping.gp.recyclable import Source
-    from gp_mapping.gp.tiled import merge_tiled
-
-    cut = plan.get("merge_solin_seconds")
-
-    def sequence(i: int) -> tuple[np.ndarray, np.ndarray]:
-        s = load_solin2018(data_root, i)
-        keep = (s.t - s.t[0] <= cut) if cut else np.ones(len(s.t), dtype=bool)
-        return s.xy[keep], np.linalg.norm(s.field_uT[keep], axis=1)[:, None]
-
-    cfg, batch = _shipped_model(), 100  # one-second batches of the 100 Hz recording
-    test_x, test_y = sequence(5)
-
-    def rmse(model) -> float:
-        with torch.no_grad():
-            return float(np.sqrt(np.mean((model.predict(test_x)[0][:, 0].numpy() - test_y[:, 0]) ** 2)))
-
-    seqs = {i: sequence(i) for i in (1, 2, 3, 4)}
-    out: dict[str, Any] = {"test": "sequence 5", "samples": {str(i): int(len(v[0])) for i, v in seqs.items()}}
-    for name, ids in (("all", (1, 2, 3, 4)), ("first", (1, 2)), ("second", (3, 4))):
-        model, cpu = _mapped(cfg, [seqs[i] for i in ids], batch)
-        out[name] = {"rmse": rmse(model), "cpu_s": cpu}
-        if name == "first":
-            first = model
-        elif name == "second":
-            second = model
-    tiled = [("1-2", first.tile_summaries(), None), ("3-4", second.tile_summaries(), None)]
-    engines = [Source.from_summary(m.recyclable_summary(), name=n) for n, m in (("1-2", first), ("3-4", second))]
-    m_sum = sum(s.num_inducing for s in engines)
-    for label, steps in (("closed_form", 0), ("learned", int(plan["merge_steps"]))):
-        start = time.process_time()
-        model, result = merge_tiled(tiled, cfg, steps=steps)
-        out[f"tiled_{label}"] = {"rmse": rmse(model), "cpu_s": time.process_time() - start, "m": result.num_inducing}
-        start = time.process_time()
-        res = merge(engines, cfg, num_inducing=m_sum, steps=steps)
-        engine = merged_engine(res, cfg, 1)  # one engine (tile_size 0), as the untiled path makes it
-        out[f"engine_{label}"] = {"rmse": rmse(engine), "cpu_s": time.process_time() - start, "m": res.num_inducing}
-    log(f"  Solin sessions: merged tile by tile {out['tiled_closed_form']['rmse']:.3f} uT (closed form), "
-        f"{out['tiled_learned']['rmse']:.3f} ({plan['merge_steps']} steps); as one engine "
-        f"{out['engine_closed_form']['rmse']:.3f} / {out['engine_learned']['rmse']:.3f}; one map of 1-4 "
-        f"{out['all']['rmse']:.3f}; sessions alone {out['first']['rmse']:.3f}, {out['second']['rmse']:.3f}")
-    return out
-
-
-
-def sessions(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
-    """Part 3 (module docstring): a building mapped in two sessions with the shipped tiles, merged tile by tile."""
-    import dataclasses
-
-    import torch
-
-    from gp_mapping.evaluation import large
-    from gp_mapping.evaluation.speed import shipped_config
-    from gp_mapping.gp import build_model
-    from gp_mapping.gp.tiled import merge_tiled
-
-    rec = large._world_and_drive(plan, 2, seed=int(plan["large_seed"]))
-    test_x, truth = large._test_points(rec, plan, 2, np.random.default_rng(1))
-    x = rec.sensor_position[:, :2]
-    y = np.linalg.norm(rec.field_sensor_tesla, axis=1)[:, None] * 1e6
-    cfg = dataclasses.replace(shipped_config().model, device="cpu")
-    batch = int(plan["large_batch"])
-
-    def mapped(xs: np.ndarray, ys: np.ndarray) -> tuple[Any, float]:
-        model, start = build_model(cfg, 2, 1), time.process_time()
-        for b in range(0, len(xs), batch):
-            model.update(xs[b:b + batch], ys[b:b + batch])
-        return model, time.process_time() - start
-
-    def rmse(model) -> float:
-        with torch.no_grad():
-            return float(np.sqrt(np.mean((model.predict(test_x)[0][:, 0].numpy() - truth) ** 2)))
-
-    half = len(x) // 2 // batch * batch
-    out: dict[str, Any] = {"samples": int(len(x)), "area_m": list(plan["large_area"]),
-                           "tiles": f"{cfg.tile_size:g} m, M = {cfg.num_inducing}, memory {cfg.memory_size}"}
-    for name, rows in (("whole", slice(None)), ("first", slice(0, half)), ("second", slice(half, None))):
-        model, cpu = mapped(x[rows], y[rows])
-        out[name] = {"rmse": rmse(model), "tiles": model.num_tiles, "cpu_s": cpu}
-        if name == "first":
-            first = model
-        elif name == "second":
-            second = model
+    rows, models = _mapped_sessions(cfg, batch, rmse, {name: [(x[cut], y[cut])] for name, cut in (
+        ("whole", slice(None)), ("first", slice(0, half)), ("second", slice(half, None)))})
+    for name, row in rows.items():
+        out[name] = {**row, "tiles": models[name].num_tiles}
+    first, second = models["first"], models["second"]
     parts = [("first", first.tile_summaries(), None), ("second", second.tile_summaries(), None)]
     for label, steps in (("closed_form", 0), ("learned", int(plan["merge_steps"]))):
         start = time.process_time()

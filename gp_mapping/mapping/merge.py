@@ -10,7 +10,7 @@ twice.
 Tiled maps (``model.tile_size`` > 0, the shipped setting) merge tile by tile (gp/tiled.py, ``merge_tiled``) when
 every source is tiled alike: the merged map is then tiled the same way, each of its tiles the merge of the
 sources' tiles of that place. A map of several tiles has no single summary (its tiles share their bands' data),
-so it merges only with tiled maps, from state files or live mappers, not from a summary sent over DDS.
+so it merges only with tiled maps; its summary over DDS carries every tile (:func:`encode_summary`).
 """
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ class MapSource:
     def from_mapper(cls, name: str, mapper: Mapper, transform: RigidTransform | None = None) -> "MapSource":
         model = mapper.model
         tiles = model.tile_summaries() if isinstance(model, TiledModel) else None
-        if tiles is not None and len(tiles.tiles) != 1:
-            summary = None
+        if tiles is not None:  # a map of one tile also merges as its engine: that tile's summary
+            summary = next(iter(tiles.tiles.values())) if len(tiles.tiles) == 1 else None
         else:
             summarise = getattr(model, "recyclable_summary", None)
             if summarise is None:
@@ -99,6 +99,19 @@ class MapSource:
 
 class SummaryError(MergeError):
     """A model summary (bytes from ~/model) that is malformed, oversized or not a gp_mapping summary."""
+
+
+def tiled_summary_bytes(model) -> int | None:
+    """About how many bytes a tiled map's summary takes (None for a map of one engine), known before it is
+    computed: two M x M float64 matrices per output and tile (prior and sites, or moments; continual_mogp: M at
+    most its latents' inducing points together)."""
+    if not isinstance(model, TiledModel):
+        return None
+    total = 0
+    for index in model.tile_indices():
+        m = model.tile(index).num_inducing
+        total += int(sum(m) if isinstance(m, (list, tuple)) else m) ** 2
+    return 16 * model.output_dims * total
 
 
 def _model_tensors(summary: dict, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -338,9 +351,10 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
                tiled_steps: int = DEFAULT_TILED_STEPS, num_inducing: int | None = None, lr: float = 0.02
                ) -> tuple[Mapper, MergeResult | TiledMergeResult]:
     """Merge ``sources`` into a new Mapper (see the module docstring): tile by tile when every source is a tiled
-    map (the merged map is tiled alike; ``tiled_steps`` Adam steps per tile), else as one engine (``steps``). ``num_inducing`` defaults to the sum of the sources'
-    inducing points, capped at DEFAULT_MAX_INDUCING (or ``model.num_inducing`` if larger); per tile when tiled
-    to the largest source tile's (or ``model.num_inducing`` if larger: gp/tiled.py ``merge_tiled``).
+    map (the merged map is tiled alike; ``tiled_steps`` Adam steps per tile), else as one engine (``steps``).
+    ``num_inducing`` defaults to the sum of the sources' inducing points, capped at DEFAULT_MAX_INDUCING (or
+    ``model.num_inducing`` if larger); per tile when tiled to the largest source tile's (or
+    ``model.num_inducing`` if larger: gp/tiled.py ``merge_tiled``).
     Raises MergeError (DuplicateSourceError) with the reason when the sources cannot be merged."""
     sources = list(sources)
     if not sources:
@@ -401,4 +415,4 @@ def _move(transform: RigidTransform, xy: np.ndarray) -> np.ndarray:
 
 
 __all__ = ["DuplicateSourceError", "MERGE_DEFINING_KEYS", "MapSource", "SummaryError", "check_lineage",
-           "decode_summary", "encode_summary", "merge_maps", "merged_config", "parse_transform"]
+           "decode_summary", "encode_summary", "merge_maps", "merged_config", "parse_transform", "tiled_summary_bytes"]

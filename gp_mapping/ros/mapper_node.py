@@ -794,7 +794,7 @@ class _MapperCore:
         Returns whether one was sent; a summary over ``node.model_max_bytes`` is counted and logged, not sent. A
         tiled map's summary (every tile's) grows with the map, so for it that is a warning, once: it merges from
         its saved state instead (gp-mapping merge)."""
-        from gp_mapping.mapping.merge import MapSource, encode_summary
+        from gp_mapping.mapping.merge import MapSource, encode_summary, tiled_summary_bytes
 
         limit = self.config.node.model_max_bytes
         with self._lock:
@@ -802,14 +802,10 @@ class _MapperCore:
             seen = int(model.num_seen)
             if seen == 0 or seen == self._model["num_seen"]:
                 return False
-            tiled = hasattr(model, "tile_indices")
-            if tiled:
-                # Two M x M float64 matrices per output and tile (prior and sites, or moments), known before
-                # encoding (continual_mogp: M at most the latents' inducing points together).
-                size = 16 * model.output_dims * sum(_as_count(model.tile(i).num_inducing) ** 2
-                                                    for i in model.tile_indices())
-                if size > limit:
-                    return self._tiled_summary_too_large(size, limit)
+            size = tiled_summary_bytes(model)
+            tiled = size is not None
+            if tiled and size > limit:
+                return self._tiled_summary_too_large(size, limit)
             try:
                 data = encode_summary(MapSource.from_mapper(self.get_fully_qualified_name(), self.mapper))
             except Exception as err:
@@ -1021,11 +1017,6 @@ class _MapperCore:
         """Shut down from whatever state the node is in (:meth:`_stop`), then destroy it."""
         self._stop()
         self.destroy_node()
-
-
-def _as_count(num_inducing) -> int:
-    """An engine's inducing points in all (continual_mogp counts them per latent)."""
-    return int(sum(num_inducing)) if isinstance(num_inducing, (list, tuple)) else int(num_inducing)
 
 
 class MapperNode(_MapperCore, Node):
