@@ -130,9 +130,11 @@ class NodeConfig:
     resume: bool = _opt(True, doc="with checkpoints on, start from the checkpoint file when it exists (an "
                         "unreadable or incompatible one stops the node)")
     model_period: float = _opt(5.0, doc="seconds between model summaries on ~/model (what a merger node merges; "
-                               "sent only when the map changed); 0: none", low=0.0, high=1e6)
+                               "sent only when the map changed, except the parts of a large tiled map, which go "
+                               "round); 0: none", low=0.0, high=1e6)
     model_max_bytes: int = _opt(16_000_000, doc="largest model summary sent on ~/model; a larger one is not sent "
-                                "(counted, logged) [bytes]", low=1024, high=1_000_000_000)
+                                "(counted, logged), except a tiled map's, which then goes in parts of as many "
+                                "tiles as fit, changed tiles first [bytes]", low=1024, high=1_000_000_000)
 
 
 @dataclass

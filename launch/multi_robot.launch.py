@@ -11,8 +11,9 @@ whose map frame is not the merged frame gets a transform "x,y,yaw_deg" (its fram
     ros2 launch gp_mapping multi_robot.launch.py tile_size:=12.0
 
 maps with tiles (the mappers' shipped default, better in a building), merged tile by tile; the transforms must
-then carry tiles onto tiles (quarter turns, shifts by whole tiles) and a map's summary grows with its tiles, up to
-node.model_max_bytes. The launch default, 0, gives each robot one engine: any transform, a summary of fixed size.
+then carry tiles onto tiles (quarter turns, shifts by whole tiles) and a map's summary grows with its tiles (past
+node.model_max_bytes it goes in parts, which the merger puts together). The launch default, 0, gives each robot
+one engine: any transform, a summary of fixed size.
 """
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument

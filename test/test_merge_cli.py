@@ -161,7 +161,19 @@ def test_model_summaries_round_trip_and_bad_ones_are_refused(saved_maps):
             decode_summary(encode_summary(tampered), 10**8)
 
 
-def test_tiled_maps_merge_tile_by_tile_into_a_tiled_map_a_node_continues(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def tiled_maps():
+    """Robot A's tiled map of the left half; robot B's of the right half, in its own frame (a quarter turn and
+    whole tiles from the map frame)."""
+    world = sim.World.from_config(sim.WorldConfig(area=(-5, -5, 5, 5), depth_range=(1.0, 2.5)),
+                                  np.random.default_rng(3))
+    a = _map(_record(world, (-5, -5, 0, 5), 1), config=TILED)
+    b = _map(_record(world, (0, -5, 5, 5), 2), (Rotation.from_euler("z", YAW, degrees=True), TILED_SHIFT),
+             config=TILED)
+    return world, a, b
+
+
+def test_tiled_maps_merge_tile_by_tile_into_a_tiled_map_a_node_continues(tiled_maps, tmp_path, capsys):
     """Maps made with tiles (the shipped setting) merge tile by tile: robot B's frame is a quarter turn and whole
     tiles from the map frame, so its tiles land on tiles. The merged map is tiled alike, loads with the same
     config (what node.initial_map does), keeps mapping, and maps both halves far better than either. A frame
@@ -171,11 +183,7 @@ def test_tiled_maps_merge_tile_by_tile_into_a_tiled_map_a_node_continues(tmp_pat
     from gp_mapping.gp.recyclable import MergeError
     from gp_mapping.mapping.merge import SummaryError, decode_summary, encode_summary
 
-    world = sim.World.from_config(sim.WorldConfig(area=(-5, -5, 5, 5), depth_range=(1.0, 2.5)),
-                                  np.random.default_rng(3))
-    a = _map(_record(world, (-5, -5, 0, 5), 1), config=TILED)
-    b = _map(_record(world, (0, -5, 5, 5), 2), (Rotation.from_euler("z", YAW, degrees=True), TILED_SHIFT),
-             config=TILED)
+    world, a, b = tiled_maps
     assert a.model.num_tiles > 1 and b.model.num_tiles > 1
     a.save(tmp_path / "A.safetensors")
     b.save(tmp_path / "B.safetensors")
@@ -237,3 +245,110 @@ def test_tiled_maps_merge_tile_by_tile_into_a_tiled_map_a_node_continues(tmp_pat
         bad = dict(metadata, tiled=json.dumps({**json.loads(metadata["tiled"]), **change}))
         with pytest.raises(SummaryError, match=match):
             decode_summary(save(load(data), metadata=bad), 10**8)
+
+
+def test_a_tiled_map_too_large_for_one_message_goes_in_parts_the_merger_puts_together(tiled_maps):
+    """~/model of a map whose tiles outgrow one message: parts of as many tiles as fit, changed tiles first, then
+    the others in turn; the merger's assembly of the parts merges exactly as the whole summary does, refuses to
+    merge while a tile is missing, drops what it holds when the parts come from another map, and a part whose
+    tile list does not hold its own tiles is refused."""
+    from gp_mapping.gp.recyclable import MergeError
+    from gp_mapping.mapping.merge import (SummaryError, TileRotation, assemble_tiles, decode_summary, encode_summary,
+                                          tile_summary_bytes)
+
+    _, a, b = tiled_maps
+    sizes, samples = tile_summary_bytes(a.model), a.model.tile_samples()
+    assert len(sizes) >= 3 and set(sizes) == set(samples)
+    budget = 2 * max(sizes.values())  # two tiles a part
+    rotation, held, parts = TileRotation(), None, []
+    for _ in sizes:
+        part = rotation.choose(samples, sizes, budget)
+        assert 1 <= len(part) <= 2 and sum(sizes[i] for i in part) <= budget
+        data = encode_summary(MapSource.from_mapper("A", a, tiles=part))
+        assert len(data) <= sum(sizes[i] for i in part) + 65536  # the estimate holds
+        back = decode_summary(data, len(data), name="A")
+        assert back.tile_index == samples and sorted(back.tiles.tiles) == sorted(part) and back.summary is None
+        rotation.sent(part, samples)
+        parts.append(part)
+        held = assemble_tiles(held, back)
+        if not held.missing_tiles:
+            break
+        with pytest.raises(MergeError, match="part of a tiled map: it holds"):
+            merge_maps([held], steps=0)
+    assert sorted(i for p in parts for i in p) == sorted(sizes)  # each tile once, none twice before all went
+    assert held.tile_index is None and sorted(held.tiles.tiles) == sorted(sizes)
+    tf = parse_transform(f"{TILED_SHIFT[0]},{TILED_SHIFT[1]},{YAW}")
+    whole, _ = merge_maps([MapSource.from_mapper("A", a), MapSource.from_mapper("B", b, tf)])
+    assembled, _ = merge_maps([held, MapSource.from_mapper("B", b, tf)])
+    xy = np.random.default_rng(0).uniform(-4, 4, (50, 2))
+    for u, v in zip(whole.model.predict(xy), assembled.model.predict(xy)):
+        torch.testing.assert_close(u, v, rtol=1e-9, atol=1e-9)
+    # The map standing still: the parts go round again, longest unsent first; a tile that took data goes first.
+    assert rotation.choose(samples, sizes, budget) == parts[0]
+    moved = dict(samples)
+    moved[parts[-1][0]] += 5
+    assert rotation.choose(moved, sizes, budget)[0] == parts[-1][0]
+    assert rotation.choose(samples, sizes, min(sizes.values()) - 1) == []  # no tile fits: nothing to send
+    # Parts of another map (B: another source id) replace what is held of A.
+    b_tiles = sorted(b.model.tile_indices())
+    other = decode_summary(encode_summary(MapSource.from_mapper("A", b, tiles=b_tiles[:1])), 10**8)
+    fresh = assemble_tiles(held, other)
+    assert sorted(fresh.tiles.tiles) == b_tiles[:1] and fresh.missing_tiles == b_tiles[1:]
+    from safetensors.torch import load, save
+    data = encode_summary(MapSource.from_mapper("A", a, tiles=parts[0]))
+    metadata = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+    for index, match in (({"99_99": 1}, "does not hold its own tiles"), ({"1_2_3": 1, **{f"{i[0]}_{i[1]}": 1 for i in
+                         parts[0]}}, "does not fit a layout"), ("[1, 2]", "malformed tiled summary")):
+        bad = dict(metadata, index=index if isinstance(index, str) else json.dumps(index))
+        with pytest.raises(SummaryError, match=match):
+            decode_summary(save(load(data), metadata=bad), 10**8)
+
+
+def test_the_merger_node_merges_a_map_sent_in_parts_once_it_holds_every_tile(tiled_maps):
+    """The merger node (in this process, no DDS traffic) given robot A's map in parts and robot B's whole: no merge
+    while A lacks a tile (`sources_incomplete`), then the merge of both, as merge_maps gives it."""
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.parameter import Parameter
+    from std_msgs.msg import UInt8MultiArray
+
+    from gp_mapping.mapping.merge import TileRotation, encode_summary, tile_summary_bytes
+    from gp_mapping.ros.merger_node import MergerNode
+
+    _, a, b = tiled_maps
+    b_frame = f"{TILED_SHIFT[0]},{TILED_SHIFT[1]},{YAW}"
+    context = Context()
+    rclpy.init(context=context)
+    try:
+        node = MergerNode(context=context, parameter_overrides=[
+            Parameter("sources", value=["/a/model", "/b/model"]), Parameter("transforms", value=["", b_frame])])
+        try:
+            node.on_summary("/b/model", UInt8MultiArray(data=encode_summary(MapSource.from_mapper("B", b))))
+            sizes, samples = tile_summary_bytes(a.model), a.model.tile_samples()
+            rotation = TileRotation()
+            for k in range(len(sizes)):
+                assert "/a/model" not in node._sources
+                part = rotation.choose(samples, sizes, max(sizes.values()))
+                rotation.sent(part, samples)
+                node.on_summary("/a/model", UInt8MultiArray(data=encode_summary(MapSource.from_mapper("A", a,
+                                                                                                    tiles=part))))
+                if k == 0:
+                    published = []
+                    node._diag_pub.publish = published.append
+                    node._publish_diagnostics()
+                    values = {kv.key: kv.value for kv in published[-1].status[0].values}
+                    assert values["sources_incomplete"] == "1" and values["sources"] == "1"
+            assert node._counts["parts_received"] == len(sizes) and sum(node._rejected.values()) == 0
+            assert "/a/model" in node._sources and node.merge_if_changed()
+            expected, _ = merge_maps([MapSource.from_mapper("A", a),
+                                      MapSource.from_mapper("B", b, parse_transform(b_frame))])
+            xy = np.random.default_rng(1).uniform(-4, 4, (30, 2))
+            for u, v in zip(expected.model.predict(xy), node.mapper.model.predict(xy)):
+                torch.testing.assert_close(u, v, rtol=1e-9, atol=1e-9)
+            node._publish_diagnostics()
+            values = {kv.key: kv.value for kv in published[-1].status[0].values}
+            assert values["sources_incomplete"] == "0" and values["sources"] == "2"
+        finally:
+            node.close()
+    finally:
+        context.try_shutdown()

@@ -451,11 +451,12 @@ def test_node_keeps_publishing_after_a_50_km_teleport(node_factory):
     assert spec.num_cells <= 40 * 40 and spec.origin_x <= far + 4.0 <= spec.origin_x + spec.width * spec.resolution
 
 
-def test_a_tiled_map_sends_its_tiles_on_model_until_they_outgrow_the_limit_then_warns_once(node_factory):
+def test_a_tiled_map_sends_its_tiles_on_model_in_parts_once_they_outgrow_the_limit(node_factory):
     """~/model carries a tiled map tile by tile (as it merges); its size grows with the map, so once it would pass
-    node.model_max_bytes the node sends none, counts it (`too_large`) and warns once, without an error: the map
-    merges from its saved state then."""
-    from gp_mapping.mapping.merge import decode_summary
+    node.model_max_bytes the node sends it in parts, each under the limit, one per call, also while the map stands
+    still, which put together hold every tile (`parts` counted). Only when not one tile fits does it send
+    nothing, count it (`too_large`) and warn once, without an error: the map merges from its saved state then."""
+    from gp_mapping.mapping.merge import assemble_tiles, decode_summary, summary_overhead_bytes, tile_summary_bytes
 
     node = node_factory(**NODE_PARAMS, **{"model.tile_size": 4.0, "model.tile_overlap": 0.5})
     sent = []
@@ -469,7 +470,19 @@ def test_a_tiled_map_sends_its_tiles_on_model_until_they_outgrow_the_limit_then_
     source = decode_summary(bytes(sent[-1].data), 10**8)
     assert sorted(source.tiles.tiles) == sorted(node.mapper.model.tile_indices())
     assert source.num_seen == node.mapper.model.num_seen and node._model["sent"] == 2
-    node.config.node.model_max_bytes = 1024  # below the tiles' summary
+    sizes = tile_summary_bytes(node.mapper.model)
+    limit = summary_overhead_bytes(node.mapper) + max(sizes.values()) + 100  # about a tile a part
+    node.config.node.model_max_bytes = limit
+    held = None
+    for k in range(len(sizes)):
+        assert node.publish_model()  # the map stands still: the parts go on
+        assert len(sent[-1].data) <= limit
+        part = decode_summary(bytes(sent[-1].data), limit)
+        assert part.tile_index == node.mapper.model.tile_samples() and len(part.tiles.tiles) < len(sizes)
+        held = assemble_tiles(held, part)
+    assert not held.missing_tiles and sorted(held.tiles.tiles) == sorted(sizes)
+    assert node._model["parts"] == len(sizes) and node._model["sent"] == 2 + len(sizes)
+    node.config.node.model_max_bytes = 1024  # below any tile's summary
     _feed_node(node, 21, t0=120.0, x0=7.0)
     _wait_idle(node)
     assert not node.publish_model()
@@ -479,5 +492,6 @@ def test_a_tiled_map_sends_its_tiles_on_model_until_they_outgrow_the_limit_then_
     node._publish_diagnostics()
     status = published[-1].status[0]
     values = {kv.key: kv.value for kv in status.values}
-    assert values["node/model_summaries_too_large"] == "1" and values["node/model_summaries_sent"] == "2"
+    assert values["node/model_summaries_too_large"] == "1" and values["node/model_summaries_parts"] == str(len(sizes))
+    assert values["node/model_summaries_sent"] == str(2 + len(sizes))
     assert status.message == "mapping"

@@ -709,11 +709,19 @@ class TiledModel(Engine):
         with self._hyperparameters(slot.theta):
             return self._summary_of(slot)
 
-    def tile_summaries(self) -> "TiledSummary":
+    def tile_samples(self) -> dict[tuple[int, ...], int]:
+        """Samples each tile has taken (its engine's num_seen), by tile index: what changed since a summary."""
+        return {parse_tile_key(key): int(slot.engine.num_seen) for key, slot in self.tiles.items()}
+
+    def tile_summaries(self, indices=None) -> "TiledSummary":
         """What merging needs of this map, tile by tile (:func:`merge_tiled`): the lattice, every tile's engine
-        summary under the hyperparameters its posterior was fitted with, the target unit and statistics."""
+        summary (or those of ``indices`` only: a part of the map, see mapping/merge.py) under the hyperparameters
+        its posterior was fitted with, the target unit and statistics."""
         tiles = {}
-        for key in sorted(self.tiles.keys()):
+        keys = sorted(self.tiles.keys()) if indices is None else sorted(tile_key(i) for i in indices)
+        for key in keys:
+            if key not in self.tiles:
+                raise KeyError(f"no tile {key!r} in this map")
             slot = self.tiles[key]
             with self._hyperparameters(slot.theta):
                 tiles[parse_tile_key(key)] = self._summary_of(slot)

@@ -10,11 +10,17 @@ twice.
 Tiled maps (``model.tile_size`` > 0, the shipped setting) merge tile by tile (gp/tiled.py, ``merge_tiled``) when
 every source is tiled alike: the merged map is then tiled the same way, each of its tiles the merge of the
 sources' tiles of that place. A map of several tiles has no single summary (its tiles share their bands' data),
-so it merges only with tiled maps; its summary over DDS carries every tile (:func:`encode_summary`).
+so it merges only with tiled maps; its summary over DDS carries every tile (:func:`encode_summary`). A building's
+summary outgrows one message (about 1 MB per tile at M = 256): the mapper then sends it in parts
+(:class:`TileRotation`: the tiles that changed first, then the rest in turn, each part within the size limit and
+naming every tile the map has), and the merger puts the parts together (:func:`assemble_tiles`), merging once it
+holds every tile; a tile merges as of its last part, which is what tile-by-tile merging allows, since each
+merged tile depends only on the sources' tiles of that place.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import uuid
@@ -26,7 +32,7 @@ import torch
 
 from gp_mapping.config import ConfigError, MapperConfig, config_from_dict, to_dict
 from gp_mapping.gp.recyclable import MergeError, MergeResult, RigidTransform, Source, merge, merged_engine
-from gp_mapping.gp.tiled import TiledMergeResult, TiledModel, TiledSummary, merge_tiled, tile_key
+from gp_mapping.gp.tiled import TiledMergeResult, TiledModel, TiledSummary, merge_tiled, parse_tile_key, tile_key
 from gp_mapping.mapping.mapper import Mapper
 
 DEFAULT_MAX_INDUCING = 1024
@@ -59,7 +65,8 @@ class MapSource:
     """One map to merge: its name (for messages), its model summary (an engine's ``recyclable_summary()``; None
     for a map of several tiles, which has none), the config it was made with, its identity (source id, lineage),
     its visited cells and trajectory (for the merged map's grid), its transform into the merged frame, and, for a
-    tiled map, its tiles' summaries (merged tile by tile)."""
+    tiled map, its tiles' summaries (merged tile by tile). A part of a tiled map (a summary that holds some of its
+    tiles) has ``tile_index``: every tile of the map, with the samples it had taken; None when all are held."""
 
     name: str
     summary: dict | None
@@ -72,6 +79,14 @@ class MapSource:
     last_stamp: float = -math.inf
     transform: RigidTransform | None = None
     tiles: TiledSummary | None = None
+    tile_index: dict[tuple[int, ...], int] | None = None
+
+    @property
+    def missing_tiles(self) -> list[tuple[int, ...]]:
+        """Tiles of the map that this (partial) source does not hold; empty when it is whole."""
+        if self.tile_index is None or self.tiles is None:
+            return []
+        return sorted(i for i in self.tile_index if i not in self.tiles.tiles)
 
     @property
     def num_seen(self) -> int:
@@ -80,11 +95,21 @@ class MapSource:
         return int(self.summary.get("num_seen", 0))
 
     @classmethod
-    def from_mapper(cls, name: str, mapper: Mapper, transform: RigidTransform | None = None) -> "MapSource":
+    def from_mapper(cls, name: str, mapper: Mapper, transform: RigidTransform | None = None,
+                    tiles=None) -> "MapSource":
+        """The source of a Mapper's map; ``tiles``: for a tiled map, the indices of the tiles to hold (a part of
+        the map, :class:`TileRotation`), None for all."""
         model = mapper.model
-        tiles = model.tile_summaries() if isinstance(model, TiledModel) else None
+        index = None
+        if isinstance(model, TiledModel):
+            every = model.tile_samples()
+            if tiles is not None and set(tiles) != set(every):
+                index = every
+            tiles = model.tile_summaries(tiles)
+        else:
+            tiles = None
         if tiles is not None:  # a map of one tile also merges as its engine: that tile's summary
-            summary = next(iter(tiles.tiles.values())) if len(tiles.tiles) == 1 else None
+            summary = next(iter(tiles.tiles.values())) if len(tiles.tiles) == 1 and index is None else None
         else:
             summarise = getattr(model, "recyclable_summary", None)
             if summarise is None:
@@ -94,24 +119,91 @@ class MapSource:
                    lineage=list(mapper.lineage), coverage_cells=np.asarray(mapper.coverage.cells),
                    coverage_resolution=float(mapper.coverage.resolution),
                    trajectory=np.asarray(mapper.trajectory, dtype=np.float64).reshape(-1, 2),
-                   last_stamp=float(mapper.last_stamp), transform=transform)
+                   last_stamp=float(mapper.last_stamp), transform=transform, tile_index=index)
 
 
 class SummaryError(MergeError):
     """A model summary (bytes from ~/model) that is malformed, oversized or not a gp_mapping summary."""
 
 
-def tiled_summary_bytes(model) -> int | None:
-    """About how many bytes a tiled map's summary takes (None for a map of one engine), known before it is
-    computed: two M x M float64 matrices per output and tile (prior and sites, or moments; continual_mogp: M at
-    most its latents' inducing points together)."""
+def tile_summary_bytes(model) -> dict[tuple[int, ...], int] | None:
+    """About how many bytes each tile's summary takes, by tile index (None for a map of one engine), known before
+    it is computed: two M x M float64 matrices per output (prior and sites, or moments; continual_mogp: M at most
+    its latents' inducing points together), and the inducing inputs, kernel state and names."""
     if not isinstance(model, TiledModel):
         return None
-    total = 0
+    sizes = {}
     for index in model.tile_indices():
         m = model.tile(index).num_inducing
-        total += int(sum(m) if isinstance(m, (list, tuple)) else m) ** 2
-    return 16 * model.output_dims * total
+        m = int(sum(m) if isinstance(m, (list, tuple)) else m)
+        sizes[index] = 16 * model.output_dims * m * m + 8 * m * (model.input_dims + 2 * model.output_dims) + 2048
+    return sizes
+
+
+def tiled_summary_bytes(model) -> int | None:
+    """About how many bytes a tiled map's tiles take in its summary (None for a map of one engine)."""
+    sizes = tile_summary_bytes(model)
+    return None if sizes is None else sum(sizes.values())
+
+
+def summary_overhead_bytes(mapper: Mapper) -> int:
+    """About how many bytes a summary takes besides its tiles: the visited cells and trajectory, the config and
+    the other metadata (64 KiB is several times a shipped config's JSON), the tile list of a part."""
+    tiles = mapper.model.num_tiles if isinstance(mapper.model, TiledModel) else 0
+    return 16 * (len(mapper.coverage.cells) + len(mapper.trajectory)) + 65536 + 64 * tiles
+
+
+class TileRotation:
+    """Which tiles of a tiled map the next part of its summary carries when the whole one is over the size limit
+    (the mapper node's ~/model): first the tiles that took data since they were last sent (or never were), then
+    the others, each group longest unsent first, as many as fit in the byte budget. So new data reach the merger
+    within a part or two, and every tile is sent again within a few parts: a merger that starts late, or loses
+    a part, completes the map."""
+
+    def __init__(self) -> None:
+        self._sent: dict[tuple[int, ...], tuple[int, int]] = {}  # tile -> (its samples when sent, part number)
+        self._parts = 0
+
+    def choose(self, samples: dict[tuple[int, ...], int], sizes: dict[tuple[int, ...], int],
+               budget: int) -> list[tuple[int, ...]]:
+        """The tiles of the next part (empty when no tile fits ``budget`` bytes)."""
+        def last_sent(i):
+            return (self._sent.get(i, (None, -1))[1], i)
+
+        changed = sorted((i for i in samples if self._sent.get(i, (None,))[0] != samples[i]), key=last_sent)
+        unchanged = sorted((i for i in samples if self._sent.get(i, (None,))[0] == samples[i]), key=last_sent)
+        chosen, used = [], 0
+        for i in changed + unchanged:
+            if used + sizes[i] <= budget:
+                chosen.append(i)
+                used += sizes[i]
+        return chosen
+
+    def sent(self, tiles, samples: dict[tuple[int, ...], int]) -> None:
+        """Record that a part with ``tiles`` went out, the map's tiles having taken ``samples``."""
+        self._parts += 1
+        for i in tiles:
+            self._sent[i] = (samples[i], self._parts)
+
+
+def assemble_tiles(held: MapSource | None, part: MapSource) -> MapSource:
+    """A received part of a tiled map put together with what the merger holds of that map (``held``, the result of
+    the previous call, or None): the part's tiles replace the held ones, the held tiles that the part does not
+    carry stay while the map still has them, and the map-wide parts (statistics, counts, visited cells,
+    trajectory) are the part's, the newest. Held tiles are dropped when the part comes from another map (source
+    id, lattice) or from the same map restarted (fewer samples than held). The result's ``missing_tiles`` says
+    what it still lacks; a whole summary is returned as it is."""
+    if part.tiles is None or part.tile_index is None:
+        return part
+    keep = {}
+    if held is not None and held.tiles is not None and held.source_id == part.source_id \
+            and held.tiles.layout == part.tiles.layout and held.num_seen <= part.num_seen:
+        keep = {i: s for i, s in held.tiles.tiles.items() if i in part.tile_index}
+    keep.update(part.tiles.tiles)
+    tiles = dataclasses.replace(part.tiles, tiles=dict(sorted(keep.items())))
+    whole = all(i in keep for i in part.tile_index)
+    summary = next(iter(tiles.tiles.values())) if whole and len(tiles.tiles) == 1 else None
+    return dataclasses.replace(part, tiles=tiles, summary=summary, tile_index=None if whole else part.tile_index)
 
 
 def _model_tensors(summary: dict, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -145,6 +237,8 @@ def encode_summary(source: MapSource) -> bytes:
             "sizes": list(tiles.layout.sizes), "overlap": tiles.layout.overlap, "centred": tiles.layout.centred,
             "input_dims": tiles.input_dims, "output_dims": tiles.output_dims, "hyper_steps": tiles.hyper_steps,
             "tiles": {tile_key(i): int(summary.get("num_seen", 0)) for i, summary in tiles.tiles.items()}})
+        if source.tile_index is not None:  # a part: every tile the map has, so the merger knows what it lacks
+            metadata["index"] = json.dumps({tile_key(i): int(n) for i, n in source.tile_index.items()})
     elif source.summary is None:
         raise SummaryError(f"{source.name} has no model summary to send")
     else:
@@ -189,8 +283,15 @@ def decode_summary(data: bytes, max_bytes: int, name: str = "summary") -> MapSou
     try:
         tiled = json.loads(meta["tiled"]) if "tiled" in meta else None
         tile_keys = [str(k) for k in tiled["tiles"]] if tiled is not None else []
+        index = None
+        if "index" in meta:
+            index = {parse_tile_key(str(k)): int(v) for k, v in json.loads(meta["index"]).items()}
+            part_ok = tiled is not None and all(parse_tile_key(k) in index for k in tile_keys) \
+                and all(n >= 0 for n in index.values())
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise SummaryError(f"{name}: malformed tiled summary: {type(err).__name__}: {err}") from None
+    if index is not None and not part_ok:
+        raise SummaryError(f"{name}: a part's tile list does not hold its own tiles, or belongs to no tiled map")
     for key, t in tensors.items():
         expected = _expected_tensor(key, tiled is not None, tile_keys)
         if expected is None:
@@ -207,7 +308,10 @@ def decode_summary(data: bytes, max_bytes: int, name: str = "summary") -> MapSou
             tiles = None
         else:
             tiles = _decoded_tiles(tensors, tiled, tile_keys, int(info["num_seen"]), config, name)
-            summary = next(iter(tiles.tiles.values())) if len(tiles.tiles) == 1 else None
+            if index is not None and any(len(i) != tiles.layout.dims for i in index):
+                raise SummaryError(f"{name}: a part's tile list does not fit a layout of {tiles.layout.dims} tiled "
+                                   "axes")
+            summary = next(iter(tiles.tiles.values())) if len(tiles.tiles) == 1 and index is None else None
         cells = tensors.get("coverage_cells", torch.zeros(0, 2, dtype=torch.int64)).numpy()
         trajectory = tensors.get("trajectory", torch.zeros(0, 2, dtype=torch.float64)).numpy()
         resolution = float(info["coverage_resolution"])
@@ -221,7 +325,7 @@ def decode_summary(data: bytes, max_bytes: int, name: str = "summary") -> MapSou
         raise SummaryError(f"{name}: malformed coverage or trajectory")
     return MapSource(name=name, summary=summary, config=config, source_id=source_id, lineage=lineage,
                      coverage_cells=cells, coverage_resolution=resolution, trajectory=trajectory, last_stamp=stamp,
-                     tiles=tiles)
+                     tiles=tiles, tile_index=index)
 
 
 def _expected_tensor(key: str, tiled: bool, tile_keys: list[str]):
@@ -265,7 +369,7 @@ def _decoded_model(tensors: dict, prefix: str, num_seen: int, config: MapperConf
 def _decoded_tiles(tensors: dict, tiled: dict, tile_keys: list[str], num_seen: int, config: MapperConfig,
                    name: str) -> TiledSummary:
     """A tiled map's summary from its tensors and the "tiled" metadata (:func:`encode_summary`)."""
-    from gp_mapping.gp.tiled import TileLayout, parse_tile_key
+    from gp_mapping.gp.tiled import TileLayout
 
     try:
         layout = TileLayout(tuple(float(v) for v in tiled["sizes"]), float(tiled["overlap"]),
@@ -359,6 +463,10 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
     sources = list(sources)
     if not sources:
         raise MergeError("nothing to merge: no maps given")
+    for src in sources:
+        if src.missing_tiles:
+            raise MergeError(f"{src.name} is a part of a tiled map: it holds {len(src.tiles.tiles)} of its "
+                             f"{len(src.tile_index)} tiles (assemble_tiles puts the parts together)")
     check_compatible(sources)
     check_lineage(sources)
     cfg = merged_config(sources, config)
@@ -414,5 +522,6 @@ def _move(transform: RigidTransform, xy: np.ndarray) -> np.ndarray:
     return transform.apply_inputs(torch.as_tensor(xy, dtype=torch.float64)).numpy()
 
 
-__all__ = ["DuplicateSourceError", "MERGE_DEFINING_KEYS", "MapSource", "SummaryError", "check_lineage",
-           "decode_summary", "encode_summary", "merge_maps", "merged_config", "parse_transform", "tiled_summary_bytes"]
+__all__ = ["DuplicateSourceError", "MERGE_DEFINING_KEYS", "MapSource", "SummaryError", "TileRotation", "assemble_tiles",
+           "check_lineage", "decode_summary", "encode_summary", "merge_maps", "merged_config", "parse_transform",
+           "summary_overhead_bytes", "tile_summary_bytes", "tiled_summary_bytes"]

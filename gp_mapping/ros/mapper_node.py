@@ -120,6 +120,8 @@ from gp_mapping.gp import warm_up as warm_up_engines
 from gp_mapping.mapping import publication
 from gp_mapping.mapping.grid import check_grid_config
 from gp_mapping.mapping.mapper import Mapper
+from gp_mapping.mapping.merge import (MapSource, TileRotation, encode_summary, summary_overhead_bytes,
+                                      tile_summary_bytes)
 from gp_mapping.mapping.publication import NODE_NAME
 from gp_mapping.mapping.transforms import TfPoseMatcher
 from gp_mapping.ros import conversions
@@ -309,7 +311,8 @@ class _MapperCore:
         self._tf: TfPoseMatcher | None = None
         self._map_pubs, self._cloud_pub, self._scale_pub = create_map_publishers(self, self.config)
         self._model_pub = self.create_publisher(UInt8MultiArray, MODEL_TOPIC, MAP_QOS)
-        self._model = {"sent": 0, "too_large": 0, "failed": 0, "bytes": 0, "num_seen": -1}
+        self._model = {"sent": 0, "parts": 0, "too_large": 0, "failed": 0, "bytes": 0, "num_seen": -1}
+        self._tile_rotation = TileRotation()  # which tiles the next part of a large tiled map's summary carries
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
 
     def _activate(self) -> None:
@@ -792,22 +795,27 @@ class _MapperCore:
     def publish_model(self) -> bool:
         """Send the model summary on ~/model if the map took data since the last one (on the update thread).
         Returns whether one was sent; a summary over ``node.model_max_bytes`` is counted and logged, not sent. A
-        tiled map's summary (every tile's) grows with the map, so for it that is a warning, once: it merges from
-        its saved state instead (gp-mapping merge)."""
-        from gp_mapping.mapping.merge import MapSource, encode_summary, tiled_summary_bytes
-
+        tiled map's summary (every tile's) grows with the map: once it is over the limit it goes in parts, one
+        per period, each as many tiles as fit, those that took data first (merge.TileRotation); parts go on while
+        the map stands still, so a merger that starts late completes it. Only a tile too large for a message
+        alone stops it (counted, warned once: the map merges from its saved state then)."""
         limit = self.config.node.model_max_bytes
         with self._lock:
             model = self.mapper.model
             seen = int(model.num_seen)
-            if seen == 0 or seen == self._model["num_seen"]:
+            sizes = tile_summary_bytes(model)
+            tiled = sizes is not None
+            part = None
+            if tiled and sum(sizes.values()) > limit - summary_overhead_bytes(self.mapper):
+                samples = model.tile_samples()
+                part = self._tile_rotation.choose(samples, sizes, limit - summary_overhead_bytes(self.mapper))
+                if not part:
+                    return self._tiled_summary_too_large(min(sizes.values()), limit)
+            if seen == 0 or (part is None and seen == self._model["num_seen"]):
                 return False
-            size = tiled_summary_bytes(model)
-            tiled = size is not None
-            if tiled and size > limit:
-                return self._tiled_summary_too_large(size, limit)
             try:
-                data = encode_summary(MapSource.from_mapper(self.get_fully_qualified_name(), self.mapper))
+                data = encode_summary(MapSource.from_mapper(self.get_fully_qualified_name(), self.mapper,
+                                                            tiles=part))
             except Exception as err:
                 self._model["failed"] += 1
                 self._report(f"model summary failed: {type(err).__name__}: {err}")
@@ -821,15 +829,23 @@ class _MapperCore:
         msg = UInt8MultiArray()
         msg.data = data
         self._model_pub.publish(msg)
+        if part is not None:
+            if not self._model["parts"]:
+                self.get_logger().info(
+                    f"~/model: the tiled map's summary has outgrown node.model_max_bytes = {limit}; it goes in "
+                    f"parts from now on ({len(part)} of {len(sizes)} tiles in this one; the merger puts them "
+                    "together)")
+            self._tile_rotation.sent(part, samples)
+            self._model["parts"] += 1
         self._model.update(sent=self._model["sent"] + 1, bytes=len(data), num_seen=seen)
         return True
 
     def _tiled_summary_too_large(self, size: int, limit: int) -> bool:
         if not self._model["too_large"]:
             self.get_logger().warning(
-                f"~/model: the tiled map's summary has grown to about {size} bytes, over node.model_max_bytes = "
-                f"{limit}; not sent from now on (counted in the diagnostics): merge the saved map with gp-mapping "
-                "merge, or raise node.model_max_bytes")
+                f"~/model: a tile's summary takes about {size} bytes, over node.model_max_bytes = {limit} with the "
+                "map's visited cells and trajectory; not sent from now on (counted in the diagnostics): merge the "
+                "saved map with gp-mapping merge, or raise node.model_max_bytes")
         self._model["too_large"] += 1
         return False
 
@@ -902,7 +918,7 @@ class _MapperCore:
         values["node/update_latency_max_s"] = lat["max"]
         values["node/publish_latency_last_s"] = self._publish_seconds
         if self.config.node.model_period > 0:
-            for key in ("sent", "too_large", "failed", "bytes"):
+            for key in ("sent", "parts", "too_large", "failed", "bytes"):
                 values[f"node/model_summaries_{key}" if key != "bytes" else "node/model_summary_bytes"] = \
                     self._model[key]
         if self.config.node.checkpoint_interval_s > 0:

@@ -21,7 +21,10 @@ Subscribes (reliable, transient local, depth 1) to every source topic; publishes
 ``/diagnostics``. A summary that is oversized, malformed, incompatible (another target, unit, frame) or that
 shares data with another source (its lineage overlaps another's) is refused, counted under
 ``rejected/<reason>`` and logged; the merger keeps merging what it has. Tiled maps (the mappers' default) arrive
-tile by tile and merge tile by tile into a map tiled alike (gp_mapping/mapping/merge.py).
+tile by tile and merge tile by tile into a map tiled alike (gp_mapping/mapping/merge.py); a map too large for one
+message arrives in parts, which the merger puts together: it merges that map once it holds every tile (until then
+its earlier whole map, if any, stays in the merge), each tile as of its latest part (``parts_received``,
+``sources_incomplete`` in the diagnostics).
 """
 from __future__ import annotations
 
@@ -41,8 +44,8 @@ from std_msgs.msg import UInt8MultiArray
 
 from gp_mapping.gp.recyclable import MergeError
 from gp_mapping.mapping import publication
-from gp_mapping.mapping.merge import (DuplicateSourceError, MapSource, SummaryError, check_compatible, check_lineage,
-                                      decode_summary, merge_maps, parse_transform)
+from gp_mapping.mapping.merge import (DuplicateSourceError, MapSource, SummaryError, assemble_tiles, check_compatible,
+                                      check_lineage, decode_summary, merge_maps, parse_transform)
 from gp_mapping.ros.mapper_node import (MAP_QOS, NodeStartError, create_map_publishers, publish_map_layout,
                                         spin_node)
 
@@ -73,9 +76,11 @@ class MergerNode(Node):
             self.destroy_node()
             raise
         self._sources: dict[str, MapSource] = {}  # topic -> latest accepted summary
+        self._parts: dict[str, MapSource] = {}  # topic -> the parts of a large tiled map received so far, together
         self._changed = False
         self._rejected = {reason: 0 for reason in REJECTION_REASONS}
-        self._counts = {"received": 0, "accepted": 0, "merges": 0, "failed_merges": 0, "maps_published": 0}
+        self._counts = {"received": 0, "parts_received": 0, "accepted": 0, "merges": 0, "failed_merges": 0,
+                        "maps_published": 0}
         self._last_error = ""
         self._merge_seconds = math.nan
         self._pubs = None  # created at the first merge, for the sources' target (layers)
@@ -146,6 +151,12 @@ class MergerNode(Node):
             except SummaryError as err:
                 self._refuse("malformed", str(err))
                 return
+            if source.tile_index is not None or topic in self._parts:
+                self._counts["parts_received"] += source.tile_index is not None
+                source = assemble_tiles(self._parts.get(topic), source)
+                self._parts[topic] = source
+                if source.missing_tiles:  # not mergeable yet: the map's earlier whole summary stays
+                    return
             source.transform = self.transforms[topic]
             others = [s for t, s in self._sources.items() if t != topic]
             try:
@@ -221,6 +232,7 @@ class MergerNode(Node):
         values: dict[str, Any] = dict(self._counts)
         values.update({f"rejected/{k}": v for k, v in self._rejected.items()})
         values["sources"] = len(self._sources)
+        values["sources_incomplete"] = sum(bool(s.missing_tiles) for s in self._parts.values())
         values["merge_seconds_last"] = self._merge_seconds
         status = DiagnosticStatus(name=f"{self.get_name()}: gp_mapping merger", hardware_id="gp_mapping")
         if self._last_error:
