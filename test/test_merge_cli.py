@@ -348,6 +348,10 @@ def test_the_merger_node_merges_a_map_sent_in_parts_once_it_holds_every_tile(til
             node._publish_diagnostics()
             values = {kv.key: kv.value for kv in published[-1].status[0].values}
             assert values["sources_incomplete"] == "0" and values["sources"] == "2"
+            # The map standing still, its parts go round again: held, but nothing to merge anew.
+            node.on_summary("/a/model", UInt8MultiArray(data=encode_summary(MapSource.from_mapper(
+                "A", a, tiles=rotation.choose(samples, sizes, max(sizes.values()))))))
+            assert not node.merge_if_changed() and node._counts["parts_received"] == len(sizes) + 1
         finally:
             node.close()
     finally:

@@ -1,6 +1,7 @@
 """Two mapping nodes and a merger node over real DDS (localhost): the merger merges the mappers' ~/model
 summaries (no data) and publishes the merged map like a mapper; malformed and oversized summaries are refused
-and counted, and the merger keeps going."""
+and counted, and the merger keeps going. The mappers map in small tiles with a small node.model_max_bytes, so
+their summaries outgrow one message and go in parts, which the merger puts together."""
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 AREA = (-2.0, -2.0, 2.0, 2.0)
 MAX_BYTES = 1_000_000
+MAPPER_MAX_BYTES = 150_000  # a robot's half in 1.5 m tiles outgrows it: its summary goes in parts
 
 
 def _recordings():
@@ -58,7 +60,8 @@ def test_two_mappers_and_a_merger_over_dds(tmp_path):
 
     env = node_env(dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST"), tmp_path)
     params = write_params(tmp_path / "params.yaml", node={"publish_period": 0.5, "model_period": 0.5,
-                                                          "queue_depth": 1000})
+                                                          "queue_depth": 1000, "model_max_bytes": MAPPER_MAX_BYTES},
+                          model={"tile_size": 1.5, "tile_overlap": 0.3})
     rec_a, rec_b = _recordings()
     junk_topic = f"/junk_{uuid.uuid4().hex[:8]}/model"
     with RosHarness("multi_robot_test") as harness:
@@ -94,6 +97,9 @@ def test_two_mappers_and_a_merger_over_dds(tmp_path):
             harness.spin_for(4.0)
             values = diagnostic_values(merged)
             assert int(values["rejected/malformed"]) >= 1 and int(values["rejected/oversized"]) >= 1, values
+            assert int(values["parts_received"]) >= 2 and values["sources_incomplete"] == "0", values
+            for v in views:
+                assert int(diagnostic_values(v)["node/model_summaries_parts"]) >= 1
             mean, var, _, unit = decode(merged)
             assert unit == "microtesla"
             known = np.isfinite(mean)

@@ -806,11 +806,12 @@ class _MapperCore:
             sizes = tile_summary_bytes(model)
             tiled = sizes is not None
             part = None
-            if tiled and sum(sizes.values()) > limit - summary_overhead_bytes(self.mapper):
+            budget = limit - summary_overhead_bytes(self.mapper) if tiled else limit
+            if tiled and sum(sizes.values()) > budget:
                 samples = model.tile_samples()
-                part = self._tile_rotation.choose(samples, sizes, limit - summary_overhead_bytes(self.mapper))
-                if not part:
-                    return self._tiled_summary_too_large(min(sizes.values()), limit)
+                part = self._tile_rotation.choose(samples, sizes, budget)
+                if not part:  # not even one tile fits
+                    return self._tiled_summary_too_large(limit - budget + min(sizes.values()), limit)
             if seen == 0 or (part is None and seen == self._model["num_seen"]):
                 return False
             try:
@@ -843,9 +844,9 @@ class _MapperCore:
     def _tiled_summary_too_large(self, size: int, limit: int) -> bool:
         if not self._model["too_large"]:
             self.get_logger().warning(
-                f"~/model: a tile's summary takes about {size} bytes, over node.model_max_bytes = {limit} with the "
-                "map's visited cells and trajectory; not sent from now on (counted in the diagnostics): merge the "
-                "saved map with gp-mapping merge, or raise node.model_max_bytes")
+                f"~/model: the tiled map's summary does not fit node.model_max_bytes = {limit} even in parts (about "
+                f"{size} bytes with the map's visited cells and trajectory); not sent from now on (counted in the "
+                "diagnostics): merge the saved map with gp-mapping merge, or raise node.model_max_bytes")
         self._model["too_large"] += 1
         return False
 

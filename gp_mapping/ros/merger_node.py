@@ -169,9 +169,10 @@ class MergerNode(Node):
             except DuplicateSourceError as err:
                 self._refuse("duplicate", str(err))
                 return
+            # a part that went round again on a map standing still changes nothing: no merge for it
+            self._changed = self._changed or not _same_tiles(self._sources.get(topic), source)
             self._sources[topic] = source
             self._counts["accepted"] += 1
-            self._changed = True
         except Exception as err:  # whatever one message holds, the merger goes on
             self._refuse("malformed", f"{topic}: {type(err).__name__}: {err}")
 
@@ -249,6 +250,16 @@ class MergerNode(Node):
     def close(self) -> None:
         """Nothing to stop or write: the merged map is rebuilt from the sources' summaries."""
         self.destroy_node()
+
+
+def _same_tiles(held: MapSource | None, source: MapSource) -> bool:
+    """Whether ``source`` is a tiled map holding the very tiles ``held`` holds (same map, every tile with the same
+    samples): what the parts of a map that stands still put together again and again."""
+    if held is None or held.tiles is None or source.tiles is None or held.source_id != source.source_id \
+            or held.num_seen != source.num_seen:
+        return False
+    return ({i: s.get("num_seen") for i, s in held.tiles.tiles.items()}
+            == {i: s.get("num_seen") for i, s in source.tiles.tiles.items()})
 
 
 def spin(argv: list[str]) -> int:
