@@ -616,7 +616,10 @@ def test_use_sim_time_drives_the_timers(tmp_path, ros_env):
             publish_recording(harness, proc, rec, "pose_stamped", count=100)
             harness.spin_for(3.0)  # 4 batches are mapped meanwhile; the frozen clock fires no timer
             proc.check_alive()
-            assert not view.diagnostics and not view.mean and not view.cloud
+            # No map while the clock stands still. Diagnostics: none, or the one catch-up firing of the jump when a
+            # loaded machine delivered it after the second above (seen once in CI); a timer on wall time would
+            # have sent three.
+            assert not view.mean and not view.cloud and len(view.diagnostics) <= 1
             deadline = time.monotonic() + 60.0
             while not (view.diagnostics and view.mean and view.cloud) and time.monotonic() < deadline:
                 clock_time += 0.1
