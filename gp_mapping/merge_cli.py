@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "first map's config")
     parser.add_argument("--steps", type=int, default=None,
                         help="Adam steps on the global inducing inputs and hyperparameters (per tile for tiled maps; "
-                             "default 100 for maps of one engine, 0 (the closed form) for tiled maps; 0: none)")
+                             "0: none, the closed form). Default: for maps of one engine none when the merged "
+                             "inducing points explain all the maps' (else 100), for tiled maps none")
     parser.add_argument("--num-inducing", type=int, default=None,
                         help="global inducing points (default: the sum of the maps', up to 1024 or "
                              "model.num_inducing); for tiled maps per tile (default: the largest source tile's, or "

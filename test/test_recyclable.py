@@ -317,6 +317,32 @@ def test_two_robots_on_the_halves_of_one_world_merge_as_well_as_one_mapper(two_r
     assert rmse < 0.5 * min(_rmse(a, d), _rmse(b, d))
 
 
+def test_an_automatic_merge_takes_steps_only_when_its_inducing_points_must_compress_the_sources(two_robots):
+    """steps=None: with room for both robots' points Z* explains them all, and the merge is the closed form (no
+    step), as good as one mapper; squeezed into half the points it cannot, and the steps recover the map that
+    the closed form of the squeezed Z* loses."""
+    from gp_mapping.gp.recyclable import COMPRESSING_STEPS, explains_sources
+
+    d = two_robots
+    cfg = ModelConfig(device="cpu", num_inducing=64)
+    sources = [source_from_engine(_train(cfg, d["xa"], d["ya"]), "A"), source_from_engine(_train(cfg, d["xb"],
+                                                                                                   d["yb"]), "B")]
+    room = ModelConfig(device="cpu", num_inducing=sum(s.num_inducing for s in sources))
+    res = merge(sources, room, steps=None)
+    assert res.steps == 0 and explains_sources(res.kernel, sources, res.z, room.jitter)
+    roomy = _rmse(merged_engine(res, room, 1), d)
+    assert roomy <= 1.05 * _rmse(d["single"], d), roomy
+    squeezed = ModelConfig(device="cpu", num_inducing=sources[0].num_inducing)
+    closed = merge(sources, squeezed, steps=0)
+    assert not explains_sources(closed.kernel, sources, closed.z, squeezed.jitter)
+    auto = merge(sources, squeezed, steps=None)
+    assert auto.steps == COMPRESSING_STEPS
+    rmse_closed, rmse_auto = _rmse(merged_engine(closed, squeezed, 1), d), _rmse(merged_engine(auto, squeezed, 1), d)
+    print(f"room for all: {roomy:.3f} uT in closed form; squeezed: {rmse_closed:.3f} closed, {rmse_auto:.3f} with "
+          f"{auto.steps} steps")
+    assert rmse_auto < 0.8 * rmse_closed
+
+
 def test_vector_maps_from_continual_mogp_merge_per_component(two_robots):
     """Two continual multi-output GPs (3 field components) on the halves: the merged vector map beats either."""
     d = two_robots

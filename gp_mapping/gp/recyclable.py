@@ -455,7 +455,30 @@ def initial_inducing(kernel: Kernel, sources: Sequence[Source], num_inducing: in
     return cand[idx].clone()
 
 
-def merge(sources: Sequence[Source], model_config, num_inducing: int | None = None, steps: int = 100,
+#: Adam steps of an automatic merge (``steps=None``) whose Z* must compress the sources' inducing points.
+COMPRESSING_STEPS = 100
+
+
+def explains_sources(kernel: Kernel, sources: Sequence[Source], z: torch.Tensor, jitter: float,
+                     raw: RawData | None = None) -> bool:
+    """Whether Z* explains every source's inducing input (and raw input) to the engines' threshold: given f(Z*),
+    none keeps more than inducing.DEFAULT_REL_TOL of the largest prior variance. Then the closed form is the merge
+    of the sources' summaries as they are, nothing compressed, and steps on Z* and the kernel have nothing to
+    recover: they fit the summaries better and predicted worse or the same wherever the bench measured it (bench
+    merge section). A Z* that had to drop some (fewer points than the sources need) is what the steps are for."""
+    cand = [s.z for s in sources] + ([raw.x] if raw is not None else [])
+    if not cand or z.shape[0] == 0:
+        return not cand
+    cand = torch.cat(cand)
+    with torch.no_grad():
+        L, _ = jittered_cholesky(kernel(z, z), jitter)
+        V = torch.linalg.solve_triangular(L, kernel(z, cand), upper=False)
+        prior = kernel.diag(cand)
+        residual = prior - (V * V).sum(0)
+        return bool(residual.max() <= DEFAULT_REL_TOL * prior.max())
+
+
+def merge(sources: Sequence[Source], model_config, num_inducing: int | None = None, steps: int | None = 100,
           lr: float = 0.02, learn_hyperparameters: bool = True, learn_inducing: bool = True,
           raw: RawData | None = None, kernel: Kernel | None = None, z: torch.Tensor | None = None,
           target_mean: torch.Tensor | None = None, target_scale: torch.Tensor | None = None,
@@ -464,7 +487,8 @@ def merge(sources: Sequence[Source], model_config, num_inducing: int | None = No
 
     ``model_config`` (a ModelConfig) names the global kernel (and jitter; num_inducing unless given). Adam with
     rate ``lr`` for ``steps`` steps on the kernel's hyperparameters and Z* (each optional); q(u*) is optimal in
-    closed form at every step. Returns the best point seen. ``kernel``, ``z``, ``target_mean`` and
+    closed form at every step. ``steps=None``: none when Z* explains every source's inducing point
+    (:func:`explains_sources`: the closed form), else COMPRESSING_STEPS. Returns the best point seen. ``kernel``, ``z``, ``target_mean`` and
     ``target_scale`` override the initial global choices (defaults: from the sources); ``noise`` (P,) the
     Gaussian noise variance of the raw data in the global standardised units (default: the sources' noise).
     """
@@ -491,6 +515,8 @@ def merge(sources: Sequence[Source], model_config, num_inducing: int | None = No
     jitter = float(model_config.jitter)
     if z is None:
         z = initial_inducing(kernel, sources, m, jitter, raw)
+    if steps is None:
+        steps = 0 if explains_sources(kernel, sources, z, jitter, raw) else COMPRESSING_STEPS
     noise_src = [s.noise / target_scale ** 2 for s in sources if bool(torch.isfinite(s.noise).all())]
     if noise is not None:
         noise = torch.as_tensor(noise, dtype=torch.float64).reshape(p)

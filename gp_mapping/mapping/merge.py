@@ -31,15 +31,20 @@ import numpy as np
 import torch
 
 from gp_mapping.config import ConfigError, MapperConfig, config_from_dict, to_dict
+from gp_mapping.gp import recyclable
 from gp_mapping.gp.recyclable import MergeError, MergeResult, RigidTransform, Source, merge, merged_engine
 from gp_mapping.gp.tiled import TiledMergeResult, TiledModel, TiledSummary, merge_tiled, parse_tile_key, tile_key
 from gp_mapping.mapping.mapper import Mapper
 
 DEFAULT_MAX_INDUCING = 1024
-# Adam steps on the merged inducing inputs and kernel by default: a merge into one engine needs them where the
-# sources differ; per tile the closed form merged a building's two sessions as well as 100 steps (bench merge
-# section, 2026-11-26: 0.446 against 0.448 uT, 4 s against 308 s of CPU).
-DEFAULT_STEPS = 100
+# Adam steps on the merged inducing inputs and kernel by default when the merged map's inducing points cannot
+# explain all the sources' (it must compress them: two halves of 64 points each merged into 64, 0.59 uT in closed
+# form against 0.265 with the steps). While they explain them all, the closed form is the merge of the sources'
+# summaries as they are and the default: the steps fit the summaries better and predicted no better anywhere the
+# bench looked (bench merge section, 2026-11-26: two robots' halves 0.219 closed form against 0.221, strips of 2-16
+# robots the same or better, two sessions of a real room 2.138 against 3.410; tile by tile, where the default is
+# always the closed form, a building's two sessions 0.446 against 0.448 at 2.5 s against 184 s of CPU).
+DEFAULT_STEPS = recyclable.COMPRESSING_STEPS
 DEFAULT_TILED_STEPS = 0
 SUMMARY_FORMAT = "gp_mapping.model_summary"
 SUMMARY_VERSION = "1"
@@ -451,11 +456,13 @@ def merged_config(sources: Sequence[MapSource], config: MapperConfig | None = No
     return cfg
 
 
-def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None, *, steps: int = DEFAULT_STEPS,
+def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None, *, steps: int | None = None,
                tiled_steps: int = DEFAULT_TILED_STEPS, num_inducing: int | None = None, lr: float = 0.02
                ) -> tuple[Mapper, MergeResult | TiledMergeResult]:
     """Merge ``sources`` into a new Mapper (see the module docstring): tile by tile when every source is a tiled
-    map (the merged map is tiled alike; ``tiled_steps`` Adam steps per tile), else as one engine (``steps``).
+    map (the merged map is tiled alike; ``tiled_steps`` Adam steps per tile), else as one engine (``steps``; None:
+    the closed form when the merged inducing points explain every source's, else DEFAULT_STEPS, see
+    recyclable.explains_sources).
     ``num_inducing`` defaults to the sum of the sources' inducing points, capped at DEFAULT_MAX_INDUCING (or
     ``model.num_inducing`` if larger); per tile when tiled to the largest source tile's (or
     ``model.num_inducing`` if larger: gp/tiled.py ``merge_tiled``).

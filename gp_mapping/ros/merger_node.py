@@ -11,7 +11,7 @@ Parameters (validated at start; a bad one stops the node with exit status 2, nam
 | ``sources`` | string array | model summary topics (``<mapper>/model``, std_msgs/UInt8MultiArray); at least one |
 | ``transforms`` | string array | empty, or one per source: ``""`` (same frame) or ``"x,y,yaw_deg"`` into the merged frame |
 | ``merge_period`` | double | seconds between merges (a merge runs only when a source changed) |
-| ``steps`` | int | Adam steps on the global inducing inputs and hyperparameters per merge (0: none) |
+| ``steps`` | int | Adam steps on the global inducing inputs and hyperparameters per merge (0: none, the closed form; -1, the default: as ``gp-mapping merge``, none while the merged inducing points explain all the sources', else 100) |
 | ``tiled_steps`` | int | the same per tile, when the sources are tiled maps (0, the default: the closed form) |
 | ``num_inducing`` | int | global inducing points (0: the sum of the sources', up to 1024; tiled maps: per tile, 0: the largest source tile's) |
 | ``max_summary_bytes`` | int | larger summaries are refused unread |
@@ -58,7 +58,8 @@ _PARAMETERS = {
     "transforms": ([], ParameterType.PARAMETER_STRING_ARRAY,
                    "empty, or one per source: '' or 'x,y,yaw_deg' (that source's frame into the merged frame)"),
     "merge_period": (2.0, ParameterType.PARAMETER_DOUBLE, "seconds between merges (only when a source changed); > 0"),
-    "steps": (50, ParameterType.PARAMETER_INTEGER, "Adam steps on the global Z and hyperparameters per merge; >= 0"),
+    "steps": (-1, ParameterType.PARAMETER_INTEGER, "Adam steps on the global Z and hyperparameters per merge; >= 0, "
+              "or -1: none while the merged Z explains all the sources', else 100"),
     "tiled_steps": (0, ParameterType.PARAMETER_INTEGER, "the same per tile, for tiled maps (0: closed form); >= 0"),
     "num_inducing": (0, ParameterType.PARAMETER_INTEGER, "global inducing points (0: sum of the sources', <= 1024)"),
     "max_summary_bytes": (16_000_000, ParameterType.PARAMETER_INTEGER, "larger summaries are refused; >= 1024"),
@@ -117,7 +118,7 @@ class MergerNode(Node):
                                for topic, tf in zip(topics, transforms or [""] * len(topics))}
         except MergeError as err:
             raise NodeStartError(f"bad parameter: transforms: {err}") from None
-        checks = {"merge_period": values["merge_period"] > 0, "steps": 0 <= values["steps"] <= 100_000,
+        checks = {"merge_period": values["merge_period"] > 0, "steps": -1 <= values["steps"] <= 100_000,
                   "tiled_steps": 0 <= values["tiled_steps"] <= 100_000,
                   "num_inducing": 0 <= values["num_inducing"] <= 8192,
                   "max_summary_bytes": values["max_summary_bytes"] >= 1024}
@@ -126,7 +127,7 @@ class MergerNode(Node):
                 raise NodeStartError(f"bad parameter: {name} = {values[name]!r}: {_PARAMETERS[name][2]}")
         self.source_topics = topics
         self.merge_period = float(values["merge_period"])
-        self.steps = int(values["steps"])
+        self.steps = int(values["steps"]) if values["steps"] >= 0 else None
         self.tiled_steps = int(values["tiled_steps"])
         self.num_inducing = int(values["num_inducing"]) or None
         self.max_summary_bytes = int(values["max_summary_bytes"])
