@@ -356,3 +356,36 @@ def test_the_merger_node_merges_a_map_sent_in_parts_once_it_holds_every_tile(til
             node.close()
     finally:
         context.try_shutdown()
+
+
+def test_a_merge_with_a_tile_cache_redoes_only_the_tiles_whose_sources_changed(tiled_maps):
+    """Live merges keep a cache of merged tiles (the merger node's): merging the same maps again takes every tile
+    from it, a map that took data in some tiles redoes those (the merged unit stays the last merge's while the
+    data have not drifted from it), and a merge from the cache equals the merge without one in that unit."""
+    import copy
+
+    _, a, b = tiled_maps
+    tf = parse_transform(f"{TILED_SHIFT[0]},{TILED_SHIFT[1]},{YAW}")
+    xy = np.random.default_rng(2).uniform(-4, 4, (40, 2))
+
+    def same(u, v):
+        for s, t in zip(u.model.predict(xy), v.model.predict(xy)):
+            torch.testing.assert_close(s, t, rtol=0, atol=0)
+
+    cache = {}
+    first, result = merge_maps([MapSource.from_mapper("A", a), MapSource.from_mapper("B", b, tf)], tile_cache=cache)
+    assert result.reused == 0 and len([k for k in cache if isinstance(k, tuple)]) == result.tiles
+    again, result = merge_maps([MapSource.from_mapper("A", a), MapSource.from_mapper("B", b, tf)], tile_cache=cache)
+    assert result.reused == result.tiles
+    same(first, again)
+    a2 = copy.deepcopy(a)
+    before = a2.model.tile_samples()
+    a2.model.update(np.array([[-4.0, -4.0], [-3.9, -4.0], [-3.8, -4.1]]), np.array([[50.0], [50.1], [50.2]]))
+    changed = {i for i, n in a2.model.tile_samples().items() if before.get(i) != n}
+    assert 0 < len(changed) < len(before)
+    sources = [MapSource.from_mapper("A", a2), MapSource.from_mapper("B", b, tf)]
+    unit = cache["unit"]
+    cached, result = merge_maps(sources, tile_cache=cache)
+    assert result.reused == result.tiles - len(changed)
+    fresh = {"unit": unit}  # no tiles: every one merged anew, in the same unit
+    same(cached, merge_maps(sources, tile_cache=fresh)[0])

@@ -457,12 +457,13 @@ def merged_config(sources: Sequence[MapSource], config: MapperConfig | None = No
 
 
 def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None, *, steps: int | None = None,
-               tiled_steps: int = DEFAULT_TILED_STEPS, num_inducing: int | None = None, lr: float = 0.02
-               ) -> tuple[Mapper, MergeResult | TiledMergeResult]:
+               tiled_steps: int = DEFAULT_TILED_STEPS, num_inducing: int | None = None, lr: float = 0.02,
+               tile_cache: dict | None = None) -> tuple[Mapper, MergeResult | TiledMergeResult]:
     """Merge ``sources`` into a new Mapper (see the module docstring): tile by tile when every source is a tiled
     map (the merged map is tiled alike; ``tiled_steps`` Adam steps per tile), else as one engine (``steps``; None:
     the closed form when the merged inducing points explain every source's, else DEFAULT_STEPS, see
-    recyclable.explains_sources).
+    recyclable.explains_sources). ``tile_cache``: a dict kept between merges of tiled maps, so that a merge
+    recomputes only the tiles whose inputs changed (gp/tiled.py ``merge_tiled``).
     ``num_inducing`` defaults to the sum of the sources' inducing points, capped at DEFAULT_MAX_INDUCING (or
     ``model.num_inducing`` if larger); per tile when tiled to the largest source tile's (or
     ``model.num_inducing`` if larger: gp/tiled.py ``merge_tiled``).
@@ -479,8 +480,7 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
     cfg = merged_config(sources, config)
     if all(s.tiles is not None for s in sources):
         model, result = merge_tiled([(s.name, s.tiles, s.transform) for s in sources], cfg.model,
-                                    steps=tiled_steps, lr=lr,
-                                    num_inducing=num_inducing)
+                                    steps=tiled_steps, lr=lr, num_inducing=num_inducing, cache=tile_cache)
         cfg.model = model.config
         return _merged_mapper(sources, Mapper(cfg, model=model)), result
     several = [s for s in sources if s.summary is None]

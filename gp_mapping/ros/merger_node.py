@@ -78,12 +78,14 @@ class MergerNode(Node):
             raise
         self._sources: dict[str, MapSource] = {}  # topic -> latest accepted summary
         self._parts: dict[str, MapSource] = {}  # topic -> the parts of a large tiled map received so far, together
+        self._tile_cache: dict = {}  # merged tiles of the last merge, by their inputs: a merge redoes changed tiles
         self._changed = False
         self._rejected = {reason: 0 for reason in REJECTION_REASONS}
         self._counts = {"received": 0, "parts_received": 0, "accepted": 0, "merges": 0, "failed_merges": 0,
                         "maps_published": 0}
         self._last_error = ""
         self._merge_seconds = math.nan
+        self._tiles_reused = 0  # tiles the last merge took unchanged from the one before
         self._pubs = None  # created at the first merge, for the sources' target (layers)
         self.mapper = None  # the merged Mapper
         self._worker: threading.Thread | None = None  # the merge in progress (callbacks never wait for it)
@@ -202,8 +204,9 @@ class MergerNode(Node):
         """Merge ``sources`` and publish the merged map; a failure is counted and the last map stays."""
         start = time.perf_counter()
         try:
-            mapper, _ = merge_maps(sources, steps=self.steps, tiled_steps=self.tiled_steps,
-                                   num_inducing=self.num_inducing)
+            mapper, result = merge_maps(sources, steps=self.steps, tiled_steps=self.tiled_steps,
+                                        num_inducing=self.num_inducing, tile_cache=self._tile_cache)
+            self._tiles_reused = getattr(result, "reused", 0)
             grid = mapper.grid(predict_unknown=False)
         except Exception as err:  # a merge that fails leaves the last map published
             self._counts["failed_merges"] += 1
@@ -236,6 +239,7 @@ class MergerNode(Node):
         values["sources"] = len(self._sources)
         values["sources_incomplete"] = sum(bool(s.missing_tiles) for s in self._parts.values())
         values["merge_seconds_last"] = self._merge_seconds
+        values["merge_tiles_reused_last"] = self._tiles_reused
         status = DiagnosticStatus(name=f"{self.get_name()}: gp_mapping merger", hardware_id="gp_mapping")
         if self._last_error:
             status.level, status.message = DiagnosticStatus.WARN, self._last_error
