@@ -43,7 +43,7 @@ DEFAULT_MAX_INDUCING = 1024
 # summaries as they are and the default: the steps fit the summaries better and predicted no better anywhere the
 # bench looked (bench merge section, 2026-11-26: two robots' halves 0.219 closed form against 0.221, strips of 2-16
 # robots the same or better, two sessions of a real room 2.138 against 3.410; tile by tile, where the default is
-# always the closed form, a building's two sessions 0.446 against 0.448 at 2.5 s against 184 s of CPU).
+# always the closed form, a building's two sessions 0.446 against 0.448 at 2.7 s against 180 s of CPU).
 DEFAULT_STEPS = recyclable.COMPRESSING_STEPS
 DEFAULT_TILED_STEPS = 0
 SUMMARY_FORMAT = "gp_mapping.model_summary"
