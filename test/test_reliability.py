@@ -454,8 +454,9 @@ def test_node_keeps_publishing_after_a_50_km_teleport(node_factory):
 def test_a_tiled_map_sends_its_tiles_on_model_in_parts_once_they_outgrow_the_limit(node_factory):
     """~/model carries a tiled map tile by tile (as it merges); its size grows with the map, so once it would pass
     node.model_max_bytes the node sends it in parts, each under the limit, one per call, also while the map stands
-    still, which put together hold every tile (`parts` counted). Only when not one tile fits does it send
-    nothing, count it (`too_large`) and warn once, without an error: the map merges from its saved state then."""
+    still, which put together hold every tile (`parts` counted). Only when a tile does not fit a message (the
+    merger could never complete the map) does it send nothing, count it (`too_large`) and warn once, without an
+    error: the map merges from its saved state then."""
     from gp_mapping.mapping.merge import assemble_tiles, decode_summary, summary_overhead_bytes, tile_summary_bytes
 
     node = node_factory(**NODE_PARAMS, **{"model.tile_size": 4.0, "model.tile_overlap": 0.5})
@@ -482,16 +483,19 @@ def test_a_tiled_map_sends_its_tiles_on_model_in_parts_once_they_outgrow_the_lim
         held = assemble_tiles(held, part)
     assert not held.missing_tiles and sorted(held.tiles.tiles) == sorted(sizes)
     assert node._model["parts"] == len(sizes) and node._model["sent"] == 2 + len(sizes)
+    # Below the largest tile: no part could carry that tile and the merger would never finish, so none is sent.
+    node.config.node.model_max_bytes = limit - 101
+    assert not node.publish_model() and node._model["too_large"] == 1
     node.config.node.model_max_bytes = 1024  # below any tile's summary
     _feed_node(node, 21, t0=120.0, x0=7.0)
     _wait_idle(node)
     assert not node.publish_model()
-    assert node._model["too_large"] == 1 and node._model["failed"] == 0 and node._last_error == ""
+    assert node._model["too_large"] == 2 and node._model["failed"] == 0 and node._last_error == ""
     published = []
     node._diag_pub.publish = published.append
     node._publish_diagnostics()
     status = published[-1].status[0]
     values = {kv.key: kv.value for kv in status.values}
-    assert values["node/model_summaries_too_large"] == "1" and values["node/model_summaries_parts"] == str(len(sizes))
+    assert values["node/model_summaries_too_large"] == "2" and values["node/model_summaries_parts"] == str(len(sizes))
     assert values["node/model_summaries_sent"] == str(2 + len(sizes))
     assert status.message == "mapping"

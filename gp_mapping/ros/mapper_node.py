@@ -808,10 +808,10 @@ class _MapperCore:
             part = None
             budget = limit - summary_overhead_bytes(self.mapper) if tiled else limit
             if tiled and sum(sizes.values()) > budget:
+                if max(sizes.values()) > budget:  # a tile that no part can carry: the merger could never finish
+                    return self._tiled_summary_too_large(limit - budget + max(sizes.values()), limit)
                 samples = model.tile_samples()
                 part = self._tile_rotation.choose(samples, sizes, budget)
-                if not part:  # not even one tile fits
-                    return self._tiled_summary_too_large(limit - budget + min(sizes.values()), limit)
             if seen == 0 or (part is None and seen == self._model["num_seen"]):
                 return False
             try:
