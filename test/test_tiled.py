@@ -499,6 +499,39 @@ def test_tiles_on_cuda_match_the_cpu(drive):
         np.testing.assert_allclose(b.cpu().numpy(), a.numpy(), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.gpu
+def test_a_tiled_map_on_cuda_goes_in_parts_that_merge_with_a_tile_cache_as_its_whole_summary(drive):
+    """What a GPU robot's ~/model does with a large tiled map (mapping/merge.py): parts of its tiles, put together,
+    merged with a tile cache (cold, then every tile reused), equal the merge of its whole summary, and merging
+    the one map gives back its mean (its variance away from all tiles follows the merged consensus kernel)."""
+    from gp_mapping.mapping.merge import (MapSource, TileRotation, assemble_tiles, decode_summary, encode_summary,
+                                          merge_maps, tile_summary_bytes)
+
+    cfg = config_from_dict({"model": {"num_inducing": 32, "device": "cuda", "tile_size": 4.0, "tile_overlap": 1.0,
+                                      "hyper_steps": 3}, "batching": {"size": 50}})
+    x, y = samples(drive)
+    mapper = Mapper(cfg, model=stream(build_model(cfg.model, 2, 1), x[:600], y[:600]))
+    assert mapper.model.device.type == "cuda" and mapper.model.num_tiles > 2
+    sizes, tiles = tile_summary_bytes(mapper.model), mapper.model.tile_samples()
+    rotation, held = TileRotation(), None
+    while held is None or held.missing_tiles:
+        part = rotation.choose(tiles, sizes, 2 * max(sizes.values()))
+        held = assemble_tiles(held, decode_summary(encode_summary(MapSource.from_mapper("A", mapper, tiles=part)),
+                                                   10**8))
+        rotation.sent(part, tiles)
+    cache = {}
+    cold, first = merge_maps([held], tile_cache=cache)
+    warm, again = merge_maps([held], tile_cache=cache)
+    whole, _ = merge_maps([MapSource.from_mapper("A", mapper)])
+    assert first.reused == 0 and again.reused == again.tiles == mapper.model.num_tiles
+    test_x, _ = held_out(drive)
+    for merged in (cold, warm):
+        for a, b in zip(merged.model.predict(test_x), whole.model.predict(test_x)):
+            torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(whole.model.predict(test_x)[0].cpu(), mapper.model.predict(test_x)[0].cpu(),
+                               rtol=1e-9, atol=1e-9)
+
+
 def test_a_map_of_one_tile_summarises_as_its_engine_and_a_map_of_several_has_no_single_summary(drive):
     """Merging maps (gp/recyclable.py) takes a map of one tile as its engine's summary; overlapping tiles share
     their bands' data, so a map of several tiles has no single summary (a MergeError says why): it merges tile
