@@ -60,8 +60,8 @@ FULL = {
        "merge_seed": 3, "merge_sessions": True, "merge_solin": True, "merge_solin_seconds": None},
     **{"forget_radius": 0.1, "forget_variants": 1, "vargp_drive_seconds": 1800.0, "vargp_drive_m": 256},
 }
-QUICK = {
-    "p1_batches": 10, "p2_batch_seconds": 20.0, "p2_eval_every": 3, "fast_full_every": 10,
+QUICK = {  # a smoke run of every section (make test runs it): small enough to keep the suite's time down
+    "p1_batches": 6, "p2_batch_seconds": 20.0, "p2_eval_every": 3, "fast_full_every": 10,
     "test_stride": 4, "p2_seconds_per_sequence": 60.0,
     "offline_iterations": 200, "exact_points": 600, "exact_iterations": 20, "osgpr_iterations": 3, "hsgp_basis": [256],
     "grid_cells": 100, "grid_reps": 1,
