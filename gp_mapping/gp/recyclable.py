@@ -435,6 +435,12 @@ def initial_kernel(model_config, sources: Sequence[Source], input_dims: int, tar
     return kernel
 
 
+def _candidate_inputs(sources: Sequence[Source], raw: RawData | None) -> torch.Tensor:
+    """The sources' (moved) inducing inputs and the raw inputs, if any, stacked: what Z* is chosen from."""
+    cand = [s.z for s in sources] + ([raw.x] if raw is not None else [])
+    return torch.cat(cand) if cand else torch.zeros(0, 1, dtype=torch.float64)
+
+
 def initial_inducing(kernel: Kernel, sources: Sequence[Source], num_inducing: int, jitter: float,
                      raw: RawData | None = None) -> torch.Tensor:
     """Z* by pivoted Cholesky over the union of the sources' (moved) inducing inputs, and raw inputs if any, up
@@ -447,9 +453,7 @@ def initial_inducing(kernel: Kernel, sources: Sequence[Source], num_inducing: in
     merging one map only moves it (and is then exact)."""
     if len(sources) == 1 and raw is None and sources[0].num_inducing <= int(num_inducing):
         return sources[0].z.clone()
-    cand = [s.z for s in sources] + ([raw.x] if raw is not None else [])
-    cand = torch.cat(cand) if cand else torch.zeros(0, 1, dtype=torch.float64)
-    cand = torch.unique(cand, dim=0)
+    cand = torch.unique(_candidate_inputs(sources, raw), dim=0)
     with torch.no_grad():
         idx, _ = pivoted_cholesky(kernel, kernel.diag(cand), cand, int(num_inducing), rel_tol=DEFAULT_REL_TOL)
     return cand[idx].clone()
@@ -466,10 +470,9 @@ def explains_sources(kernel: Kernel, sources: Sequence[Source], z: torch.Tensor,
     of the sources' summaries as they are, nothing compressed, and steps on Z* and the kernel have nothing to
     recover: they fit the summaries better and predicted worse or the same wherever the bench measured it (bench
     merge section). A Z* that had to drop some (fewer points than the sources need) is what the steps are for."""
-    cand = [s.z for s in sources] + ([raw.x] if raw is not None else [])
-    if not cand or z.shape[0] == 0:
-        return not cand
-    cand = torch.cat(cand)
+    cand = _candidate_inputs(sources, raw)
+    if cand.shape[0] == 0 or z.shape[0] == 0:
+        return cand.shape[0] == 0
     with torch.no_grad():
         L, _ = jittered_cholesky(kernel(z, z), jitter)
         V = torch.linalg.solve_triangular(L, kernel(z, cand), upper=False)

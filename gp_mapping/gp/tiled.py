@@ -93,7 +93,6 @@ where the fixed cost is kernel launches, it may; not measured (no GPU here).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import hashlib
 import math
@@ -991,14 +990,15 @@ def merge_tiled(sources: Sequence[tuple[str, TiledSummary, RigidTransform | None
                                                              max(int(cfg.num_inducing),
                                                                  max(s.num_inducing for s in local)))
         key = _tile_merge_key(inputs[index], m, steps, lr, offset, std, cfg) if cache is not None else None
+        # A result is only read (load_merged copies it into the tile), so the cache and the map can share it.
         if cache is not None and index in cache and cache[index][0] == key:
-            results[index] = copy.deepcopy(cache[index][1])  # the merged map owns its tensors
+            results[index] = cache[index][1]
             reused += 1
             continue
         results[index] = merge(local, cfg, num_inducing=m, steps=steps, lr=lr, target_mean=offset,
                                target_scale=std)
         if cache is not None:
-            cache[index] = (key, copy.deepcopy(results[index]))
+            cache[index] = (key, results[index])
     largest = max((r.num_inducing for r in results.values()), default=int(cfg.num_inducing))
     cfg = dataclasses.replace(cfg, num_inducing=max(int(cfg.num_inducing), largest))
     model = TiledModel(cfg, d, p, DualSVGP)

@@ -145,12 +145,6 @@ def tile_summary_bytes(model) -> dict[tuple[int, ...], int] | None:
     return sizes
 
 
-def tiled_summary_bytes(model) -> int | None:
-    """About how many bytes a tiled map's tiles take in its summary (None for a map of one engine)."""
-    sizes = tile_summary_bytes(model)
-    return None if sizes is None else sum(sizes.values())
-
-
 def summary_overhead_bytes(mapper: Mapper) -> int:
     """About how many bytes a summary takes besides its tiles: the visited cells and trajectory, the config and
     the other metadata (64 KiB is several times a shipped config's JSON), the tile list of a part."""
@@ -531,4 +525,4 @@ def _move(transform: RigidTransform, xy: np.ndarray) -> np.ndarray:
 
 __all__ = ["DuplicateSourceError", "MERGE_DEFINING_KEYS", "MapSource", "SummaryError", "TileRotation", "assemble_tiles",
            "check_lineage", "decode_summary", "encode_summary", "merge_maps", "merged_config", "parse_transform",
-           "summary_overhead_bytes", "tile_summary_bytes", "tiled_summary_bytes"]
+           "summary_overhead_bytes", "tile_summary_bytes"]
