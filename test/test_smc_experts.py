@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy import integrate, stats
+from scipy import integrate, special, stats
 
 from gp_mapping.gp import build_model
 from gp_mapping.gp.dp_mixture import (beta_sample, effective_sample_size, elliptical_slice, escobar_west,
@@ -391,8 +391,9 @@ def test_vector_target_components_share_the_partition_and_keep_their_scales():
 
 
 def test_kernel_gate_is_the_count_weighted_kernel_density_and_full_short_experts_split():
-    """smc_gate kernel: an expert's gate density is the count-weighted mean of N(x; x_i, h^2 I) over its memory
-    entries (closed form below); a full expert whose entries are farther apart than a quarter lengthscale splits
+    """smc_gate kernel: an expert's gate density is the count-weighted mean of N(x; x_i, h_k^2 I) over its memory
+    entries (closed form below), h_k half its lengthscale (0.1 here) or smc_gate_bandwidth (0.4) if that is
+    narrower; a full expert whose entries are farther apart than a quarter lengthscale splits
     into two (no reading lost: counts and entries add up) instead of merging, while a long-lengthscale expert
     merges."""
     rng = np.random.default_rng(5)
@@ -406,18 +407,22 @@ def test_kernel_gate_is_the_count_weighted_kernel_density_and_full_short_experts
     used = short.count[j] > 0
     assert int(used.sum()) >= 2 and float(short.count[j].sum()) == pytest.approx(40.0)
     assert float(short.mem_c[j].sum()) == pytest.approx(40.0)        # every reading held by exactly one entry
-    h = 0.4
     xt = torch.as_tensor(rng.uniform(-0.5, 4.5, (7, 2)))
     got = short._kernel_gate_log(xt)[0][j]
     for k in torch.nonzero(used).flatten().tolist():
+        h = min(0.4, 0.5 * float(torch.exp(short.theta[j, k, 0])))
+        assert h == pytest.approx(0.1, rel=0.01)   # the prior pins the lengthscale at 0.2
         c = short.mem_c[j, k]
         ent = short.mem_x[j, k][c > 0].numpy()
-        ref = np.log(sum(ci * stats.multivariate_normal(e, h * h * np.eye(2)).pdf(xt.numpy())
-                         for ci, e in zip(c[c > 0].numpy(), ent)) / float(c.sum()))
+        # in log space: at a width of 0.1 the density far from every entry underflows as a plain pdf
+        terms = [np.log(ci) + stats.multivariate_normal(e, h * h * np.eye(2)).logpdf(xt.numpy())
+                 for ci, e in zip(c[c > 0].numpy(), ent)]
+        ref = special.logsumexp(terms, axis=0) - np.log(float(c.sum()))
         np.testing.assert_allclose(got[k].numpy(), ref, rtol=1e-9)
     long = engine(lengthscale=20.0, **dict(over, smc_proposal="prior"))
     long.update(x, 0.1 * x[:, :1])
     assert int((long.count[0] > 0).sum()) == 1 and float(long.mem_c[0, 0].max()) > 1.0   # merged, not split
+    assert float(long._gate_width(long.theta[0, 0])) == 0.4   # a long lengthscale: the configured width
 
 
 @pytest.mark.parametrize("gate", ["niw", "kernel"])
@@ -546,11 +551,14 @@ def test_a_region_at_another_level_gets_its_own_expert(gate_on_time):
 
 
 def test_time_moves_gate_mass_between_experts_and_never_removes_it():
-    """With gate_on_time, expert k's gate at x is n_k T_k(x) r_k / rbar(x), r_k its recency and rbar(x) the
-    evidence-weighted mean recency at x: the old experts' total is the time-free gate's, and two experts' ratio
-    is the time-free ratio times r_a / r_b (closed form). The NIW gate's recency is the expert's, c_k(t) / n_k;
-    the kernel gate's is where x is: sum_i c_i e^(-(t - t_i) / tau) N(x; x_i, h^2) / sum_i c_i N(x; x_i, h^2)
-    over the expert's entries."""
+    """With gate_on_time, expert k's gate at x is n_k T_k(x) r_k / rbar(x) for the experts at the place (a gate at
+    least GATE_NEGLIGIBLE of the largest at x), r_k its recency and rbar(x) their evidence-weighted mean
+    recency; the others keep their time-free gate. So the old experts' total is the time-free gate's, and two
+    experts' ratio at a place both cover is the time-free ratio times r_a / r_b (closed form below). The NIW
+    gate's recency is the expert's, c_k(t) / n_k; the kernel gate's is where x is: sum_i c_i e^(-(t - t_i) / tau)
+    N(x; x_i, h_k^2) / sum_i c_i N(x; x_i, h_k^2) over the expert's entries."""
+    from gp_mapping.gp.smc_experts import GATE_NEGLIGIBLE
+
     rng = np.random.default_rng(6)
     x1 = rng.uniform([0.0, 0.0], [3.0, 1.0], (40, 2))
     x2 = rng.uniform([2.0, 0.0], [5.0, 1.0], (40, 2))
@@ -571,16 +579,18 @@ def test_time_moves_gate_mass_between_experts_and_never_removes_it():
         if gate == "niw":
             log_r = (torch.log(model._decayed(now)) - torch.log(model.count))[..., None].expand(-1, -1, 9)
         else:
-            near = torch.exp(-0.5 * ((model.mem_x[:, :, :, None, :] - xq) ** 2).sum(-1) / 0.3 ** 2)  # (J, K, M, G)
-            decay = torch.exp(-(now - model.mem_t) / 5.0)
-            log_r = (torch.log((model.mem_c * decay)[..., None].mul(near).sum(2))
-                     - torch.log(model.mem_c[..., None].mul(near).sum(2)))
-        for j in range(model.num_particles):
-            ks = torch.nonzero(used[j])[:, 0]
-            a, b = int(ks[0]), int(ks[-1])
-            torch.testing.assert_close(timed[j, a] - timed[j, b],
-                                       untimed[j, a] - untimed[j, b] + log_r[j, a] - log_r[j, b],
-                                       rtol=1e-9, atol=1e-9)
+            h = model._gate_width(model.theta)[..., None, None]                           # (J, K, 1, 1)
+            log_near = -0.5 * ((model.mem_x[:, :, :, None, :] - xq) ** 2).sum(-1) / h ** 2  # (J, K, M, G)
+            log_c = torch.log(model.mem_c)[..., None]                                     # -inf: free entry
+            log_r = (torch.logsumexp(log_c - ((now - model.mem_t) / 5.0)[..., None] + log_near, 2)
+                     - torch.logsumexp(log_c + log_near, 2))
+        log_r = torch.where(used[..., None], log_r, 0.0)  # free slots: no entries, no recency
+        present = used[..., None] & (untimed >= untimed.max(1, keepdim=True).values + math.log(GATE_NEGLIGIBLE))
+        assert int((present.sum(1) >= 2).sum()) >= 3, "the test needs places that two experts cover"
+        here = untimed.masked_fill(~present, -math.inf)
+        log_mean_r = torch.logsumexp(here + log_r, 1, keepdim=True) - torch.logsumexp(here, 1, keepdim=True)
+        expected = torch.where(present, untimed + log_r - log_mean_r, untimed)
+        torch.testing.assert_close(timed[used], expected[used], rtol=1e-9, atol=1e-9)
 
 
 def test_merged_entries_keep_the_decayed_count_of_their_readings():
