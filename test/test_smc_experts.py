@@ -412,6 +412,7 @@ def test_kernel_gate_is_the_count_weighted_kernel_density_and_full_short_experts
     for k in torch.nonzero(used).flatten().tolist():
         h = min(0.4, 0.5 * float(torch.exp(short.theta[j, k, 0])))
         assert h == pytest.approx(0.1, rel=0.01)   # the prior pins the lengthscale at 0.2
+        torch.testing.assert_close(short._gate_width(short.theta[j, k]), torch.full((2,), h, dtype=F64))
         c = short.mem_c[j, k]
         ent = short.mem_x[j, k][c > 0].numpy()
         # in log space: at a width of 0.1 the density far from every entry underflows as a plain pdf
@@ -422,7 +423,31 @@ def test_kernel_gate_is_the_count_weighted_kernel_density_and_full_short_experts
     long = engine(lengthscale=20.0, **dict(over, smc_proposal="prior"))
     long.update(x, 0.1 * x[:, :1])
     assert int((long.count[0] > 0).sum()) == 1 and float(long.mem_c[0, 0].max()) > 1.0   # merged, not split
-    assert float(long._gate_width(long.theta[0, 0])) == 0.4   # a long lengthscale: the configured width
+    assert bool((long._gate_width(long.theta[0, 0]) == 0.4).all())   # a long lengthscale: the configured width
+
+
+def test_kernel_gate_width_follows_each_axis_lengthscale_in_3d():
+    """3-D inputs with horizontal lengthscales: the gate is a diagonal Gaussian around each entry, half of the
+    plane's lengthscale wide in x and y and half the height's in z, each at most smc_gate_bandwidth, so a short
+    height lengthscale does not narrow the gate in the plane (closed form below)."""
+    rng = np.random.default_rng(11)
+    model = engine(d=3, smc_particles=2, smc_max_experts=3, smc_expert_memory=8, smc_gate="kernel",
+                   smc_gate_bandwidth=0.5, lengthscales="horizontal", smc_slice_steps=0)
+    x = rng.uniform(0.0, 2.0, (20, 3))
+    model.update(x, np.sin(x[:, :1]))
+    model.theta[..., 0] = math.log(2.0)    # plane: 0.5 * 2.0 = 1.0, capped at 0.5
+    model.theta[..., 1] = math.log(0.1)    # height: 0.05
+    model._drop_caches()
+    torch.testing.assert_close(model._gate_width(model.theta[0, 0]), torch.tensor([0.5, 0.5, 0.05], dtype=F64))
+    xt = torch.as_tensor(rng.uniform(0.0, 2.0, (5, 3)))
+    got = model._kernel_gate_log(xt)[0]
+    cov = np.diag([0.25, 0.25, 0.0025])
+    for j, k in torch.nonzero(model.count > 0).tolist():
+        c = model.mem_c[j, k]
+        terms = [np.log(ci) + stats.multivariate_normal(e, cov).logpdf(xt.numpy())
+                 for ci, e in zip(c[c > 0].numpy(), model.mem_x[j, k][c > 0].numpy())]
+        np.testing.assert_allclose(got[j, k].numpy(), special.logsumexp(terms, axis=0) - np.log(float(c.sum())),
+                                   rtol=1e-9)
 
 
 @pytest.mark.parametrize("gate", ["niw", "kernel"])
@@ -579,8 +604,8 @@ def test_time_moves_gate_mass_between_experts_and_never_removes_it():
         if gate == "niw":
             log_r = (torch.log(model._decayed(now)) - torch.log(model.count))[..., None].expand(-1, -1, 9)
         else:
-            h = model._gate_width(model.theta)[..., None, None]                           # (J, K, 1, 1)
-            log_near = -0.5 * ((model.mem_x[:, :, :, None, :] - xq) ** 2).sum(-1) / h ** 2  # (J, K, M, G)
+            h = model._gate_width(model.theta)[:, :, None, None, :]                       # (J, K, 1, 1, D)
+            log_near = -0.5 * (((model.mem_x[:, :, :, None, :] - xq) / h) ** 2).sum(-1)   # (J, K, M, G)
             log_c = torch.log(model.mem_c)[..., None]                                     # -inf: free entry
             log_r = (torch.logsumexp(log_c - ((now - model.mem_t) / 5.0)[..., None] + log_near, 2)
                      - torch.logsumexp(log_c + log_near, 2))

@@ -91,8 +91,8 @@ NEW_EXPERT_SPAN = 10.0
 #: a full expert whose closest memory entries are farther apart than this (in its shortest lengthscale) is split
 #: in two when its particle has a free expert slot, instead of merging them
 SPLIT_SPACING = 0.25
-#: kernel gate: an expert's kernel around each reading is this fraction of its shortest lengthscale wide (at most
-#: smc_gate_bandwidth), so a short-lengthscale expert claims only the places its readings determine. With one
+#: kernel gate: an expert's kernel around each reading is this fraction of its lengthscale wide along each axis
+#: (at most smc_gate_bandwidth), so a short-lengthscale expert claims only the places its readings determine. With one
 #: width for all (0.3 m), a sharp expert holding a dip's readings shared the dip with the smooth neighbour whose
 #: readings lay 0.3-0.4 m away, and the map missed the dip at the readings themselves (nonstationary bench,
 #: readings 43.7 uT, map 46.4); fractions 0.3 / 0.5 / 0.7 / 1.0 gave RMSE 0.308 / 0.286 / 0.318 / 0.334 uT
@@ -499,8 +499,8 @@ class SMCExperts(Engine):
     def _kernel_gate_log(self, x: torch.Tensor, t: float | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log of an expert's input density at x (J, K, G) for ``smc_gate: kernel``: the count-weighted mean of
-        Gaussian kernels N(x; x_i, h_k^2 I) over its memory entries (merged entries count their readings; h_k from
-        the expert's lengthscale, _gate_width), so an
+        Gaussian kernels N(x; x_i, diag(h_k^2)) over its memory entries (merged entries count their readings; h_k
+        from the expert's lengthscales, _gate_width), so an
         expert's gate follows the readings it holds rather than a Gaussian blob around them (a distance-dependent
         CRP, Blei & Frazier 2011). On a lawnmower drive an expert's readings lie in lanes, its NIW blob spreads
         over the neighbouring experts' lanes and a test point between them was gated to an expert that holds no
@@ -513,11 +513,14 @@ class SMCExperts(Engine):
         if self._pred_ok:  # a map: only the distinct experts (see _ensure_pred_cache)
             rj, rk = self._rep_jk
             mx, mc, mt, theta = mx[rj, rk], mc[rj, rk], mt[rj, rk], theta[rj, rk]
-        h = self._gate_width(theta)                                                      # (...,)
-        log_k = -0.5 * _squared_distances(mx, x) / (h * h)[..., None, None]             # (..., u, G)
+        h = self._gate_width(theta)                                                      # (..., D)
+        log_k = None                                                                     # (..., u, G)
+        for d in range(self.input_dims):  # one axis at a time: no (..., u, G, D) temporary
+            diff = (mx[..., :, None, d] - x[:, d]) / h[..., d, None, None]
+            log_k = -0.5 * diff * diff if log_k is None else log_k - 0.5 * diff * diff
         logc = torch.log(mc.clamp_min(1e-300)).masked_fill(mc <= 0, -math.inf)
-        norm = torch.log(mc.sum(-1).clamp_min(1e-300))[..., None] + 0.5 * self.input_dims * torch.log(
-            2.0 * math.pi * h * h)[..., None]
+        norm = (torch.log(mc.sum(-1).clamp_min(1e-300))
+                + 0.5 * torch.log(2.0 * math.pi * h * h).sum(-1))[..., None]
         outs = [torch.logsumexp(logc[..., None] + log_k, -2) - norm]                  # (..., G)
         if t is not None:
             decay = (t - mt).clamp_min(0.0) / float(self.config.smc_time_scale)
@@ -529,10 +532,11 @@ class SMCExperts(Engine):
         return outs[0], (outs[1] if t is not None else None)
 
     def _gate_width(self, theta: torch.Tensor) -> torch.Tensor:
-        """Kernel-gate width h of each expert (theta (..., H) -> (...,)): GATE_LENGTHSCALE_FRACTION of its shortest
-        lengthscale, at most smc_gate_bandwidth. It moves with the expert's lengthscale (elliptical slice moves
-        change the gate as they change the GP)."""
-        ls = torch.exp(theta[..., :self.num_ls].min(-1).values)
+        """Kernel-gate width of each expert along each input axis (theta (..., H) -> (..., D)):
+        GATE_LENGTHSCALE_FRACTION of the axis's lengthscale, at most smc_gate_bandwidth (per axis, so a short
+        height lengthscale of 3-D inputs does not narrow the gate in the plane). It moves with the expert's
+        lengthscales (elliptical slice moves change the gate as they change the GP)."""
+        ls = torch.exp(theta[..., :self.num_ls])[..., self.axis_group]
         return torch.clamp(GATE_LENGTHSCALE_FRACTION * ls, max=float(self.config.smc_gate_bandwidth))
 
     def _log_t0(self, x: torch.Tensor) -> torch.Tensor:
