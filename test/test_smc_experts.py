@@ -429,7 +429,8 @@ def test_kernel_gate_is_the_count_weighted_kernel_density_and_full_short_experts
 def test_kernel_gate_width_follows_each_axis_lengthscale_in_3d():
     """3-D inputs with horizontal lengthscales: the gate is a diagonal Gaussian around each entry, half of the
     plane's lengthscale wide in x and y and half the height's in z, each at most smc_gate_bandwidth, so a short
-    height lengthscale does not narrow the gate in the plane (closed form below)."""
+    height lengthscale does not narrow the gate in the plane (closed form below); the experts' total gate is the
+    one at the configured width (the new-expert term sees the places as mapped as before)."""
     rng = np.random.default_rng(11)
     model = engine(d=3, smc_particles=2, smc_max_experts=3, smc_expert_memory=8, smc_gate="kernel",
                    smc_gate_bandwidth=0.5, lengthscales="horizontal", smc_slice_steps=0)
@@ -448,6 +449,18 @@ def test_kernel_gate_width_follows_each_axis_lengthscale_in_3d():
                  for ci, e in zip(c[c > 0].numpy(), model.mem_x[j, k][c > 0].numpy())]
         np.testing.assert_allclose(got[j, k].numpy(), special.logsumexp(terms, axis=0) - np.log(float(c.sum())),
                                    rtol=1e-9)
+    # How much x belongs to the experts at all (their total against a new expert's term) is the configured
+    # width's: between tracks the experts' own narrow kernels must not hand x to a new expert.
+    log_gate = model._gate_log(xt, 0.0)
+    wide = model._kernel_gate_log(xt)[2]
+    used = (model.count > 0)[..., None]
+    total_wide = torch.logsumexp(torch.where(used, torch.log(model.count)[..., None] + wide, -math.inf), 1)
+    torch.testing.assert_close(torch.logsumexp(log_gate[:, :-1], 1), total_wide, rtol=1e-10, atol=1e-10)
+    ref = [special.logsumexp([np.log(ci) + stats.multivariate_normal(e, 0.25 * np.eye(3)).logpdf(xt.numpy())
+                              for ci, e in zip(model.mem_c[j, k][model.mem_c[j, k] > 0].numpy(),
+                                               model.mem_x[j, k][model.mem_c[j, k] > 0].numpy())], axis=0)
+           - np.log(float(model.mem_c[j, k].sum())) for j, k in torch.nonzero(model.count > 0).tolist()]
+    np.testing.assert_allclose(wide[model.count > 0].numpy(), np.array(ref), rtol=1e-9)
 
 
 @pytest.mark.parametrize("gate", ["niw", "kernel"])

@@ -158,7 +158,8 @@ class ModelConfig:
     smc_gate_bandwidth: float = option(0.3, doc="smc_experts with smc_gate kernel: the most width of the kernel "
                                      "around each reading [input units], about the spacing of neighbouring tracks; "
                                      "an expert's own width is half its lengthscale along each axis below that, so a sharp "
-                                     "expert claims only the places its readings determine",
+                                     "expert claims only the places its readings determine (whether a place is mapped at all "
+                                     "is still decided at this width)",
                                      low=0.0, low_open=True, high=1e6)
     smc_target_scaling: str = option("running", doc="smc_experts: the experts' targets: readings less their running "
                                    "mean, scaled by their running spread (running: for maps, whose level is not known "

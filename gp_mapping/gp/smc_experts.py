@@ -456,8 +456,9 @@ class SMCExperts(Engine):
         cfg = self.config
         d = self.input_dims
         log_recent = None
+        log_t_wide = None
         if cfg.smc_gate == "kernel":
-            log_t, log_recent = self._kernel_gate_log(x, t if cfg.gate_on_time else None)
+            log_t, log_recent, log_t_wide = self._kernel_gate_log(x, t if cfg.gate_on_time else None)
         else:
             mu, L, nu = self._gate_params() if params is None else params
             diff = x[None, None, :, :] - mu[:, :, None, :]                               # (J, K, G, D)
@@ -470,6 +471,17 @@ class SMCExperts(Engine):
         used = self.count > 0
         log_n = torch.log(self.count.clamp_min(1e-300))
         log_old = torch.where(used[..., None], log_n[..., None] + log_t, torch.full_like(log_t, -math.inf))
+        if log_t_wide is not None:
+            # The experts' own widths decide which of them takes x; how much x belongs to the experts at all,
+            # against the new-expert term, is decided at the configured width, about the spacing of the tracks.
+            # With the experts' own widths alone, readings between the lanes of the bundled demo (1 m apart)
+            # opened new experts until every slot was used, and its map read 1.23 uT near the path against 0.52
+            # with one width for all (0.48 with this rule; with it in the map's gate only: 1.23).
+            log_wide = torch.where(used[..., None], log_n[..., None] + log_t_wide,
+                                   torch.full_like(log_t_wide, -math.inf))
+            shift = (torch.logsumexp(log_wide, 1, keepdim=True)
+                     - torch.logsumexp(log_old, 1, keepdim=True)).nan_to_num(0.0, 0.0, 0.0)
+            log_old = log_old + shift
         if cfg.gate_on_time:
             # Time moves gate mass between the experts that cover x (below), it never removes it: expert k's share is
             # scaled by its recency r_k over the evidence-weighted mean recency at x, so the total of the old
@@ -497,7 +509,7 @@ class SMCExperts(Engine):
         return torch.cat([log_old, log_new[:, None, :]], dim=1)
 
     def _kernel_gate_log(self, x: torch.Tensor, t: float | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """log of an expert's input density at x (J, K, G) for ``smc_gate: kernel``: the count-weighted mean of
         Gaussian kernels N(x; x_i, diag(h_k^2)) over its memory entries (merged entries count their readings; h_k
         from the expert's lengthscales, _gate_width), so an
@@ -507,21 +519,27 @@ class SMCExperts(Engine):
         reading near it; the kernel gate gives it to the experts of the nearest readings. Free experts get -inf
         (the caller masks them anyway). With a stamp ``t``, also the same sum with each entry's count decayed to
         t, c_i e^(-(t - t_i) / tau), over the same normaliser (else None): their ratio is the expert's recency
-        at x."""
+        at x. Third: the density with every expert at the configured width smc_gate_bandwidth (the scale at which
+        a place counts as mapped, see _gate_log)."""
         u = self._used_memory(self.mem_c)
         mx, mc, mt, theta = self.mem_x[..., :u, :], self.mem_c[..., :u], self.mem_t[..., :u], self.theta
         if self._pred_ok:  # a map: only the distinct experts (see _ensure_pred_cache)
             rj, rk = self._rep_jk
             mx, mc, mt, theta = mx[rj, rk], mc[rj, rk], mt[rj, rk], theta[rj, rk]
         h = self._gate_width(theta)                                                      # (..., D)
-        log_k = None                                                                     # (..., u, G)
+        wide = float(self.config.smc_gate_bandwidth)
+        log_k = log_wide = None                                                          # (..., u, G)
         for d in range(self.input_dims):  # one axis at a time: no (..., u, G, D) temporary
-            diff = (mx[..., :, None, d] - x[:, d]) / h[..., d, None, None]
-            log_k = -0.5 * diff * diff if log_k is None else log_k - 0.5 * diff * diff
+            diff = mx[..., :, None, d] - x[:, d]
+            own = diff / h[..., d, None, None]
+            log_k = -0.5 * own * own if log_k is None else log_k - 0.5 * own * own
+            log_wide = -0.5 * diff * diff if log_wide is None else log_wide - 0.5 * diff * diff
         logc = torch.log(mc.clamp_min(1e-300)).masked_fill(mc <= 0, -math.inf)
-        norm = (torch.log(mc.sum(-1).clamp_min(1e-300))
-                + 0.5 * torch.log(2.0 * math.pi * h * h).sum(-1))[..., None]
-        outs = [torch.logsumexp(logc[..., None] + log_k, -2) - norm]                  # (..., G)
+        log_total = torch.log(mc.sum(-1).clamp_min(1e-300))[..., None]
+        norm = log_total + 0.5 * torch.log(2.0 * math.pi * h * h).sum(-1)[..., None]
+        outs = [torch.logsumexp(logc[..., None] + log_k, -2) - norm,                  # (..., G)
+                torch.logsumexp(logc[..., None] + log_wide / (wide * wide), -2) - log_total
+                - 0.5 * self.input_dims * math.log(2.0 * math.pi * wide * wide)]
         if t is not None:
             decay = (t - mt).clamp_min(0.0) / float(self.config.smc_time_scale)
             outs.append(torch.logsumexp((logc - decay)[..., None] + log_k, -2) - norm)
@@ -529,7 +547,7 @@ class SMCExperts(Engine):
             rep = self._rep
             outs = [torch.where((rep >= 0)[..., None], out[rep.clamp_min(0)],
                                 torch.full((), -math.inf, dtype=out.dtype, device=out.device)) for out in outs]
-        return outs[0], (outs[1] if t is not None else None)
+        return outs[0], (outs[2] if t is not None else None), outs[1]
 
     def _gate_width(self, theta: torch.Tensor) -> torch.Tensor:
         """Kernel-gate width of each expert along each input axis (theta (..., H) -> (..., D)):
