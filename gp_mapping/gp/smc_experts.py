@@ -471,16 +471,19 @@ class SMCExperts(Engine):
             log_t = const[..., None] - 0.5 * (nu + d)[..., None] * torch.log1p(maha / nu[..., None])
         used = self.count > 0
         log_n = torch.log(self.count.clamp_min(1e-300))
-        log_old = torch.where(used[..., None], log_n[..., None] + log_t, torch.full_like(log_t, -math.inf))
+
+        def count_weighted(log_density: torch.Tensor) -> torch.Tensor:
+            """log n_k + log T_k(x) for the experts in use, -inf for free slots."""
+            return torch.where(used[..., None], log_n[..., None] + log_density, torch.full_like(log_density, -math.inf))
+
+        log_old = count_weighted(log_t)
         if log_t_wide is not None:
             # The experts' own widths decide which of them takes x; how much x belongs to the experts at all,
             # against the new-expert term, is decided at the configured width, about the spacing of the tracks.
             # With the experts' own widths alone, readings between the lanes of the bundled demo (1 m apart)
             # opened new experts until every slot was used, and its map read 1.23 uT near the path against 0.52
             # with one width for all (0.48 with this rule; with it in the map's gate only: 1.23).
-            log_wide = torch.where(used[..., None], log_n[..., None] + log_t_wide,
-                                   torch.full_like(log_t_wide, -math.inf))
-            shift = (torch.logsumexp(log_wide, 1, keepdim=True)
+            shift = (torch.logsumexp(count_weighted(log_t_wide), 1, keepdim=True)
                      - torch.logsumexp(log_old, 1, keepdim=True)).nan_to_num(0.0, 0.0, 0.0)
             log_old = log_old + shift
         if cfg.gate_on_time:
