@@ -46,6 +46,13 @@ def engine_config(**overrides) -> ModelConfig:
     return dataclasses.replace(ModelConfig(device="cpu", seed=0), **overrides)
 
 
+def plan_config(plan: dict, **overrides) -> ModelConfig:
+    """engine_config at the plan's ``accuracy_num_inducing`` (the quick plan's smaller M; absent or None: the
+    shipped M), for every method of a protocol and the offline baselines alike."""
+    m = plan.get("accuracy_num_inducing")
+    return engine_config(**({"num_inducing": int(m)} if m else {}), **overrides)
+
+
 # ------------------------------------------------------------------------------------------------ methods
 
 class _Streaming:
@@ -127,7 +134,7 @@ def _hsgp_method(config: ModelConfig, area, num_basis: int) -> _Streaming:
 def streaming_methods(plan: dict, notes: list[str], area=None) -> list[_Streaming]:
     """The streaming methods; ``area`` (xmin, ymin, xmax, ymax) of train and test data places the reduced-rank
     GP's box (its basis is fixed before the data come)."""
-    cfg = engine_config()
+    cfg = plan_config(plan)
     every = int(plan["fast_full_every"])
     methods = [
         _engine_method("dual_svgp_full", "dual SVGP, full updates", cfg, lambda i: "full"),
@@ -141,14 +148,14 @@ def streaming_methods(plan: dict, notes: list[str], area=None) -> list[_Streamin
             # Its full update (variational EM with hyperparameter learning) costs seconds: run as the robot
             # would, fast (E-step only) with a full update every fast_full_every-th batch.
             methods.append(_engine_method("continual_mogp", f"continual multi-output GP, fast + full every {every}th",
-                                          engine_config(engine="continual_mogp"),
+                                          plan_config(plan, engine="continual_mogp"),
                                           lambda i: "full" if i % every == 0 else "fast"))
         except Exception as err:  # a registered engine that cannot be built is reported, not fatal
             notes.append(f"continual_mogp is registered but could not be built: {type(err).__name__}: {err}")
     else:
         notes.append("continual_mogp is not registered in gp_mapping.gp.ENGINES: skipped")
     if "var_gp" in ENGINES:  # region blocks (Kapoor et al. 2021), every update full (its closed form is cheap)
-        methods.append(_engine_method("var_gp", "VAR-GP, region blocks, full updates", engine_config(engine="var_gp"),
+        methods.append(_engine_method("var_gp", "VAR-GP, region blocks, full updates", plan_config(plan, engine="var_gp"),
                                       lambda i: "full"))
     methods.append(_osgpr_method(cfg, int(plan["osgpr_iterations"])))
     if area is not None:
@@ -161,7 +168,7 @@ def streaming_methods(plan: dict, notes: list[str], area=None) -> list[_Streamin
 def offline_methods(x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np.ndarray, plan: dict
                     ) -> dict[str, dict[str, Any]]:
     """Offline SVGP and exact GP on all streamed data, scored once, with their training time."""
-    cfg = engine_config()
+    cfg = plan_config(plan)
     out: dict[str, dict[str, Any]] = {}
     svgp = OfflineSVGP.from_model_config(cfg, iterations=int(plan["offline_iterations"]), batch_size=1024,
                                          lr=0.05, ngd_lr=0.1, seed=0).fit(x, y)
@@ -235,7 +242,7 @@ def run_protocol(name: str, batches: list[tuple[np.ndarray, np.ndarray]], x_test
     models = {m.name: m.model for m in methods if m.model is not None}
     models.update({k: o["model"] for k, o in offline.items()})
     return {"name": name, "num_batches": len(batches), "num_train": int(x_all.shape[0]),
-            "num_test": int(x_test.shape[0]), "num_inducing": engine_config().num_inducing,
+            "num_test": int(x_test.shape[0]), "num_inducing": plan_config(plan).num_inducing,
             "eval_every": eval_every, "notes": notes, "methods": results,
             "seconds": time.perf_counter() - start, "_models": models}
 

@@ -41,6 +41,7 @@ MD_NAME = "bench.md"
 FULL = {
     "p1_batches": 20, "p2_batch_seconds": 1.0, "p2_eval_every": 10, "fast_full_every": 10,
     "test_stride": 1, "p2_seconds_per_sequence": None,
+    "accuracy_num_inducing": None,  # the accuracy section's M for every method (None: the shipped one)
     "offline_iterations": 2000, "exact_points": 2000, "exact_iterations": 100, "osgpr_iterations": 20,
     "grid_cells": 200, "grid_reps": 3,
     "engine": {"ms": (64, 128, 256), "memories": (500,), "full_reps": 10, "fast_reps": 30,
@@ -63,6 +64,7 @@ FULL = {
 QUICK = {  # a smoke run of every section (make test runs it): small enough to keep the suite's time down
     "p1_batches": 6, "p2_batch_seconds": 20.0, "p2_eval_every": 3, "fast_full_every": 10,
     "test_stride": 4, "p2_seconds_per_sequence": 60.0,
+    "accuracy_num_inducing": 128,  # a smoke run: M = 256 made continual_mogp alone ~40 s of it
     "offline_iterations": 200, "exact_points": 600, "exact_iterations": 20, "osgpr_iterations": 3, "hsgp_basis": [256],
     "grid_cells": 100, "grid_reps": 1,
     "engine": {"ms": (64,), "memories": (500,), "full_reps": 3, "fast_reps": 5, "grid_sizes": (100,),
