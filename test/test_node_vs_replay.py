@@ -201,9 +201,13 @@ def test_node_over_dds_reproduces_the_replay(tmp_path):
                                                                     - stamp) < 1e-6
                            and abs(view.mean[-1].header.stamp.sec + 1e-9 * view.mean[-1].header.stamp.nanosec
                                    - stamp) < 1e-6, 30.0, "the map of the whole bag")
-        harness.spin_for(0.3)
+        # /diagnostics comes once a second from the node's last snapshot: the second one after the save_map
+        # response was published after save_map's flush decided the last readings (0.3 s was not enough).
+        after_save = len(view.diagnostics)
+        harness.spin_until(lambda: len(view.diagnostics) >= after_save + 2, 10.0,
+                           "two /diagnostics messages after the save_map response")
         values = diagnostic_values(view)
-    assert values["accepted"] == str(sent["/mag"])
+    assert values["accepted"] == str(sent["/mag"]), {k: v for k, v in values.items() if v not in ("0", "")}
     # The published map is the replay's map: geometry, known cells, quantised values and the float cloud.
     mean_msg = view.mean[-1]
     known = expected["known"]
