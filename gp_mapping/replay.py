@@ -179,7 +179,8 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
                         next_snapshot += period * (math.floor((bag_time - next_snapshot) / period) + 1)
                         if mapper.map_changed:  # the Mapper's rule, as in the node: only a changed map
                             mapper.mark_published()
-                            counts["snapshots"] += _snapshot(writer, mapper.grid(predict_unknown=False), bag_time)
+                            window = mapper.grid(predict_unknown=False, incremental=True)
+                            counts["snapshots"] += _snapshot(writer, window, bag_time)
             counts["updates"] += len(mapper.flush())
             counts["pose_frame_mismatch"] = mapper.pose_frame_mismatch
             # map.npz holds the whole map (the visited area plus margin) when it fits grid.max_cells, else the
@@ -189,8 +190,8 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
                 notes.append(f"the whole map is larger than grid.max_cells = {mapper.config.grid.max_cells}: map.npz "
                              f"and map.png hold the {mapper.config.grid.window} m window around the last position")
             if writer is not None and grid is not None:
-                window = grid if grid.spec == mapper.grid_spec() else mapper.grid(predict_unknown=False)
-                counts["snapshots"] += _snapshot(writer, window, bag_time)
+                last = grid if grid.spec == mapper.grid_spec() else mapper.grid(predict_unknown=False, incremental=True)
+                counts["snapshots"] += _snapshot(writer, last, bag_time)
             processing = time.perf_counter() - started
             if broken and grid is None:
                 raise broken[0]  # nothing was mapped before the bag broke: the bag error is the whole story

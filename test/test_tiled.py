@@ -16,7 +16,7 @@ import torch
 
 from gp_mapping.config import ConfigError, ModelConfig, config_from_dict
 from gp_mapping.gp import GPNumericalError, ModelInputError, TiledModel, build_model
-from gp_mapping.gp.tiled import TileLayout, smootherstep
+from gp_mapping.gp.tiled import TileLayout, smootherstep, tile_key
 from gp_mapping.mapping.mapper import Mapper
 from gp_mapping.mapping.state import MapStateError
 from gp_mapping.sim import SensorConfig, TrajectoryConfig, WorldConfig, simulate
@@ -445,6 +445,109 @@ def test_a_tile_that_fails_numerically_is_rolled_back_and_counted_by_the_mapper(
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     monkeypatch.setattr(type(model.prior), "update", original)
     assert mapper._update(batch) is not None and model.num_tiles > len(tiles_before)
+
+
+# ----------------------------------------------------------------------------------------------- incremental maps
+
+def test_changed_since_names_the_points_of_the_tiles_an_update_touched(drive):
+    """After a batch in one tile's core, only points blending that tile (or the prior, which every update may
+    move) have changed; a tile that appears changes the points of its span; a rollback or a load changes
+    everything (its versions are new)."""
+    x, y = samples(drive)
+    model = stream(build_model(model_config(), 2, 1), x[:600], y[:600])
+    probe = torch.as_tensor(np.stack(np.meshgrid(np.arange(0.5, 7.5, 0.25), np.arange(0.5, 7.5, 0.25)),
+                                     axis=-1).reshape(-1, 2))
+    versions = model.prediction_versions()
+    assert not model.changed_since(probe, versions).any()
+    core = np.random.default_rng(0).uniform(3.2, 4.8, (40, 2))  # in tile (1, 1)'s core, [3, 5]^2
+    assert model.layout.memberships(torch.as_tensor(core))[1].unique(dim=0).tolist() == [[1, 1]]
+    before = model.predict(probe)
+    model.update(core, np.full((40, 1), float(y.mean())))
+    changed = model.changed_since(probe, versions).numpy()
+    pts, tiles, _ = model.layout.blend(probe)
+    in_touched = np.zeros(len(probe), dtype=bool)
+    in_touched[pts[(tiles == torch.tensor([1, 1])).all(1)].numpy()] = True
+    blends_prior = np.zeros(len(probe), dtype=bool)
+    missing = [tile_key(tuple(t)) not in model.tiles for t in tiles.tolist()]
+    blends_prior[pts[torch.tensor(missing)].numpy()] = True
+    np.testing.assert_array_equal(changed, in_touched | blends_prior)
+    assert changed.sum() > 0 and (~changed).sum() > 100
+    after = model.predict(probe)
+    for a, b in zip(before, after):  # the points it calls unchanged predict exactly what they did
+        np.testing.assert_array_equal(a[~changed].numpy(), b[~changed].numpy())
+    model.begin_update()
+    model.update(np.array([[30.0, 30.0]]), np.array([[float(y.mean())]]))  # a new tile far away
+    assert model.changed_since(torch.tensor([[30.0, 30.0]]), versions).all()
+    versions = model.prediction_versions()
+    model.rollback()
+    assert model.changed_since(probe, versions).all()
+    versions = model.prediction_versions()
+    model.load_state_dict(model.state_dict())
+    assert model.changed_since(probe, versions).all()
+
+
+@pytest.mark.parametrize("tile_size", [2.0, 0.0])
+def test_an_incremental_map_equals_a_whole_draw_and_repredicts_only_what_changed(drive, tile_size):
+    """Publications draw incrementally (Mapper.grid(incremental=True)). Along a drive whose 6 m window rolls over
+    tiles of 2 m, drawn after every update and between updates, the map equals a whole draw of the same state:
+    the same known cells, mean and variance to round-off. After an update it re-predicts the cells of the tiles
+    the update touched (some of the window, never more than a whole draw); without tiles, every cell. Between
+    updates only the cells the rolling window newly covers are predicted, none when it did not move; after
+    mark_changed every cell."""
+    cfg = config_from_dict({"model": dataclasses.asdict(model_config(hyper_steps=3, tile_size=tile_size,
+                                                                     tile_overlap=1.0)),
+                            "batching": {"size": 50},
+                            "grid": {"resolution": 0.1, "margin": 0.5, "unknown_distance": 0.5, "window": [6.0, 6.0]}})
+    mapper = Mapper(cfg)
+    rows = {"n": 0}
+    predict = mapper.model.predict
+
+    def counted(x):
+        rows["n"] += x.shape[0]
+        return predict(x)
+
+    def draw(**kwargs):
+        mapper.model.predict = counted
+        rows["n"] = 0
+        try:
+            return mapper.grid(predict_unknown=False, **kwargs), rows["n"]
+        finally:
+            mapper.model.predict = predict
+
+    rec = drive
+    after_update, between = [], []  # (rows predicted incrementally, rows of a whole draw)
+    origins = set()
+    for i in range(len(rec.t)):
+        mapper.add_pose(float(rec.t[i]), rec.position[i], rec.orientation_xyzw[i])
+        mapper.add_magnetic_field(float(rec.t[i]), rec.field_sensor_tesla[i])
+        updated = bool(mapper.process())
+        if not mapper.updates or not (updated or i % 5 == 0):
+            continue
+        grid, n_incremental = draw(incremental=True)
+        whole, n_whole = draw()
+        (after_update if updated else between).append((n_incremental, n_whole))
+        origins.add((grid.spec.origin_x, grid.spec.origin_y))
+        assert grid.spec == whole.spec
+        np.testing.assert_array_equal(grid.known, whole.known)
+        mean, var = grid.layers["magnitude"]
+        whole_mean, whole_var = whole.layers["magnitude"]
+        np.testing.assert_array_equal(np.isnan(mean), ~whole.known)
+        np.testing.assert_allclose(mean[whole.known], whole_mean[whole.known], rtol=0, atol=1e-9)
+        np.testing.assert_allclose(var[whole.known], whole_var[whole.known], rtol=0,
+                                   atol=1e-9 * float(np.max(whole_var[whole.known])))
+    assert len(after_update) >= 15 and len(between) >= 100 and len(origins) > 10  # the window rolled
+    assert all(inc <= whole for inc, whole in after_update)
+    if tile_size > 0:
+        assert sum(inc < whole for inc, whole in after_update) >= len(after_update) // 2
+    else:
+        assert all(inc == whole for inc, whole in after_update)
+    assert sum(inc for inc, _ in between) < 0.1 * sum(whole for _, whole in between)
+    assert draw(incremental=True)[1] == 0  # nothing changed, the window did not move
+    mapper.mark_changed()
+    grid, n = draw(incremental=True)
+    assert n == int(grid.known.sum())
+    mapper.reset()
+    assert mapper.grid(predict_unknown=False, incremental=True) is None
 
 
 # ----------------------------------------------------------------------------------------------- engines, 3-D

@@ -17,6 +17,12 @@ message handling is not counted.
 Recorded: the emulated time of every map (rate per minute, longest gap), the samples received and not yet in the
 model after each step (how many full batches the model is behind), the resident memory every emulated 10 s
 (last / first decile after ``explore_warmup_seconds``), the publish and update wall times, the map sizes.
+
+Maps are drawn as the node draws them, incrementally (``Mapper.grid(incremental=True)``: only cells whose tiles
+changed are re-predicted). Every ``explore_compare_every``-th map is also drawn whole from the same state, outside
+the emulated clock: the CPU times of both draws of those maps (the grid alone, without the messages), and their
+largest difference (mean in field units, variance relative to the largest variance of that map), say what the
+incremental draw saves and that it is the same map.
 """
 from __future__ import annotations
 
@@ -92,6 +98,8 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     publish_s: list[float] = []
     map_cells: list[int] = []
     known_cells: list[int] = []
+    compare_every = int(plan.get("explore_compare_every") or 0)
+    compared: dict[str, list[float]] = {"incremental_s": [], "whole_s": [], "mean_diff": [], "var_diff": []}
     update_s: list[float] = []
     behind_batches: list[int] = []
     behind_seconds: list[float] = []
@@ -109,7 +117,8 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
         if publish_due and mapper.map_changed:
             start = cost()
             mapper.mark_published()
-            grid = mapper.grid(predict_unknown=False)
+            grid = mapper.grid(predict_unknown=False, incremental=True)
+            drawn = cost() - start
             if grid is not None:
                 publication.publication(grid, config.sync.field_unit, config.grid.mean_range,
                                         config.grid.variance_range)
@@ -121,6 +130,8 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
             map_times.append(now - t0)
             publish_due = False
             worked = True
+            if grid is not None and compare_every and len(map_times) % compare_every == 0:
+                _compare_with_whole(mapper, grid, drawn, cost, compared)
         received = int(np.searchsorted(t, now, side="right"))
         if received > fed:
             start = cost()
@@ -165,7 +176,12 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
             "wall_seconds": wall, "updates": mapper.updates, "num_seen": int(mapper.model.num_seen),
             "coverage_cells": len(mapper.coverage),
             "maps": {"times_s": map_times, "cells": map_cells, "known_cells": known_cells,
-                     "publish": percentiles(np.asarray(publish_s))},
+                     "publish": percentiles(np.asarray(publish_s)),
+                     "compared": {"every": compare_every, "maps": len(compared["whole_s"]),
+                                  "incremental": percentiles(np.asarray(compared["incremental_s"])),
+                                  "whole": percentiles(np.asarray(compared["whole_s"])),
+                                  "max_mean_diff": float(max(compared["mean_diff"], default=0.0)),
+                                  "max_var_diff_relative": float(max(compared["var_diff"], default=0.0))}},
             "update": percentiles(np.asarray(update_s)),
             "behind": {"batches": behind_batches[::max(1, len(behind_batches) // 2000)],
                        "max_full_batches": int(max(behind_batches, default=0)),
@@ -173,6 +189,26 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
             "memory": {"t_s": rss_t, "rss_bytes": rss},
             "summary": summarise(map_times, behind_batches, behind_seconds, rss_t, rss, duration,
                                  float(plan["explore_warmup_seconds"]))}
+
+
+def _compare_with_whole(mapper, grid, incremental_s: float, cost, out: dict[str, list[float]]) -> None:
+    """Draw the map just published again, whole, from the same state: its CPU time and the differences."""
+    start = cost()
+    whole = mapper.grid(predict_unknown=False)
+    out["whole_s"].append(cost() - start)
+    out["incremental_s"].append(incremental_s)
+    mean_diff = var_diff = 0.0
+    for name, (mean, var) in grid.layers.items():
+        whole_mean, whole_var = whole.layers[name]
+        if not np.array_equal(np.isnan(mean), np.isnan(whole_mean)):
+            raise AssertionError(f"the incremental map's layer {name!r} has other known cells than the whole one")
+        cells = np.isfinite(whole_mean)
+        if cells.any():
+            mean_diff = max(mean_diff, float(np.max(np.abs(mean[cells] - whole_mean[cells]))))
+            scale = max(float(np.max(whole_var[cells])), 1e-300)
+            var_diff = max(var_diff, float(np.max(np.abs(var[cells] - whole_var[cells]))) / scale)
+    out["mean_diff"].append(mean_diff)
+    out["var_diff"].append(var_diff)
 
 
 def summarise(map_times, behind_batches, behind_seconds, rss_t, rss, duration, warmup) -> dict[str, Any]:
@@ -226,6 +262,18 @@ def markdown(sec: dict[str, Any]) -> list[str]:
               f"| map publication, median / p95 | {sec['maps']['publish']['median_ms']:.0f} / "
               f"{sec['maps']['publish']['p95_ms']:.0f} ms ({int(np.median(sec['maps']['known_cells'] or [0]))} known "
               f"of {int(np.median(sec['maps']['cells'] or [0]))} cells, median) | | |",
+              *_comparison_rows(sec['maps'].get('compared')),
               f"| model update, median / p95 | {sec['update']['median_ms']:.0f} / {sec['update']['p95_ms']:.0f} ms "
               f"| | |", ""]
     return lines
+
+
+def _comparison_rows(compared: dict | None) -> list[str]:
+    if not compared or not compared.get("maps"):
+        return []
+    inc, whole = compared["incremental"], compared["whole"]
+    ratio = whole["median_ms"] / inc["median_ms"] if inc["median_ms"] > 0 else math.inf
+    return [f"| maps drawn again whole ({compared['maps']}, one in {compared['every']}): incremental against whole, "
+            f"median / p95 | {inc['median_ms']:.0f} / {inc['p95_ms']:.0f} against {whole['median_ms']:.0f} / "
+            f"{whole['p95_ms']:.0f} ms ({ratio:.1f}x); largest difference: mean {compared['max_mean_diff']:.1e} uT, "
+            f"variance {compared['max_var_diff_relative']:.1e} of the map's largest | | |"]

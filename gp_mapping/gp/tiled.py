@@ -95,6 +95,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import math
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -114,6 +115,9 @@ _SHARED_BY_ENGINE = {"DualSVGP": ("kernel", "likelihood"),
 _TILE_PREFIX = "tiles."
 #: with mode None, a tile given fewer than this fraction of the busiest tile's samples conditions fast
 FAST_FRACTION = 0.25
+#: prediction versions (TiledModel.prediction_versions): drawn from one counter for every model in the process,
+#: so a number is never reused (not after a tile is removed, a state loaded, or another model built)
+_VERSIONS = itertools.count(1)
 
 
 def shared_hyperparameter_names(engine_class) -> tuple[str, ...]:
@@ -269,6 +273,7 @@ class _Tile(nn.Module):
         super().__init__()
         self.engine = engine
         self.register_buffer("theta", theta.detach().clone())
+        self.version = next(_VERSIONS)  # renewed whenever what the tile predicts may have changed
 
 
 class TiledModel(Engine):
@@ -322,6 +327,8 @@ class TiledModel(Engine):
         self.register_buffer("consensus_sum", torch.zeros_like(self._theta()))
         self.register_buffer("consensus_weight", torch.tensor(0.0, **f64))
         self._journal: dict[str, Any] | None = None
+        # Renewed whenever what the prior engine predicts (where no tile exists) may have changed.
+        self._prior_version = next(_VERSIONS)
         self.to(self._device)
 
     # ------------------------------------------------------------------ properties
@@ -365,7 +372,9 @@ class TiledModel(Engine):
 
     def _apply(self, fn, *args, **kwargs):
         self._shared_list = None
-        return super()._apply(fn, *args, **kwargs)
+        out = super()._apply(fn, *args, **kwargs)
+        self._renew_versions()  # another device or dtype predicts in other round-off
+        return out
 
     def _theta(self) -> torch.Tensor:
         params = self._shared_parameters()
@@ -489,6 +498,7 @@ class TiledModel(Engine):
             self._set_theta(consensus)
             raise
         slot.theta.copy_(self._theta())
+        slot.version = next(_VERSIONS)
         self._count_proposal(slot, before)
         self._set_theta(consensus if torch.equal(slot.theta, before[1]) else self._consensus(slot.theta))
 
@@ -590,6 +600,7 @@ class TiledModel(Engine):
         return stats
 
     def _update_tiles(self, xt: torch.Tensor, yt: torch.Tensor, mode: str | None, stats: dict) -> None:
+        prior_before = (self._theta(), self.scale_offset.clone(), self.scale_std.clone())
         with torch.no_grad():
             merge_moments(self.target_count, self.target_mean, self.target_m2, yt, ~torch.isnan(yt))
             self._follow_targets()
@@ -617,6 +628,7 @@ class TiledModel(Engine):
                 tile_mode = "fast"
             consensus = self._theta()
             out = slot.engine.update(xt[rows], yt[rows], mode=tile_mode)
+            slot.version = next(_VERSIONS)
             proposal = self._theta()
             slot.theta.copy_(proposal)  # the tile's posterior is fitted under its own proposal
             self._count_proposal(slot, before)
@@ -632,6 +644,9 @@ class TiledModel(Engine):
                 self.max_jitter.fill_(float(jitter))
         stats["tiles_touched"] = len(modes)
         stats["mode"] = "full" if "full" in modes else (modes[0] if modes else stats["mode"])
+        if not (torch.equal(self._theta(), prior_before[0]) and torch.equal(self.scale_offset, prior_before[1])
+                and torch.equal(self.scale_std, prior_before[2])):
+            self._prior_version = next(_VERSIONS)  # what the prior predicts moved with the hyperparameters or unit
         with torch.no_grad():
             self.num_seen_t += xt.shape[0]
             self.num_updates_t += 1
@@ -775,6 +790,7 @@ class TiledModel(Engine):
                 self.max_jitter.fill_(max(float(self.max_jitter), float(result.jitter)))
             if float(self.consensus_weight) > 0:
                 self._set_theta(self.consensus_sum / self.consensus_weight)
+        self._prior_version = next(_VERSIONS)
         self._journal = None
 
     # ------------------------------------------------------------------ state
@@ -825,8 +841,40 @@ class TiledModel(Engine):
         self._journal = None
         return result
 
-    def _loaded(self) -> None:  # Engine: called once a state is loaded
+    def _loaded(self) -> None:  # Engine: called once a state is loaded (and by rollback)
         self._freeze_after_first_update()
+        self._renew_versions()
+
+    # ------------------------------------------------------------------ what changed (incremental maps)
+    def _renew_versions(self) -> None:
+        for slot in self.tiles.values():
+            slot.version = next(_VERSIONS)
+        self._prior_version = next(_VERSIONS)
+
+    def prediction_versions(self) -> tuple[int, dict[str, int]]:
+        """A token of what every part of the blend predicts from: the prior's version and each tile's. Give it
+        back to :meth:`changed_since` to learn which points' predictions may have changed since it was taken.
+        A version is renewed by every change to a tile (its update, a re-expression in a new unit, a rollback,
+        a load, a move to another device) and the prior's by every update, merge, rollback or load."""
+        return self._prior_version, {key: slot.version for key, slot in self.tiles.items()}
+
+    def changed_since(self, x, versions: tuple[int, dict[str, int]]) -> torch.Tensor:
+        """(N,) bool: the points of ``x`` whose prediction may differ from when :meth:`prediction_versions`
+        gave ``versions``: those blending a tile that changed, appeared or went, or blending the prior (no tile
+        there) after the prior changed. The others predict what they predicted then (up to round-off: the same
+        state on the same inputs). Costs the blend's weights, not a prediction."""
+        xt = self._check_x(x)
+        prior_then, tiles_then = versions
+        prior_changed = prior_then != self._prior_version
+        pts, tiles, _ = self.layout.blend(xt)
+        changed = torch.zeros(xt.shape[0], dtype=torch.bool, device=xt.device)
+        for index, sel in self.layout.group(tiles):
+            key = tile_key(index)
+            now = self.tiles[key].version if key in self.tiles else None
+            then = tiles_then.get(key)
+            if now != then or (now is None and prior_changed):
+                changed[pts[sel]] = True
+        return changed
 
     def extra_repr(self) -> str:
         return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, tile_sizes={self.layout.sizes}, "

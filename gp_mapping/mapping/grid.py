@@ -310,6 +310,20 @@ def tile_cells(tile_size: int, device, num_inducing: int | None = None) -> int:
     return max(CPU_TILE_CELLS, GPU_TILE_ELEMENTS // max(1, int(num_inducing or 256)))
 
 
+def cell_inputs(spec: GridSpec, idx, height: float = 0.0, input_dims: int = 2):
+    """The model inputs (N, input_dims) float64 of the cells with row-major indices ``idx`` (an int64 tensor,
+    on the device the inputs are wanted on): their centres, at z = ``height`` when ``input_dims`` is 3."""
+    import torch
+
+    idx = torch.as_tensor(idx, dtype=torch.int64)
+    f64 = dict(dtype=torch.float64, device=idx.device)
+    cols = [spec.origin_x + ((idx % spec.width).to(**f64) + 0.5) * spec.resolution,
+            spec.origin_y + ((idx // spec.width).to(**f64) + 0.5) * spec.resolution]
+    if input_dims == 3:
+        cols.append(torch.full((idx.shape[0],), float(height), **f64))
+    return torch.stack(cols, dim=1)
+
+
 def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
                  input_dims: int = 2, only=None) -> tuple[np.ndarray, np.ndarray]:
     """Predict the latent mean and variance at every cell centre, ``tile_size`` cells at a time (0: by the
@@ -334,24 +348,17 @@ def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
             raise GridError(f"predict_grid: 'only' has shape {only.shape}, expected {(h, w)}")
         cells = torch.as_tensor(np.flatnonzero(only), device=device)
     n = spec.num_cells if cells is None else int(cells.shape[0])
-    xs = spec.origin_x + (torch.arange(w, dtype=torch.float64, device=device) + 0.5) * spec.resolution
-    ys = spec.origin_y + (torch.arange(h, dtype=torch.float64, device=device) + 0.5) * spec.resolution
     mean_out: np.ndarray | None = None
     var_out: np.ndarray | None = None
     if n == 0:  # nothing to predict: the output width comes from one point
-        mean, _ = model.predict(torch.stack([xs[:1], ys[:1]] + ([torch.full((1,), float(height), dtype=torch.float64,
-                                                                            device=device)] if input_dims == 3 else []),
-                                            dim=1))
+        mean, _ = model.predict(cell_inputs(spec, torch.zeros(1, dtype=torch.int64, device=device), height, input_dims))
         p = int(mean.shape[1])
         return np.full((h, w, p), np.nan), np.full((h, w, p), np.nan)
     with torch.no_grad():
         for start in range(0, n, tile_size):
             stop = min(n, start + tile_size)
             idx = torch.arange(start, stop, device=device) if cells is None else cells[start:stop]
-            cols = [xs[idx % w], ys[idx // w]]
-            if input_dims == 3:
-                cols.append(torch.full((stop - start,), float(height), dtype=torch.float64, device=device))
-            mean, var = model.predict(torch.stack(cols, dim=1))
+            mean, var = model.predict(cell_inputs(spec, idx, height, input_dims))
             mean = mean.detach().to("cpu", torch.float64).numpy()
             var = var.detach().to("cpu", torch.float64).numpy()
             if mean.ndim != 2 or mean.shape[0] != stop - start or var.shape != mean.shape:

@@ -755,7 +755,7 @@ class _MapperCore:
         with self._lock:
             self.mapper.mark_published()
             try:
-                grid = self.mapper.grid(predict_unknown=False)  # a map shows known cells only
+                grid = self.mapper.grid(predict_unknown=False, incremental=True)  # known cells only
             except Exception as err:
                 self._report(f"map prediction failed: {type(err).__name__}: {err}")
                 return
