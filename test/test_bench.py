@@ -177,7 +177,9 @@ def test_quick_bench_explore_section(quick_run):
     s = e["summary"]
     assert s["maps"] > 0 and 0 < s["map_rate_hz_mean"] <= 1.0 / e["publish_period_s"] + 1e-9
     assert _finite(s["rss_ratio"]) and set(s["pass"]) == {"maps_at_least_0.5_hz", "rss_flat", "at_most_one_batch_behind"}
-    assert "Long exploration" in quick_run["md"]
+    compared = e["maps"]["compared"]  # maps drawn again whole: the incremental ones are the same maps
+    assert compared["maps"] > 0 and compared["max_mean_diff"] < 1e-6 and compared["max_var_diff_relative"] < 1e-6
+    assert "Long exploration" in quick_run["md"] and "drawn again whole" in quick_run["md"]
 
 
 def test_quick_bench_merge_section(quick_run):
