@@ -165,6 +165,9 @@ def publish_recording(harness: RosHarness, proc: MapperProcess, rec, pose_type: 
     pose_pub = harness.node.create_publisher(pose_cls, proc.pose_topic, qos)
     harness.spin_until(lambda: mag_pub.get_subscription_count() > 0 and pose_pub.get_subscription_count() > 0,
                        30.0, "the node's subscriptions to be discovered")
+    # The publisher can see the node's readers before they have matched it, and a best-effort reader drops what
+    # a writer it has not matched yet sends (CI lost the first 54 of 404 readings so): give discovery a moment.
+    harness.spin_for(1.0)
     count = len(rec.t) if count is None else count
     sent = 0
     for k in range(count):
