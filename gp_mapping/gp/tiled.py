@@ -855,7 +855,8 @@ class TiledModel(Engine):
         """A token of what every part of the blend predicts from: the prior's version and each tile's. Give it
         back to :meth:`changed_since` to learn which points' predictions may have changed since it was taken.
         A version is renewed by every change to a tile (its update, a re-expression in a new unit, a rollback,
-        a load, a move to another device) and the prior's by every update, merge, rollback or load."""
+        a load, a move to another device) and the prior's by an update that moved the shared hyperparameters or the
+        unit, a merge, a rollback or a load."""
         return self._prior_version, {key: slot.version for key, slot in self.tiles.items()}
 
     def changed_since(self, x, versions: tuple[int, dict[str, int]]) -> torch.Tensor:

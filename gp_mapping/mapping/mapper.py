@@ -463,8 +463,7 @@ class Mapper:
 
         ``incremental`` (publications): re-predict only the cells whose prediction may have changed since the
         previous incremental draw, and take the others from it: all of them after no update; after an update of
-        a tiled model (``model.changed_since``), the cells outside the tiles it touched (a window of 16 tiles
-        whose update touched one or two re-predicts an eighth to a quarter of it); otherwise every cell. Cells
+        a tiled model (``model.changed_since``), the cells outside the tiles it touched; otherwise every cell. Cells
         keep their place as the window rolls, so those the window newly covers are predicted and the rest
         reused. The result equals a whole draw up to round-off (the same state on the same inputs, predicted in
         other groupings). Files (``export_grid``) are drawn whole.
@@ -503,7 +502,11 @@ class Mapper:
         reuse = np.zeros((h, w), dtype=bool)
         mean = var = None
         prev = self._drawn
-        overlap = _lattice_overlap(prev.spec, spec) if prev is not None and prev.model is self.model else None
+        changed_since = getattr(self.model, "changed_since", None)
+        # Reusable: the same model, and either no update since or a model that says where an update changed it.
+        reusable = prev is not None and prev.model is self.model and (
+            prev.map_version == self._map_version or (prev.versions is not None and changed_since is not None))
+        overlap = _lattice_overlap(prev.spec, spec) if reusable else None
         if overlap is not None:
             (old_rows, old_cols), (new_rows, new_cols) = overlap
             p = prev.mean.shape[2]
@@ -512,16 +515,12 @@ class Mapper:
             var[new_rows, new_cols] = prev.var[old_rows, old_cols]
             reuse = want & np.isfinite(mean[..., 0])
             if prev.map_version != self._map_version and reuse.any():
-                changed_since = getattr(self.model, "changed_since", None)
-                if prev.versions is None or changed_since is None:
-                    reuse[:] = False
-                else:
-                    cells = np.flatnonzero(reuse)
-                    device = torch.device(getattr(self.model, "device", "cpu"))
-                    x = cell_inputs(spec, torch.as_tensor(cells, device=device), g.height, self.input_dims)
-                    with torch.no_grad():
-                        stale = changed_since(x, prev.versions).to("cpu").numpy()
-                    reuse.flat[cells[stale]] = False
+                cells = np.flatnonzero(reuse)
+                device = torch.device(getattr(self.model, "device", "cpu"))
+                x = cell_inputs(spec, torch.as_tensor(cells, device=device), g.height, self.input_dims)
+                with torch.no_grad():
+                    stale = changed_since(x, prev.versions).to("cpu").numpy()
+                reuse.flat[cells[stale]] = False
         todo = want & ~reuse
         if todo.any() or mean is None:
             fresh_mean, fresh_var = predict_grid(self.model, spec, g.tile_size, height=g.height,
