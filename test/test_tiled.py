@@ -486,19 +486,21 @@ def test_changed_since_names_the_points_of_the_tiles_an_update_touched(drive):
     assert model.changed_since(probe, versions).all()
 
 
-@pytest.mark.parametrize("tile_size", [2.0, 0.0])
-def test_an_incremental_map_equals_a_whole_draw_and_repredicts_only_what_changed(drive, tile_size):
+@pytest.mark.parametrize("tile_size, device", [(2.0, "cpu"), (0.0, "cpu"),
+                                               pytest.param(2.0, "cuda", marks=pytest.mark.gpu)])
+def test_an_incremental_map_equals_a_whole_draw_and_repredicts_only_what_changed(drive, tile_size, device):
     """Publications draw incrementally (Mapper.grid(incremental=True)). Along a drive whose 6 m window rolls over
     tiles of 2 m, drawn after every update and between updates, the map equals a whole draw of the same state:
     the same known cells, mean and variance to round-off. After an update it re-predicts the cells of the tiles
     the update touched (some of the window, never more than a whole draw); without tiles, every cell. Between
     updates only the cells the rolling window newly covers are predicted, none when it did not move; after
-    mark_changed every cell."""
+    mark_changed every cell. On a GPU (the tiles' versions and the kept draw on the device) the same."""
     cfg = config_from_dict({"model": dataclasses.asdict(model_config(hyper_steps=3, tile_size=tile_size,
-                                                                     tile_overlap=1.0)),
+                                                                     tile_overlap=1.0, device=device)),
                             "batching": {"size": 50},
                             "grid": {"resolution": 0.1, "margin": 0.5, "unknown_distance": 0.5, "window": [6.0, 6.0]}})
     mapper = Mapper(cfg)
+    assert mapper.model.device.type == device
     rows = {"n": 0}
     predict = mapper.model.predict
 
