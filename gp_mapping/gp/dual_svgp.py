@@ -46,7 +46,9 @@ natural parameters K^{-1} a_old and K^{-1} B_old K^{-1} (eqs. 14-17: ytilde_u, S
 so a_old <- K_new K_old^{-1} a_old and B_old <- K_new K_old^{-1} B_old K_old^{-1} K_new, the same A_p transport
 as a move of Z (A_p = K_old^{-1} Cov(u_old, u_new)). This is exact for a change of signal variance (k_i and
 K scale together), where keeping (a_old, B_old) fixed, as the reference code does, is not. After the steps
-the held sites are refitted under the new hyperparameters (n_steps BLR steps) before any is folded.
+the held sites are refitted under the new hyperparameters (n_steps BLR steps) before any is folded. With Z
+fixed a step's gradient is worked out by hand down to the kernel matrices (_fixed_z_bound, ~13 M^3 against
+autograd's ~37 through the factorisations); with learned Z, autograd differentiates the general objective.
 
 Inducing inputs: a fixed grid, or pivoted Cholesky over [Z; X_batch] in every full update (the current Z
 kept first, then the greedy search over the batch), stopping at num_inducing points or when no candidate's
