@@ -602,8 +602,8 @@ class DualSVGP(Engine):
         value = ell.detach() - kl
 
         def gradients(scale: float) -> None:
-            lik_params = list(self.likelihood.parameters())
-            kernel_params = list(self.kernel.parameters())
+            lik_params = [p for p in self.likelihood.parameters() if p.requires_grad]
+            kernel_params = [p for p in self.kernel.parameters() if p.requires_grad]
             gm, gv, *g_lik = torch.autograd.grad(ell, [mean_in, var_in] + lik_params, allow_unused=True)
             with torch.no_grad():
                 gv = gv * (var >= 0)  # clamp_min(0)'s gradient
