@@ -511,9 +511,10 @@ class DualSVGP(Engine):
     def _hyper_objective(self, L0, z0, z, hx, hy, lam1, lam2, weights, with_old_part: bool = False,
                          fixed: tuple[torch.Tensor, torch.Tensor] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Dual-fixed objectives at (theta, Z) for autograd, used when Z is learned (with Z fixed,
-        _fixed_z_bound gives l_theta and its gradient at a third of the cost); held sites fixed, the old part fixed as a pseudo-likelihood
-        t_old on v0 = L0^{-1} f(Z0), carried to u = f(Z) by A_p (whitened: G = L0^{-1} Cov(u0, u) L^{-T}).
+        """Dual-fixed objectives at (theta, Z) for autograd, used when Z is learned (with Z fixed, _fixed_z_bound
+        gives l_theta and its gradient at a third of the cost); held sites fixed, the old part fixed as a
+        pseudo-likelihood t_old on v0 = L0^{-1} f(Z0), carried to u = f(Z) by A_p (whitened: G = L0^{-1} Cov(u0, u)
+        L^{-T}).
 
         Returns (l_theta, l_Z):
           l_theta = sum_held w_i E_q[log p(y_i|f_i)] - KL[q || p]   (the paper's objective, memory scaled)
@@ -624,7 +625,8 @@ class DualSVGP(Engine):
                 kzz_bar = symmetrise(0.5 * torch.linalg.solve_triangular(L, L_bar, upper=False, left=False))
             outputs = [(t, g) for t, g in ((kzz, kzz_bar), (kzx, kzx_bar), (kxx, gv.sum(1))) if t.requires_grad]
             g_kernel = torch.autograd.grad([t for t, _ in outputs], kernel_params,
-                                           grad_outputs=[g for _, g in outputs], allow_unused=True)
+                                           grad_outputs=[g for _, g in outputs],
+                                           allow_unused=True) if outputs and kernel_params else ()
             for p, g in zip(kernel_params + lik_params, list(g_kernel) + g_lik):
                 p.grad = None if g is None else -scale * g
 
