@@ -334,8 +334,7 @@ def test_hyperparameter_gradient_by_hand_equals_autograd(outputs, likelihood):
     with torch.no_grad():
         L0, z0 = model._chol_K(), model.Z
     with torch.enable_grad():
-        value, _ = model._hyper_objective(L0, z0, z0.clone().requires_grad_(True), hx, hy, lam1, lam2, weights,
-                                          with_old_part=True)
+        value, _ = model._hyper_objective(L0, z0, z0.clone().requires_grad_(True), hx, hy, lam1, lam2, weights)
         expected = torch.autograd.grad(value, params)
     fast, gradients = model._fixed_z_bound(*model._old_part_on_u(L0, None), hx, hy, lam1, lam2, weights)
     gradients(-1.0)  # sets .grad to the gradient of +l_theta
@@ -361,7 +360,7 @@ def test_inducing_objective_is_the_elbo_with_old_data_seen_through_the_moved_ind
         hx, hy = torch.as_tensor(x_new), torch.as_tensor(ys_new[:, None])
         lam1, lam2 = hy / noise, torch.full_like(hy, 1.0 / noise)
         l_theta, l_z = model._hyper_objective(model._chol_K(), model.Z, torch.as_tensor(z_new), hx, hy, lam1,
-                                              lam2, torch.ones(20, dtype=torch.float64), with_old_part=True)
+                                              lam2, torch.ones(20, dtype=torch.float64))
     k0, kz, kz0 = kmat(model, x_old, x_old), kmat(model, z_new, z_new), kmat(model, z_new, x_old)
     kzx = kmat(model, z_new, x_new)
     A = np.linalg.solve(kz, kz0).T                       # E[u0 | u] = A u

@@ -508,9 +508,8 @@ class DualSVGP(Engine):
     def _hyper_parameters(self) -> list[nn.Parameter]:
         return list(self.kernel.parameters()) + list(self.likelihood.parameters())
 
-    def _hyper_objective(self, L0, z0, z, hx, hy, lam1, lam2, weights, with_old_part: bool = False,
-                         fixed: tuple[torch.Tensor, torch.Tensor] | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _hyper_objective(self, L0, z0, z, hx, hy, lam1, lam2, weights,
+                         fixed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dual-fixed objectives at (theta, Z) for autograd, used when Z is learned (with Z fixed, _fixed_z_bound
         gives l_theta and its gradient at a third of the cost); held sites fixed, the old part fixed as a
         pseudo-likelihood t_old on v0 = L0^{-1} f(Z0), carried to u = f(Z) by A_p (whitened: G = L0^{-1} Cov(u0, u)
@@ -518,7 +517,7 @@ class DualSVGP(Engine):
 
         Returns (l_theta, l_Z):
           l_theta = sum_held w_i E_q[log p(y_i|f_i)] - KL[q || p]   (the paper's objective, memory scaled)
-          l_Z     = sum_held E_q[log p(y_i|f_i)] + E_q[log t_old(v0)] - KL[q || p]   (only if with_old_part)
+          l_Z     = sum_held E_q[log p(y_i|f_i)] + E_q[log t_old(v0)] - KL[q || p]
         l_Z is an evidence lower bound in which the old data speak through t_old, evaluated under q(v0) =
         int p(v0|u) q(u) du: Cov[v0] = I - G G^T + G Sigma G^T. The conditional term I - G G^T charges a move
         of Z for the old information it can no longer represent, so Z cannot gain by forgetting (with l_theta
@@ -542,8 +541,6 @@ class DualSVGP(Engine):
         kl = (torch.log(torch.diagonal(R, dim1=-2, dim2=-1)).sum()
               + 0.5 * ((R_inv * R_inv).sum() - R.shape[0] * R.shape[-1] + (mean_w * mean_w).sum()))
         l_theta = (ell * weights[:, None]).sum() - kl
-        if not with_old_part:
-            return l_theta, None
         # E_q[log t_old(v0)] = a_old^T E[v0] - 1/2 tr(W_old (Cov[v0] + E[v0] E[v0]^T)), per output, with
         # G^T W_old G (= W_old above) carrying the projected part; Sigma = R^{-T} R^{-1}.
         sigma = R_inv.transpose(-1, -2) @ R_inv
@@ -587,10 +584,9 @@ class DualSVGP(Engine):
             V = torch.linalg.solve_triangular(L, kzx.detach(), upper=False)  # (M, N)
             X = W_u @ L  # (P, M, M)
             a_h, W_h = _site_sums(V, lam1, lam2)
-            eye = torch.eye(L.shape[0], dtype=L.dtype, device=L.device)
-            R, _ = jittered_cholesky(eye + symmetrise(L.T @ X) + W_h, 0.0)
+            R, c = self._posterior(L.T @ a_u + a_h, symmetrise(L.T @ X) + W_h)
             S = torch.cholesky_inverse(R)  # (P, M, M)
-            m = (S @ (L.T @ a_u + a_h).T[..., None])[..., 0]  # (P, M)
+            m = torch.linalg.solve_triangular(R.transpose(-1, -2), c[..., None], upper=True)[..., 0]  # (P, M): S a
             SV = S @ V  # (P, M, N)
             mean = V.T @ m.T  # (N, P)
             var = kxx.detach()[:, None] - (V * V).sum(0)[:, None] + (V * SV).sum(1).T
@@ -660,7 +656,7 @@ class DualSVGP(Engine):
                 optimiser.zero_grad()
                 try:
                     if learn_z:
-                        l_theta, l_z = self._hyper_objective(L0, z0, z, hx, hy, lam1, lam2, weights, True, fixed)
+                        l_theta, l_z = self._hyper_objective(L0, z0, z, hx, hy, lam1, lam2, weights, fixed)
                     else:
                         l_theta, theta_gradients = self._fixed_z_bound(*old_part_on_u, hx, hy, lam1, lam2, weights)
                         l_z = None
