@@ -584,10 +584,10 @@ class DualSVGP(Engine):
             V = torch.linalg.solve_triangular(L, kzx.detach(), upper=False)  # (M, N)
             X = W_u @ L  # (P, M, M)
             a_h, W_h = _site_sums(V, lam1, lam2)
-            R, c = self._posterior(L.T @ a_u + a_h, symmetrise(L.T @ X) + W_h)
+            R, c = self._posterior(L.T @ a_u + a_h, L.T @ X + W_h)  # Cholesky reads the lower triangle only
             S = torch.cholesky_inverse(R)  # (P, M, M)
             m = torch.linalg.solve_triangular(R.transpose(-1, -2), c[..., None], upper=True)[..., 0]  # (P, M): S a
-            SV = S @ V  # (P, M, N)
+            SV = (V.T @ S).transpose(-1, -2)  # (P, M, N) S V, in V's column-major layout (S is symmetric)
             mean = V.T @ m.T  # (N, P)
             var = kxx.detach()[:, None] - (V * V).sum(0)[:, None] + (V * SV).sum(1).T
             kl = (torch.log(torch.diagonal(R, dim1=-2, dim2=-1)).sum()
@@ -606,19 +606,22 @@ class DualSVGP(Engine):
                 gv = gv * (var >= 0)  # clamp_min(0)'s gradient
                 a_bar = (S @ ((V @ gm).T - m)[..., None])[..., 0]  # (P, M): S dl/dm
                 SVg = SV * gv.T[:, None, :]
-                # dl/dA, symmetric: S S / 2 - S / 2 - S V diag(gv) V^T S - sym(a_bar m^T)
-                A_bar = torch.baddbmm(0.5 * (S @ S - S), SVg, SV.transpose(-1, -2), alpha=-1.0)
+                # dl/dA, symmetric: S S / 2 - S / 2 - S V diag(gv) V^T S - sym(a_bar m^T). (S is exactly symmetric
+                # and column-major, so S.mT is S in the row-major layout of S @ S.)
+                A_bar = torch.baddbmm(0.5 * (S @ S - S.mT), SVg, SV.transpose(-1, -2), alpha=-1.0)
                 A_bar.baddbmm_(a_bar[:, :, None], m[:, None, :], alpha=-0.5)
                 A_bar.baddbmm_(m[:, :, None], a_bar[:, None, :], alpha=-0.5)
-                V_bar = torch.cat([a_bar, m]).T @ torch.cat([lam1, gm], 1).T  # a_bar lam1^T + m gm^T
-                V_bar.add_(SVg.sum(0) - V * gv.sum(1) + sum((A_bar[p] @ V) * lam2[:, p]
+                # dl/dV = a_bar lam1^T + m gm^T + 2 (S V diag(gv) - V diag(gv) + sum_p A_bar_p V diag(lam2_p)), every
+                # term in V's column-major layout (A_bar V as (V^T A_bar)^T, A_bar symmetric)
+                V_bar = (torch.cat([lam1, gm], 1) @ torch.cat([a_bar, m])).T
+                V_bar.add_(SVg.sum(0) - V * gv.sum(1) + sum((V.T @ A_bar[p]).T * lam2[:, p]
                                                             for p in range(A_bar.shape[0])), alpha=2.0)
                 kzx_bar = torch.linalg.solve_triangular(L.T, V_bar, upper=True)
                 L_bar = a_u @ a_bar + 2.0 * (X @ A_bar).sum(0) - kzx_bar @ V.T
                 # The bound depends on K alone, not on which square root L of it whitens (L -> L U, U orthogonal,
                 # leaves it unchanged), so dl/dL = 2 K_bar L and K_bar = L_bar L^{-1} / 2 (one solve; the general
                 # Cholesky adjoint L^{-T} Phi(L^T L_bar) L^{-1} takes two and equals it here).
-                kzz_bar = symmetrise(0.5 * torch.linalg.solve_triangular(L, L_bar, upper=False, left=False))
+                kzz_bar = 0.5 * torch.linalg.solve_triangular(L, L_bar, upper=False, left=False)
             outputs = [(t, g) for t, g in ((kzz, kzz_bar), (kzx, kzx_bar), (kxx, gv.sum(1))) if t.requires_grad]
             g_kernel = torch.autograd.grad([t for t, _ in outputs], kernel_params,
                                            grad_outputs=[g for _, g in outputs],
@@ -767,10 +770,13 @@ class DualSVGP(Engine):
         yt = self._check_y(y, xt.shape[0])
         if mode not in (None, "fast", "full"):
             raise ValueError(f"update mode must be 'fast', 'full' or None, got {mode!r}")
+        cover = None  # (L, V = L^{-1} K_Zx) of the cover check, which a fast update reuses while L stays
         if mode is None:
             mode = self._scheduled_mode(xt.shape[0])
-            if mode == "fast" and self._leaves_the_cover(xt):
-                mode = "full"
+            if mode == "fast":
+                cover = self._cover_features(xt)
+                if cover is not None and self._leaves_the_cover(xt, cover[1]):
+                    mode = "full"
         stats: dict = {"mode": mode, "n_batch": int(xt.shape[0]), "z_moved": 0, "hyper_steps": 0,
                        "objective": 0.0, "folded": 0}
         if xt.shape[0] > 0:
@@ -779,7 +785,7 @@ class DualSVGP(Engine):
             ys = self._standardise(yt)
             with torch.no_grad():
                 if mode == "fast":
-                    stats.update(self._fast_update(xt, ys))
+                    stats.update(self._fast_update(xt, ys, cover))
                 else:
                     stats.update(self._full_update(xt, ys))
                 self.num_seen_t += xt.shape[0]
@@ -818,21 +824,28 @@ class DualSVGP(Engine):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
-    def _leaves_the_cover(self, x: torch.Tensor) -> bool:
-        """Whether a batch reaches where a full Z no longer covers it: some input keeps more than COVER_LOST of
-        its prior variance given Z. Conditioning such data with frozen hyperparameters overfits (the noise was
-        learned where Z covered the data, and the missing variance is nobody's), so the scheduler promotes that
-        update to a full one, which exchanges inducing points and re-learns. Z that can still grow, or a fixed
-        Z, never promotes (growth is done in fast mode)."""
+    def _cover_features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(L, V = L^{-1} K_Zx) for the cover check, or None where the check does not apply: Z that can still
+        grow, or a fixed Z, never promotes (growth is done in fast mode)."""
         if bool(self.z_fixed) or self.num_inducing < self.config.num_inducing or x.shape[0] == 0:
-            return False
+            return None
+        with torch.no_grad():
+            L = self._chol_K()
+            return L, self._features(L, x)
+
+    def _leaves_the_cover(self, x: torch.Tensor, V: torch.Tensor) -> bool:
+        """Whether a batch reaches where a full Z no longer covers it: some input keeps more than COVER_LOST of
+        its prior variance given Z (V = L^{-1} K_Zx from _cover_features). Conditioning such data with frozen
+        hyperparameters overfits (the noise was learned where Z covered the data, and the missing variance is
+        nobody's), so the scheduler promotes that update to a full one, which exchanges inducing points and
+        re-learns."""
         with torch.no_grad():
             kxx = self.kernel.diag(x)
-            V = self._features(self._chol_K(), x)
             lost = (kxx - (V * V).sum(0)) / kxx
             return bool(lost.max() > COVER_LOST)
 
-    def _fast_update(self, x: torch.Tensor, ys: torch.Tensor) -> dict:
+    def _fast_update(self, x: torch.Tensor, ys: torch.Tensor,
+                     cover: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
         z_moved = 0
         if not bool(self.z_fixed) and self.num_inducing < self.config.num_inducing:
             # Z grows over the batch where it is poorly covered (the first batch starts it), so the map follows
@@ -845,7 +858,8 @@ class DualSVGP(Engine):
         if self._cache is None:
             self._refresh_cache()
         L, R, c = self._cache
-        V = self._features(L, x)
+        # the cover check's features, unless the prior factor changed since (Z grew, or a target rescaling)
+        V = cover[1] if cover is not None and cover[0] is L else self._features(L, x)
         mean, var, _ = self._marginals(V, R, c, self.kernel.diag(x))
         lam1, lam2 = self.likelihood.dual_sites(ys, mean, var)  # one undamped dual step
         a_n, W_n = _site_sums(V, lam1, lam2)
