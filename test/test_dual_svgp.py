@@ -637,3 +637,32 @@ def test_full_updates_are_scheduled_by_samples_as_well_as_by_count():
     assert int(fresh.seen_at_full_t) == model.num_seen == 100
     x = rng.uniform(0.0, 2.0, (50, 2))
     assert fresh.update(x, np.sin(x[:, :1]))["mode"] == "fast"  # 50 samples since the load (its "last full")
+
+
+def test_a_batch_beyond_a_full_z_is_promoted_and_a_covered_one_conditions_on_the_checks_features():
+    """Scheduled updates once Z holds num_inducing points: a batch with an input that keeps more than COVER_LOST of
+    its prior variance given Z is promoted to a full update (it exchanges inducing points and re-learns); a
+    covered batch stays fast and conditions on the features V = L^{-1} K_Zx that the check computed (one
+    kernel matrix and solve per fast update, not two), with exactly the state that computing them again gives."""
+    import copy
+
+    rng = np.random.default_rng(5)
+    model = make(num_inducing=24, full_update_samples=150, lengthscale=0.8)
+    for _ in range(6):  # 300 samples over a 3 m square: Z fills up
+        x = rng.uniform(0.0, 3.0, (50, 2))
+        model.update(x, field(x)[:, None], mode="full")
+    assert model.num_inducing == 24
+    inside = rng.uniform(0.5, 2.5, (50, 2))
+    recomputing = copy.deepcopy(model)
+    recomputing._cover_features = lambda x: None  # no check: the fast update computes its own features
+    calls = []
+    features = model._features
+    model._features = lambda L, x: calls.append(x.shape[0]) or features(L, x)
+    assert model.update(inside, field(inside)[:, None])["mode"] == "fast"
+    assert calls == [50]
+    assert recomputing.update(inside, field(inside)[:, None])["mode"] == "fast"
+    for name in ("a_w", "W", "pend_lam1", "pend_lam2"):
+        assert torch.equal(getattr(model, name), getattr(recomputing, name)), name
+    far = rng.uniform(20.0, 23.0, (50, 2))
+    stats = model.update(far, field(far)[:, None])
+    assert stats["mode"] == "full" and stats["z_moved"] == 1

@@ -96,3 +96,26 @@ def test_device_settings_cuda_n_and_the_key_named_by_each_layer():
         Mapper(config_from_dict({"model": {"device": "cuda:0"}}))
     with pytest.raises(ConfigError, match="^config key 'model.inducing'"):
         Mapper(config_from_dict({"model": {"inducing": "grid"}, "sync": {"input_dims": 3}}))
+
+
+def test_symmetrise_is_exactly_half_of_a_plus_its_transpose_in_every_layout():
+    """symmetrise copies A^T into A's layout before adding (mixed layouts are several times slower): the result
+    must be (A + A^T) / 2 bit for bit for row-major, column-major (LAPACK's results), batched and 1 x 1 inputs,
+    leave its input untouched, and pass gradients (learned inducing inputs differentiate through it)."""
+    from gp_mapping.gp.base import symmetrise
+
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(7, 7, dtype=torch.float64, generator=g)
+    cases = {"row-major": row, "column-major": row.mT, "batched": torch.randn(3, 5, 5, dtype=torch.float64, generator=g),
+             "batched column-major": torch.randn(2, 6, 6, dtype=torch.float64, generator=g).mT,
+             "1 x 1": torch.ones(1, 1, 1, dtype=torch.float64)}
+    for name, a in cases.items():
+        before = a.clone()
+        out = symmetrise(a)
+        assert torch.equal(out, 0.5 * (a + a.transpose(-1, -2))), name
+        assert torch.equal(out, out.transpose(-1, -2)) and torch.equal(a, before), name
+        assert out.data_ptr() != a.data_ptr(), name
+    leaf = torch.randn(4, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    weights = torch.randn(4, 4, dtype=torch.float64, generator=g)
+    (symmetrise(leaf) * weights).sum().backward()
+    assert torch.allclose(leaf.grad, 0.5 * (weights + weights.T), rtol=0, atol=1e-15)
