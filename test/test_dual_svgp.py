@@ -666,3 +666,39 @@ def test_a_batch_beyond_a_full_z_is_promoted_and_a_covered_one_conditions_on_the
     far = rng.uniform(20.0, 23.0, (50, 2))
     stats = model.update(far, field(far)[:, None])
     assert stats["mode"] == "full" and stats["z_moved"] == 1
+
+
+def test_growth_that_keeps_every_point_pads_the_old_part_with_zeros_and_equals_the_general_move():
+    """Z growing with every old point kept first and in order (pivoted Cholesky lists them first) keeps the old
+    part's whitened coordinates: chol(K_new)'s leading block is chol(K_old), so the transport is exactly [I 0] and
+    the old part gains zero rows and columns. The state and the map equal the general transport's, which goes
+    through G = L_old^{-1} Cov(u_old, u) L^{-T}. With an escalated jitter (the leading block changes when the
+    jitter is reset) the general transport is taken."""
+    import copy
+
+    rng = np.random.default_rng(11)
+    # hyperparameters fixed: a lengthscale learned longer can make an old point redundant, and the move then drops it
+    padding = make(num_inducing=400, full_update_samples=150, lengthscale=0.6, learn_hyperparameters=False)
+    general = copy.deepcopy(padding)
+    general._extends_z = lambda z_new: False  # always the general transport
+    padded = []
+    extends = padding._extends_z
+    padding._extends_z = lambda z_new: padded.append(z_new.shape[0]) or extends(z_new)
+    for i in range(8):  # a robot driving on: every batch reaches new ground, Z grows in fast and full updates
+        x = rng.uniform(0.0, 1.0, (50, 2)) + [0.5 * i, 0.2 * i]
+        assert padding.update(x, field(x)[:, None])["mode"] == general.update(x, field(x)[:, None])["mode"]
+    assert len(padded) == 7 and 200 < padding.num_inducing == general.num_inducing < 350
+    for name in ("Z", "a_w_old", "b_w_old", "W_old", "a_w", "W"):
+        a, b = getattr(padding, name), getattr(general, name)
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-9 * float(b.abs().max())), name
+    grid = rng.uniform(-1.0, 6.0, (300, 2))
+    (m1, v1), (m2, v2) = padding.predict(grid), general.predict(grid)
+    assert torch.allclose(m1, m2, rtol=0, atol=1e-9) and torch.allclose(v1, v2, rtol=0, atol=1e-9)
+    # an escalated jitter: reset on the move, it changes the leading block, so the old part is transported
+    padding.jitter_t.fill_(1e-3)
+    escalated = copy.deepcopy(padding)
+    escalated._extends_z = lambda z_new: False
+    x = rng.uniform(0.0, 1.0, (50, 2)) + [6.0, 3.0]
+    padding.update(x, field(x)[:, None], mode="fast")
+    escalated.update(x, field(x)[:, None], mode="fast")
+    assert float(padding.jitter_t) == padding.config.jitter and torch.equal(padding.W_old, escalated.W_old)

@@ -128,7 +128,8 @@ def _forced_block(kernel: KernelFn, candidates: torch.Tensor, k: int, threshold:
     pivots = torch.diagonal(L) ** 2
     if not bool((pivots > threshold * (1.0 + 1e-6)).all()):
         return None
-    return torch.linalg.solve_triangular(L, kernel(forced, candidates), upper=False)
+    # L^{-1} K_FF = L^T: only the other candidates' columns need the solve
+    return torch.cat([L.T, torch.linalg.solve_triangular(L, kernel(forced, candidates[k:]), upper=False)], 1)
 
 
 def grid_points(bounds, num_points: int, dtype=torch.float64, device=None) -> torch.Tensor:
