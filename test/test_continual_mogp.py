@@ -288,6 +288,86 @@ def test_m_step_gradient_at_the_fixed_optimum_equals_the_gradient_through_it():
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-8), (a, b)
 
 
+def _two_updates_and_priors(rng, num_inducing=25):
+    """A model after one update and, for a second batch, its placement's continual priors and inputs."""
+    x1, x2 = rng.uniform(0, 3, size=(60, 2)), rng.uniform(0, 3, size=(60, 2))
+    field = lambda x: np.column_stack([np.sin(2 * x[:, 0]), 0.5 * np.sin(2 * x[:, 0]) + np.cos(x[:, 1])])  # noqa: E731
+    model = ContinualMOGP(config(learn_hyperparameters=False, num_inducing=num_inducing), 2, 2, num_latents=2)
+    model.update(x1, field(x1) + 0.1 * rng.standard_normal((60, 2)))
+    old = [model.latent_posterior(q) for q in range(2)]
+    xt = model._check_x(x2)
+    yt, mask = model._check_targets(field(x2) + 0.1 * rng.standard_normal((60, 2)), 60, allow_missing=True)
+    priors = model._place_inducing(xt, [model.z(q) for q in range(2)], old)
+    return model, xt, model._standardise(yt, mask), mask, priors
+
+
+def test_continual_kls_computed_once_per_q_equal_the_direct_ones_for_every_q():
+    """The M-step holds q at q* and its two continual KLs do not depend on the hyperparameters, so inside an update
+    they are memoised per q: the bound must still be the one computed afresh, for q* and for any other q, and a q
+    with gradients (the Adam E-step) must still get them."""
+    model, xt, ys, mask, priors = _two_updates_and_priors(np.random.default_rng(12))
+    with torch.no_grad():
+        best = model._optimal_q(xt, ys, mask, priors)
+        other = [(m + 0.1, 0.9 * L) for m, L in best]
+        afresh = [model._bound(xt, ys, mask, priors, given=g)[1] for g in (best, other)]
+    model._memo = {}
+    try:
+        for _ in range(2):  # the second round reads the memo
+            for given, expected in zip((best, other), afresh):
+                _, terms = model._bound(xt, ys, mask, priors, given=given)
+                for name in ("kl_old", "kl_tilde"):
+                    assert torch.equal(terms[name], expected[name]), name
+                for name in ("ell", "kl_new"):  # (differentiable kernel path here, the in-place one above)
+                    torch.testing.assert_close(terms[name].detach(), expected[name], rtol=1e-12, atol=0.0)
+        assert sum(key[0] == "continual_kls" for key in model._memo) == 4  # two latents, two q
+        mean = best[0][0].clone().requires_grad_(True)
+        _, terms = model._bound(xt, ys, mask, priors, given=[(mean, best[0][1]), best[1]])
+        (grad,) = torch.autograd.grad(terms["kl_old"] - terms["kl_tilde"], mean)
+        assert float(grad.abs().max()) > 0
+    finally:
+        model._memo = None
+
+
+def test_placement_kernel_is_the_kernel_with_its_lengthscale_capped_and_follows_it():
+    """Z is chosen under each latent's kernel with lengthscales capped at model.lengthscale: a copy kept per latent
+    and refreshed from the kernel at every placement; the kernel itself is never touched."""
+    model = ContinualMOGP(config(lengthscale=0.5, lengthscales="isotropic", constant_kernel=True), 2, 2, num_latents=2)
+    x = torch.as_tensor(np.random.default_rng(13).uniform(0, 3, size=(20, 2)))
+    assert model._placement_kernel(0) is model.kernels[0]  # latent 0 starts at 0.5 / 2 ** 0.5: not capped
+    for lengthscale, variance in ((2.0, 1.3), (0.9, 0.7)):
+        kernel = model.kernels[1]
+        main = kernel.parts[0]
+        main.lengthscale_param.set(lengthscale)
+        main.variance_param.set(variance)
+        capped = model._placement_kernel(1)
+        reference = ContinualMOGP(config(lengthscale=0.5, lengthscales="isotropic", constant_kernel=True), 2, 2,
+                                  num_latents=2).kernels[1]
+        reference.load_state_dict(kernel.state_dict())
+        reference.parts[0].lengthscale_param.set(0.5)
+        assert capped is not kernel
+        assert torch.equal(capped(x, x), reference(x, x))
+        assert float(main.lengthscale.detach()) == pytest.approx(lengthscale)  # the kernel keeps its own
+    assert model._placement_kernel(1) is capped  # one copy, refreshed
+
+
+def test_a_full_inducing_set_moves_over_the_batch_and_stays_where_the_batch_is_covered():
+    """With the budget used up, a batch that the set does not cover re-covers [Z_old; X] by pivoted Cholesky (the
+    budget's size, old points first on ties); a covered batch leaves Z as it is."""
+    from gp_mapping.gp.inducing import pivoted_cholesky
+
+    model, xt, ys, mask, priors = _two_updates_and_priors(np.random.default_rng(14), num_inducing=10)
+    z_old = model.z(0)
+    assert z_old.shape[0] == 10
+    kernel = model._placement_kernel(0)
+    far = torch.as_tensor(np.random.default_rng(15).uniform(5, 6, size=(8, 2)))
+    moved = model._select_inducing(0, far, z_old)
+    cand = torch.cat([z_old, far])
+    idx, _ = pivoted_cholesky(kernel, kernel.diag(cand), cand, 10, model.inducing_rel_tol)
+    assert torch.equal(moved, cand[torch.sort(idx).values])
+    assert moved.shape[0] == 10 and bool((moved[:, 0] > 4).any())
+    assert torch.equal(model._select_inducing(0, z_old[:5].clone(), z_old), z_old)
+
+
 # --------------------------------------------------------------- continual multi-task GPs paper, Table 1: no forgetting
 def toy_function(x):
     return (4.5 * np.cos(2 * np.pi * x + 1.5 * np.pi) - 3.0 * np.sin(4.3 * np.pi * x + 0.3 * np.pi)

@@ -143,6 +143,33 @@ def test_jittered_cholesky_raises_clear_errors():
         jittered_cholesky(-torch.eye(3, dtype=torch.float64), 1e-6)
 
 
+def test_jittered_cholesky_refuses_only_non_finite_entries_and_adds_the_jitter_exactly():
+    # Every non-finite entry is refused, wherever it sits and whatever its sign.
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in ((0, 0), (1, 0), (2, 2)):
+            A = torch.eye(3, dtype=torch.float64)
+            A[where] = bad
+            with pytest.raises(GPNumericalError, match="NaN or Inf"):
+                jittered_cholesky(A, 1e-6)
+    # A finite matrix whose entries sum past the largest double is factorised, not refused as non-finite (the
+    # factorisation reads the lower triangle, here the identity).
+    huge = torch.eye(3, dtype=torch.float64) + torch.triu(torch.full((3, 3), 1e308, dtype=torch.float64), 1)
+    L, used = jittered_cholesky(huge, 0.0)
+    assert used == 0.0 and torch.equal(L, torch.eye(3, dtype=torch.float64))
+    # The factor is chol(A + jitter I) bit for bit, for either memory layout of A and through autograd.
+    rng = np.random.default_rng(1)
+    B = torch.as_tensor(rng.standard_normal((40, 60)))
+    A = B @ B.T / 60
+    A = 0.5 * (A + A.T)
+    for matrix in (A, A.T.contiguous().T):
+        leaf = matrix.clone().requires_grad_(True)
+        L, used = jittered_cholesky(leaf, 1e-3)
+        assert used == 1e-3 and torch.equal(L, torch.linalg.cholesky(matrix + 1e-3 * torch.eye(40, dtype=A.dtype)))
+        L.sum().backward()
+        expected = torch.autograd.grad(torch.linalg.cholesky(leaf + 1e-3 * torch.eye(40, dtype=A.dtype)).sum(), leaf)[0]
+        torch.testing.assert_close(leaf.grad, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", ["matern12", "matern32", "matern52", "rbf"])
 def test_the_in_place_path_without_gradients_equals_the_differentiable_one(name):
     """Prediction evaluates kernels under no_grad through in-place buffers; training through autograd. Both must

@@ -73,7 +73,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import Engine, difference_noise_estimate, merge_moments, moments_scale, resolve_device, spans_space
+from .base import (Engine, difference_noise_estimate, merge_moments, moments_scale, resolve_device, spans_space,
+                   symmetrise)
 from .config import MIXING_LEARNING_CHOICES, ModelConfig
 from .errors import GPNumericalError, ModelInputError
 from .inducing import DEFAULT_REL_TOL, pivoted_cholesky
@@ -114,7 +115,7 @@ def _chol_inverse_factor(precision: torch.Tensor) -> torch.Tensor:
     """Lower L with L L^T = precision^-1, from the Cholesky factor of the flipped precision (no explicit
     inverse is ever factorised)."""
     flipped = torch.flip(precision, (0, 1))
-    U, _ = jittered_cholesky(0.5 * (flipped + flipped.T), 0.0)
+    U, _ = jittered_cholesky(symmetrise(flipped), 0.0)
     eye = torch.eye(U.shape[0], dtype=U.dtype, device=U.device)
     return torch.flip(torch.linalg.solve_triangular(U, eye, upper=False).T, (0, 1))
 
@@ -228,6 +229,7 @@ class ContinualMOGP(Engine):
         self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
         self._cache: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._memo: dict | None = None  # see _memoised: a dict only while update() runs
+        self._capped_kernels: dict[int, Kernel] = {}  # see _placement_kernel
         self.to(device)
 
     # ------------------------------------------------------------------ properties
@@ -366,11 +368,11 @@ class ContinualMOGP(Engine):
         precision = torch.cholesky_inverse(L_w)
         eta = precision @ m_w
         eye = torch.eye(z.shape[0], dtype=L.dtype, device=L.device)
-        evals, evecs = torch.linalg.eigh(0.5 * (precision + precision.T) - eye)
+        evals, evecs = torch.linalg.eigh(symmetrise(precision) - eye)
         new_evals = evals.clamp_min(0.0) / c ** 2 + 1.0
         cov_w = (evecs / new_evals) @ evecs.T
         mean_w = cov_w @ (eta / c)
-        chol_w = torch.linalg.cholesky(0.5 * (cov_w + cov_w.T))
+        chol_w = torch.linalg.cholesky(symmetrise(cov_w))
         self._set_q(q, None, L @ mean_w, L @ chol_w)
 
     def _standardise(self, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -381,7 +383,9 @@ class ContinualMOGP(Engine):
         raw = self._q_chol_raw(q)
         if detach:
             raw = raw.detach()
-        return torch.tril(raw, -1) + torch.diag_embed(nn.functional.softplus(torch.diagonal(raw)))
+        chol = torch.tril(raw, -1)
+        chol.diagonal().copy_(nn.functional.softplus(raw.diagonal()))  # (not a dense diagonal matrix added)
+        return chol
 
     def latent_posterior(self, q: int) -> LatentPosterior:
         """Detached copy of q(u_q) and of its kernel."""
@@ -420,7 +424,7 @@ class ContinualMOGP(Engine):
                                   f"got {tuple(mt.shape)} and {tuple(ct.shape)}")
         if not bool(torch.isfinite(mt).all() and torch.isfinite(ct).all()):
             raise ModelInputError("mean and cov must be finite")
-        chol, _ = jittered_cholesky(0.5 * (ct + ct.T), 0.0)
+        chol, _ = jittered_cholesky(symmetrise(ct), 0.0)
         self._set_q(int(q), zt, mt, chol)
 
     # ------------------------------------------------------------------ linear algebra
@@ -447,9 +451,23 @@ class ContinualMOGP(Engine):
         memo[key] = (refs, value)
         return value
 
+    def _parameters_of(self, module: nn.Module) -> list[nn.Parameter]:
+        """module.parameters(), listed once per update: the memo's keys ask for them thousands of times, and
+        walking the module tree each time cost ~5 % of an update."""
+        if self._memo is None:
+            return list(module.parameters())
+        key = ("parameters", id(module))
+        hit = self._memo.get(key)
+        if hit is not None and hit[0][0] is module:
+            return hit[1]
+        params = list(module.parameters())
+        self._memo[key] = ((module,), params)
+        return params
+
     def _chol_K(self, kernel: Kernel, z: torch.Tensor) -> torch.Tensor:
         """chol(K(z, z) + jitter I)."""
-        return self._memoised("chol", (kernel, z), (z._version, self.jitter, *(p._version for p in kernel.parameters())),
+        return self._memoised("chol", (kernel, z),
+                              (z._version, self.jitter, *(p._version for p in self._parameters_of(kernel))),
                               lambda: jittered_cholesky(kernel(z, z), self.jitter)[0])
 
     def _continual_prior(self, old: LatentPosterior, z_new: torch.Tensor) -> ContinualPrior:
@@ -468,10 +486,10 @@ class ContinualMOGP(Engine):
                 mean_w = W @ _tril_solve(L_o, old.mean[:, None])[:, 0]
                 R = W @ _tril_solve(L_o, old.chol)  # W S^_old^{1/2}
                 cov_w = eye - W @ W.T + R @ R.T
-            C, _ = jittered_cholesky(0.5 * (cov_w + cov_w.T), 0.0)
+            C, _ = jittered_cholesky(symmetrise(cov_w), 0.0)
             Ci = _tril_solve(C, eye)
             inv = Ci.T @ Ci
-            return ContinualPrior(L_n, mean_w, C, 0.5 * (inv + inv.T) - eye, inv @ mean_w)
+            return ContinualPrior(L_n, mean_w, C, symmetrise(inv) - eye, inv @ mean_w)
 
     # ------------------------------------------------------------------ bound
     def _latent_terms(self, q: int, x: torch.Tensor, given: tuple[torch.Tensor, torch.Tensor] | None,
@@ -497,6 +515,21 @@ class ContinualMOGP(Engine):
         var = kxx - (V * V).sum(0) + (LtV * LtV).sum(0)
         return mean, var.clamp_min(0.0), _kl_standard(m_w, L_w), mean_u, L_S
 
+    def _continual_kls(self, prior: ContinualPrior, mean_u: torch.Tensor, L_S: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """KL[q(u_q) || p(u_q | psi_old)] and KL[q(u_q) || q~(u_q | phi_old)] (two M^3 solves). Neither depends on
+        the current hyperparameters, so while the M-step holds q at q* they are computed once per q* (memoised)
+        rather than at every evaluation of its objective."""
+        def compute() -> tuple[torch.Tensor, torch.Tensor]:
+            m_w = _tril_solve(prior.chol_old, mean_u[:, None])[:, 0]
+            L_w = _tril_solve(prior.chol_old, L_S)
+            return _kl_standard(m_w, L_w), _kl_gaussian(m_w, L_w, prior.mean_w, prior.cov_chol_w)
+
+        if mean_u.requires_grad or L_S.requires_grad:
+            return compute()
+        with torch.no_grad():
+            return self._memoised("continual_kls", (prior, mean_u, L_S), (mean_u._version, L_S._version), compute)
+
     def _bound(self, x: torch.Tensor, ys: torch.Tensor, mask: torch.Tensor,
                priors: list[ContinualPrior | None] | None,
                given: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -514,10 +547,9 @@ class ContinualMOGP(Engine):
             kl_new.append(kl)
             prior = priors[q] if priors is not None else None
             if prior is not None and not detach_q:
-                m_w = _tril_solve(prior.chol_old, mean_u[:, None])[:, 0]
-                L_w = _tril_solve(prior.chol_old, L_S)
-                kl_old.append(_kl_standard(m_w, L_w))
-                kl_tilde.append(_kl_gaussian(m_w, L_w, prior.mean_w, prior.cov_chol_w))
+                old, tilde = self._continual_kls(prior, mean_u, L_S)
+                kl_old.append(old)
+                kl_tilde.append(tilde)
         A = self.mixing
         mu = torch.stack(means, 1) @ A.T
         var = torch.stack(variances, 1) @ (A * A).T
@@ -560,7 +592,7 @@ class ContinualMOGP(Engine):
         """Exact maximiser (m_q, L_q) of the bound over prod_q q(u_q) for a Gaussian likelihood (see the module
         docstring), as a differentiable function of the hyperparameters, the mixing and the noise."""
         zs = [self.z(q) for q in range(self.num_latents)]
-        params = [*self.kernels.parameters(), self.mixing_raw, *self.likelihood.parameters()]
+        params = [*self._parameters_of(self.kernels), self.mixing_raw, *self._parameters_of(self.likelihood)]
         return self._memoised("optimal_q", (x, ys, mask, *priors, *zs), tuple(t._version for t in zs + params),
                               lambda: self._solve_optimal_q(x, ys, mask, priors))
 
@@ -594,7 +626,7 @@ class ContinualMOGP(Engine):
                 block = (Vs[q] * c) @ Vs[r].T
                 if r == q:
                     block = block + prior_block
-                    blocks[q][q] = 0.5 * (block + block.T)
+                    blocks[q][q] = symmetrise(block)
                 else:
                     blocks[q][r] = block
                     blocks[r][q] = block.T
@@ -710,7 +742,14 @@ class ContinualMOGP(Engine):
         cap = float(self.config.lengthscale)
         if main is None or bool((main.lengthscale <= cap).all()):
             return kernel
-        capped = copy.deepcopy(kernel)
+        # One copy per latent, kept and refreshed from the kernel (a deep copy per placement cost ~1 ms).
+        capped = self._capped_kernels.get(q)
+        if capped is None or _stationary_part(capped).lengthscale_param.raw.device != main.lengthscale_param.raw.device:
+            capped = copy.deepcopy(kernel)
+            self._capped_kernels[q] = capped
+        with torch.no_grad():
+            for mine, theirs in zip(capped.parameters(), kernel.parameters()):
+                mine.copy_(theirs)
         _stationary_part(capped).lengthscale_param.set(main.lengthscale_param.value.detach().clamp_max(cap))
         return capped
 
@@ -731,18 +770,19 @@ class ContinualMOGP(Engine):
             residual = (prior_diag - (V * V).sum(0)).clamp_min(0.0)
             scale = float(prior_diag.max().clamp_min(1e-300))
             room = budget - z_old.shape[0]
-            if float(residual.max()) > self.inducing_rel_tol * scale:
+            if not float(residual.max()) > self.inducing_rel_tol * scale:
+                return z_old.clone()  # the batch is covered
+            if room > 0:
                 def conditional(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                     va = _tril_solve(L, kernel(z_old, a))
                     vb = _tril_solve(L, kernel(z_old, b))
                     return kernel(a, b) - va.T @ vb
                 # Same absolute threshold as the plain selection: rel_tol times the largest prior variance.
                 rel = self.inducing_rel_tol * scale / float(residual.max())
-                idx, _ = pivoted_cholesky(conditional, residual, x, max(room, 0) + 1, rel)
-            else:
-                idx = torch.zeros(0, dtype=torch.long, device=x.device)
-            if idx.numel() <= room:
-                return torch.cat([z_old, x[torch.sort(idx).values]])
+                idx, _ = pivoted_cholesky(conditional, residual, x, room + 1, rel)
+                if idx.numel() <= room:
+                    return torch.cat([z_old, x[torch.sort(idx).values]])
+            # More points are needed than the budget holds (a full set: any one), so the set moves.
             cand = torch.cat([z_old, x])
             idx, _ = pivoted_cholesky(kernel, kernel.diag(cand), cand, budget, self.inducing_rel_tol)
             return cand[torch.sort(idx).values]
