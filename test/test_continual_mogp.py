@@ -308,7 +308,7 @@ def test_continual_kls_computed_once_per_q_equal_the_direct_ones_for_every_q():
     model, xt, ys, mask, priors = _two_updates_and_priors(np.random.default_rng(12))
     with torch.no_grad():
         best = model._optimal_q(xt, ys, mask, priors)
-        other = [(m + 0.1, 0.9 * L) for m, L in best]
+        other = [(b.mean + 0.1, 0.9 * b.chol) for b in best]
         afresh = [model._bound(xt, ys, mask, priors, given=g)[1] for g in (best, other)]
     model._memo = {}
     try:
@@ -320,12 +320,110 @@ def test_continual_kls_computed_once_per_q_equal_the_direct_ones_for_every_q():
                 for name in ("ell", "kl_new"):  # (differentiable kernel path here, the in-place one above)
                     torch.testing.assert_close(terms[name].detach(), expected[name], rtol=1e-12, atol=0.0)
         assert sum(key[0] == "continual_kls" for key in model._memo) == 4  # two latents, two q
-        mean = best[0][0].clone().requires_grad_(True)
-        _, terms = model._bound(xt, ys, mask, priors, given=[(mean, best[0][1]), best[1]])
+        mean = best[0].mean.clone().requires_grad_(True)
+        _, terms = model._bound(xt, ys, mask, priors, given=[(mean, best[0].chol), best[1]])
         (grad,) = torch.autograd.grad(terms["kl_old"] - terms["kl_tilde"], mean)
         assert float(grad.abs().max()) > 0
     finally:
         model._memo = None
+
+
+def test_q_star_whitened_by_the_current_factor_skips_the_solves_and_a_stale_one_does_not():
+    """q* comes with its whitened mean and factor, which the bound uses while the prior factor is the very one it
+    was solved under (same kernel and Z, from the memo); after a kernel change it whitens q* afresh."""
+    model, xt, ys, mask, priors = _two_updates_and_priors(np.random.default_rng(16))
+    model._memo = {}
+    try:
+        with torch.no_grad():
+            best = model._optimal_q(xt, ys, mask, priors)
+            plain = [(b.mean, b.chol) for b in best]
+            for q, b in enumerate(best):
+                assert b.factor is model._chol_K(model.kernels[q], model.z(q))
+                torch.testing.assert_close(b.factor @ b.mean_w, b.mean, rtol=0, atol=1e-12)
+                torch.testing.assert_close(b.factor @ b.chol_w, b.chol, rtol=0, atol=1e-12)
+            for _ in range(2):  # the kernel as solved under, then changed
+                value, terms = model._bound(xt, ys, mask, priors, given=best)
+                reference, reference_terms = model._bound(xt, ys, mask, priors, given=plain)
+                torch.testing.assert_close(value, reference, rtol=1e-10, atol=0.0)
+                torch.testing.assert_close(terms["kl_new"], reference_terms["kl_new"], rtol=1e-10, atol=0.0)
+                for p in model.kernels.parameters():
+                    p.add_(0.2)
+    finally:
+        model._memo = None
+
+
+def test_known_factors_carry_the_gradients_of_the_factorisation_and_the_solve():
+    """A factor or a solve already computed without a graph is reused with gradients: _KnownCholesky and _KnownSolve
+    return it and differentiate as torch's Cholesky and triangular solve do."""
+    from gp_mapping.gp.continual_mogp import _KnownCholesky, _KnownSolve
+
+    rng = np.random.default_rng(17)
+    B = torch.as_tensor(rng.standard_normal((12, 20)))
+    K = (B @ B.T / 20 + 0.1 * torch.eye(12, dtype=torch.float64)).requires_grad_(True)
+    R = torch.as_tensor(rng.standard_normal((12, 5))).requires_grad_(True)
+    weights = torch.as_tensor(rng.standard_normal((12, 5)))
+
+    def through_torch():
+        L = torch.linalg.cholesky(K)
+        return (torch.linalg.solve_triangular(L, R, upper=False) * weights).sum() + (L * L).sum()
+
+    def through_known():
+        with torch.no_grad():
+            L0 = torch.linalg.cholesky(K)
+            X0 = torch.linalg.solve_triangular(L0, R, upper=False)
+        L = _KnownCholesky.apply(K, L0)
+        return (_KnownSolve.apply(L, R, X0) * weights).sum() + (L * L).sum()
+
+    # the solve alone, against a lower-triangular leaf
+    L = (torch.as_tensor(rng.standard_normal((12, 12))).tril() + 4 * torch.eye(12, dtype=torch.float64)).requires_grad_(True)
+    expected = torch.autograd.grad((torch.linalg.solve_triangular(L, R, upper=False) * weights).sum(), [L, R])
+    known = torch.linalg.solve_triangular(L.detach(), R.detach(), upper=False)
+    got = torch.autograd.grad((_KnownSolve.apply(L, R, known) * weights).sum(), [L, R])
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # and both in a chain
+    expected = torch.autograd.grad(through_torch(), [K, R])
+    value = through_known()
+    got = torch.autograd.grad(value, [K, R])
+    assert float(value.detach()) == pytest.approx(float(through_torch().detach()), rel=1e-14)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_the_m_step_gradient_with_the_update_memo_equals_the_plain_one(monkeypatch):
+    """Inside an update the M-step's objective reuses the factors and the whitened q* of the E-step; its value and
+    gradient must be those computed from scratch."""
+    from gp_mapping.gp import continual_mogp
+
+    reused = []
+    monkeypatch.setattr(continual_mogp._KnownSolve, "apply",
+                        lambda *args, apply=continual_mogp._KnownSolve.apply: reused.append(1) or apply(*args))
+    model, xt, ys, mask, priors = _two_updates_and_priors(np.random.default_rng(18))
+    with torch.no_grad():
+        for p in model.kernels.parameters():
+            p.add_(0.3)
+    params, _ = model._hyper_parameters()
+
+    def value_and_gradient():
+        with torch.no_grad():
+            best = model._optimal_q(xt, ys, mask, priors)
+        value = model._bound(xt, ys, mask, priors, given=best)[0]
+        return value, torch.autograd.grad(value, params, allow_unused=True)
+
+    plain_value, plain = value_and_gradient()
+    assert not reused
+    model._memo = {}
+    try:
+        memo_value, memo = value_and_gradient()
+        assert len(reused) == 2 * 2  # the whitened mean and factor of both latents
+    finally:
+        model._memo = None
+    torch.testing.assert_close(memo_value, plain_value, rtol=1e-10, atol=0.0)
+    assert any(g is not None and float(g.abs().max()) > 1e-2 for g in plain)
+    for a, b in zip(memo, plain):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
 
 
 def test_placement_kernel_is_the_kernel_with_its_lengthscale_capped_and_follows_it():

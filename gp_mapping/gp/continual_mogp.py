@@ -69,6 +69,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -138,6 +139,42 @@ def _kl_gaussian(mean_w: torch.Tensor, chol_w: torch.Tensor, prior_mean_w: torch
     return 0.5 * ((a * a).sum() + (b * b).sum() - m) + logdet_p - logdet_q
 
 
+class _KnownCholesky(torch.autograd.Function):
+    """L = chol(K) where L is already known (computed earlier, without a graph, from the same K): the forward
+    returns it instead of factorising again; the backward is the Cholesky's, K_bar = sym(L^-T Phi(L^T L_bar) L^-1)
+    with Phi the lower triangle, its diagonal halved."""
+
+    @staticmethod
+    def forward(ctx, K: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(L)
+        return L
+
+    @staticmethod
+    def backward(ctx, L_bar: torch.Tensor):
+        (L,) = ctx.saved_tensors
+        phi = (L.mT @ L_bar).tril()
+        phi.diagonal().mul_(0.5)
+        K_bar = torch.linalg.solve_triangular(L.mT, torch.linalg.solve_triangular(L.mT, phi.mT, upper=True).mT,
+                                              upper=True)
+        return symmetrise(K_bar), None
+
+
+class _KnownSolve(torch.autograd.Function):
+    """X = L^-1 B (L lower) where X is already known: the forward returns it instead of solving again; the
+    backward is the triangular solve's, B_bar = L^-T X_bar and L_bar = -tril(B_bar X^T)."""
+
+    @staticmethod
+    def forward(ctx, L: torch.Tensor, B: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(L, X)
+        return X
+
+    @staticmethod
+    def backward(ctx, X_bar: torch.Tensor):
+        L, X = ctx.saved_tensors
+        B_bar = torch.linalg.solve_triangular(L.mT, X_bar, upper=True)
+        return -(B_bar @ X.mT).tril(), B_bar, None
+
+
 @dataclass
 class LatentPosterior:
     """q(u_q) = N(mean, chol chol^T) at inducing inputs z under a kernel (a frozen copy for old posteriors)."""
@@ -146,6 +183,17 @@ class LatentPosterior:
     mean: torch.Tensor
     chol: torch.Tensor
     kernel: Kernel
+
+
+class OptimalQ(NamedTuple):
+    """The E-step's q*(u_q) = N(mean, chol chol^T), and the same whitened by ``factor`` = chol(K_q) of the kernel it
+    was solved under: mean = factor mean_w, chol = factor chol_w."""
+
+    mean: torch.Tensor
+    chol: torch.Tensor
+    mean_w: torch.Tensor
+    chol_w: torch.Tensor
+    factor: torch.Tensor
 
 
 @dataclass
@@ -441,15 +489,22 @@ class ContinualMOGP(Engine):
         memo = self._memo
         if memo is None or torch.is_grad_enabled():
             return compute()
+        hit = self._memo_lookup(name, refs, versions)
+        if hit is not None:
+            return hit
         key = (name, tuple(id(r) for r in refs), versions)
-        hit = memo.get(key)
-        if hit is not None and all(a is b for a, b in zip(hit[0], refs)):
-            return hit[1]
         value = compute()
         if len(memo) >= 64:  # bounded: an update has a few dozen distinct entries
             memo.clear()
         memo[key] = (refs, value)
         return value
+
+    def _memo_lookup(self, name: str, refs: tuple, versions: tuple):
+        """The memo's value for these objects in this state, or None."""
+        if self._memo is None:
+            return None
+        hit = self._memo.get((name, tuple(id(r) for r in refs), versions))
+        return hit[1] if hit is not None and all(a is b for a, b in zip(hit[0], refs)) else None
 
     def _parameters_of(self, module: nn.Module) -> list[nn.Parameter]:
         """module.parameters(), listed once per update: the memo's keys ask for them thousands of times, and
@@ -466,9 +521,20 @@ class ContinualMOGP(Engine):
 
     def _chol_K(self, kernel: Kernel, z: torch.Tensor) -> torch.Tensor:
         """chol(K(z, z) + jitter I)."""
-        return self._memoised("chol", (kernel, z),
-                              (z._version, self.jitter, *(p._version for p in self._parameters_of(kernel))),
-                              lambda: jittered_cholesky(kernel(z, z), self.jitter)[0])
+        return self._prior_factor(kernel, z)[0]
+
+    def _prior_factor(self, kernel: Kernel, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(chol(K(z, z) + jitter I), the memo's factor of that state or None). With gradients, a factor this
+        update has already computed without them (the E-step's, the M-step's closing check) is not computed
+        again: _KnownCholesky gives it its graph."""
+        versions = (z._version, self.jitter, *(p._version for p in self._parameters_of(kernel)))
+        if torch.is_grad_enabled():
+            known = self._memo_lookup("chol", (kernel, z), versions)
+            if known is None:
+                return jittered_cholesky(kernel(z, z), self.jitter)[0], None
+            return _KnownCholesky.apply(kernel(z, z), known), known
+        factor = self._memoised("chol", (kernel, z), versions, lambda: jittered_cholesky(kernel(z, z), self.jitter)[0])
+        return factor, factor if self._memo is not None else None
 
     def _continual_prior(self, old: LatentPosterior, z_new: torch.Tensor) -> ContinualPrior:
         """q~(u_new | phi_old) at z_new with the old kernel, whitened by chol(K_old(z_new, z_new))."""
@@ -492,23 +558,32 @@ class ContinualMOGP(Engine):
             return ContinualPrior(L_n, mean_w, C, symmetrise(inv) - eye, inv @ mean_w)
 
     # ------------------------------------------------------------------ bound
-    def _latent_terms(self, q: int, x: torch.Tensor, given: tuple[torch.Tensor, torch.Tensor] | None,
+    def _latent_terms(self, q: int, x: torch.Tensor, given: tuple[torch.Tensor, torch.Tensor] | OptimalQ | None,
                       detach_q: bool = False):
         """(mean (N,), var (N,), KL[q||p_new], m, L_S) of latent q at x under the current kernel; q(u_q) is the
-        stored one, or ``given`` = (m, L_S)."""
+        stored one, or ``given`` = (m, L_S) or an OptimalQ."""
         kernel = self.kernels[q]
         z = self.z(q)
         kxx = kernel.diag(x)
         if given is not None:
-            mean_u, L_S = given
+            mean_u, L_S = given[0], given[1]
         else:
             mean_u = self._q_mean(q).detach() if detach_q else self._q_mean(q)
             L_S = self._chol_S(q, detach=detach_q)
         if z.shape[0] == 0:
             return x.new_zeros(x.shape[0]), kxx, x.new_zeros(()), mean_u, L_S
-        L_K = self._chol_K(kernel, z)
-        m_w = _tril_solve(L_K, mean_u[:, None])[:, 0]
-        L_w = _tril_solve(L_K, L_S)
+        L_K, known = self._prior_factor(kernel, z)
+        if isinstance(given, OptimalQ) and known is not None and given.factor is known:
+            # q* whitened by this very factor (the memo's: the same kernel and Z), so no solves to whiten it again;
+            # with gradients _KnownSolve gives the whitened q* its graph through L_K
+            if torch.is_grad_enabled():
+                m_w = _KnownSolve.apply(L_K, mean_u[:, None], given.mean_w[:, None])[:, 0]
+                L_w = _KnownSolve.apply(L_K, L_S, given.chol_w)
+            else:
+                m_w, L_w = given.mean_w, given.chol_w
+        else:
+            m_w = _tril_solve(L_K, mean_u[:, None])[:, 0]
+            L_w = _tril_solve(L_K, L_S)
         V = _tril_solve(L_K, kernel(z, x))
         mean = V.T @ m_w
         LtV = L_w.T @ V
@@ -532,7 +607,7 @@ class ContinualMOGP(Engine):
 
     def _bound(self, x: torch.Tensor, ys: torch.Tensor, mask: torch.Tensor,
                priors: list[ContinualPrior | None] | None,
-               given: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+               given: list[tuple[torch.Tensor, torch.Tensor]] | list[OptimalQ] | None = None,
                detach_q: bool = False) -> tuple[torch.Tensor, dict]:
         """The standard bound (priors None) or the continual bound, standardised units; also its terms.
         ``given``: evaluate at these q(u_q) = (m, L_S) instead of the stored ones. ``detach_q``: the stored q is
@@ -588,7 +663,7 @@ class ContinualMOGP(Engine):
 
     # ------------------------------------------------------------------ E-step
     def _optimal_q(self, x: torch.Tensor, ys: torch.Tensor, mask: torch.Tensor,
-                   priors: list[ContinualPrior | None]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                   priors: list[ContinualPrior | None]) -> list[OptimalQ]:
         """Exact maximiser (m_q, L_q) of the bound over prod_q q(u_q) for a Gaussian likelihood (see the module
         docstring), as a differentiable function of the hyperparameters, the mixing and the noise."""
         zs = [self.z(q) for q in range(self.num_latents)]
@@ -597,7 +672,7 @@ class ContinualMOGP(Engine):
                               lambda: self._solve_optimal_q(x, ys, mask, priors))
 
     def _solve_optimal_q(self, x: torch.Tensor, ys: torch.Tensor, mask: torch.Tensor,
-                         priors: list[ContinualPrior | None]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                         priors: list[ContinualPrior | None]) -> list[OptimalQ]:
         A = self.mixing
         w = mask / self.likelihood.noise_variance            # (N, P) precision of each observed entry
         wy = w * ys
@@ -636,15 +711,16 @@ class ContinualMOGP(Engine):
         out, offset = [], 0
         for q in range(nq):
             L_v = _chol_inverse_factor(blocks[q][q])
-            out.append((Ls[q] @ v[offset:offset + sizes[q]], Ls[q] @ L_v))
+            v_q = v[offset:offset + sizes[q]]
+            out.append(OptimalQ(Ls[q] @ v_q, Ls[q] @ L_v, v_q, L_v, Ls[q]))
             offset += sizes[q]
         return out
 
     def _analytic_e_step(self, x: torch.Tensor, ys: torch.Tensor, mask: torch.Tensor,
                          priors: list[ContinualPrior | None]) -> None:
         with torch.no_grad():
-            for q, (mean, chol) in enumerate(self._optimal_q(x, ys, mask, priors)):
-                self._set_q(q, None, mean, chol)
+            for q, best in enumerate(self._optimal_q(x, ys, mask, priors)):
+                self._set_q(q, None, best.mean, best.chol)
 
     def _adam(self, params: list[nn.Parameter], objective, steps: int, lr: float,
               grad_masks: dict[int, torch.Tensor] | None = None, persistent: bool = False,
@@ -902,7 +978,9 @@ class ContinualMOGP(Engine):
                     self.rows_fitted |= mask.any(0) & (self._mixing_rows_learned()[:, 0] > 0)
             stats["z_moved"] = sum(not torch.equal(self.z(q), z_old[q]) for q in range(self.num_latents))
             with torch.no_grad():
-                value, _ = self._bound(xt, ys, mask, priors)
+                # at q* (the last E-step's, memoised: no solve) or at the stored q of the Adam E-step
+                best = self._optimal_q(xt, ys, mask, priors) if self._uses_analytic_e_step() else None
+                value, _ = self._bound(xt, ys, mask, priors, given=best)
                 stats["bound"] = float(value - self._jacobian(mask))
                 self.num_seen_t += int(xt.shape[0])
                 self.num_observed_t += mask.sum(0)
