@@ -426,6 +426,25 @@ def test_the_m_step_gradient_with_the_update_memo_equals_the_plain_one(monkeypat
             torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
 
 
+def test_the_update_memo_is_bounded_and_lets_the_oldest_entries_go_first():
+    """An update's memo holds at most 64 entries; beyond that the oldest (factors of hyperparameters the M-step has
+    left) go, and the newest, which the next evaluations ask for, stay."""
+    model = ContinualMOGP(config(), 2, 2, num_latents=2)
+    model._memo = {}
+    try:
+        with torch.no_grad():
+            tensors = [torch.zeros(1) for _ in range(100)]
+            for i, t in enumerate(tensors):
+                assert model._memoised("entry", (t,), (i,), lambda i=i: i) == i
+            assert len(model._memo) == 64
+            calls = []
+            assert model._memoised("entry", (tensors[-1],), (99,), lambda: calls.append(1)) == 99 and not calls
+            model._memoised("entry", (tensors[0],), (0,), lambda: calls.append(1))
+            assert calls == [1]  # evicted, so computed again
+    finally:
+        model._memo = None
+
+
 def test_placement_kernel_is_the_kernel_with_its_lengthscale_capped_and_follows_it():
     """Z is chosen under each latent's kernel with lengthscales capped at model.lengthscale: a copy kept per latent
     and refreshed from the kernel at every placement; the kernel itself is never touched."""

@@ -494,8 +494,8 @@ class ContinualMOGP(Engine):
             return hit
         key = (name, tuple(id(r) for r in refs), versions)
         value = compute()
-        if len(memo) >= 64:  # bounded: an update has a few dozen distinct entries
-            memo.clear()
+        while len(memo) >= 64:  # bounded; the oldest go first (factors of hyperparameters the M-step has left)
+            del memo[next(iter(memo))]
         memo[key] = (refs, value)
         return value
 
