@@ -155,7 +155,7 @@ class _KnownCholesky(torch.autograd.Function):
         phi = (L.mT @ L_bar).tril()
         phi.diagonal().mul_(0.5)
         K_bar = torch.linalg.solve_triangular(L.mT, torch.linalg.solve_triangular(L.mT, phi.mT, upper=True).mT,
-                                              upper=True)
+                                              upper=True)  # L^-T phi L^-1
         return symmetrise(K_bar), None
 
 
@@ -492,11 +492,8 @@ class ContinualMOGP(Engine):
         hit = self._memo_lookup(name, refs, versions)
         if hit is not None:
             return hit
-        key = (name, tuple(id(r) for r in refs), versions)
         value = compute()
-        while len(memo) >= 64:  # bounded; the oldest go first (factors of hyperparameters the M-step has left)
-            del memo[next(iter(memo))]
-        memo[key] = (refs, value)
+        self._memo_store(name, refs, versions, value)
         return value
 
     def _memo_lookup(self, name: str, refs: tuple, versions: tuple):
@@ -506,17 +503,20 @@ class ContinualMOGP(Engine):
         hit = self._memo.get((name, tuple(id(r) for r in refs), versions))
         return hit[1] if hit is not None and all(a is b for a, b in zip(hit[0], refs)) else None
 
+    def _memo_store(self, name: str, refs: tuple, versions: tuple, value) -> None:
+        memo = self._memo
+        while len(memo) >= 64:  # bounded; the oldest go first (factors of hyperparameters the M-step has left)
+            del memo[next(iter(memo))]
+        memo[(name, tuple(id(r) for r in refs), versions)] = (refs, value)
+
     def _parameters_of(self, module: nn.Module) -> list[nn.Parameter]:
         """module.parameters(), listed once per update: the memo's keys ask for them thousands of times, and
         walking the module tree each time cost ~5 % of an update."""
-        if self._memo is None:
-            return list(module.parameters())
-        key = ("parameters", id(module))
-        hit = self._memo.get(key)
-        if hit is not None and hit[0][0] is module:
-            return hit[1]
-        params = list(module.parameters())
-        self._memo[key] = ((module,), params)
+        params = self._memo_lookup("parameters", (module,), ())
+        if params is None:
+            params = list(module.parameters())
+            if self._memo is not None:  # (with gradients too: a list of parameters holds no graph)
+                self._memo_store("parameters", (module,), (), params)
         return params
 
     def _chol_K(self, kernel: Kernel, z: torch.Tensor) -> torch.Tensor:
@@ -528,12 +528,16 @@ class ContinualMOGP(Engine):
         update has already computed without them (the E-step's, the M-step's closing check) is not computed
         again: _KnownCholesky gives it its graph."""
         versions = (z._version, self.jitter, *(p._version for p in self._parameters_of(kernel)))
+
+        def factorise() -> torch.Tensor:
+            return jittered_cholesky(kernel(z, z), self.jitter)[0]
+
         if torch.is_grad_enabled():
             known = self._memo_lookup("chol", (kernel, z), versions)
             if known is None:
-                return jittered_cholesky(kernel(z, z), self.jitter)[0], None
+                return factorise(), None
             return _KnownCholesky.apply(kernel(z, z), known), known
-        factor = self._memoised("chol", (kernel, z), versions, lambda: jittered_cholesky(kernel(z, z), self.jitter)[0])
+        factor = self._memoised("chol", (kernel, z), versions, factorise)
         return factor, factor if self._memo is not None else None
 
     def _continual_prior(self, old: LatentPosterior, z_new: torch.Tensor) -> ContinualPrior:

@@ -438,7 +438,7 @@ class DualSVGP(Engine):
         self.Z = z_new.clone()
         self.jitter_t.fill_(jitter)
         L_new = self._chol_K()
-        if appended and self.jitter == jitter:
+        if appended and self.jitter == jitter:  # (again: the new factor may have escalated the jitter)
             # Z grew with every old point kept first and in order (the common growth step), under the same jitter:
             # chol(K_new)'s leading block is chol(K_old), so the old whitened coordinates are the first new ones and
             # the transport G = L_old^{-1} Cov(u_old, u_new) L_new^{-T} is exactly [I 0]: zero rows and columns
