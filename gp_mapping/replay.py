@@ -205,8 +205,11 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
         bag_duration = bag.duration
     files: dict[str, Path] = {}
     if tf_buffer is not None and tf_buffer.rejected:
-        notes.append(f"{tf_buffer.rejected} tf transforms were unusable (non-finite, non-unit quaternion, or a "
-                     "second parent for a frame) and were left out")
+        notes.append(f"{tf_buffer.rejected} tf transforms were unusable (non-finite, non-unit quaternion, a loop, "
+                     "the map frame as a child, or a late change of parent) and were left out")
+    if tf_buffer is not None and tf_buffer.reparents:
+        notes.append(f"{tf_buffer.reparents} times a tf frame changed its parent (the latest parent was used from "
+                     "its stamp on, as tf2 does)")
     if mapper.pose_frame_mismatch:
         notes.append(f"{counts['pose_frame_mismatch']} poses on {source.topic} are in frame(s) "
                      f"{', '.join(repr(f) for f in sorted(mapper.refused_pose_frames))}, not grid.frame_id "

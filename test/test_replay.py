@@ -187,8 +187,11 @@ def test_tf_chain_composes_interpolates_and_inverts_like_homogeneous_matrices():
     # Bad transforms are counted, not stored.
     buf.add(_sample(3.0, "map", "odom", [np.nan, 0, 0], [0, 0, 0, 1]))
     buf.add(_sample(3.0, "map", "odom", [0, 0, 0], [0, 0, 0, 0]))
+    assert buf.rejected == 2
+    # A new parent takes the child over from its stamp on (tf2's TF_REPARENT); earlier lookups keep the old one.
     buf.add(_sample(3.0, "world", "odom", [0, 0, 0], [0, 0, 0, 1]))
-    assert buf.rejected == 3
+    assert buf.rejected == 2 and buf.reparents == 1
+    assert buf.connected("map", "magnetometer", 1.0) and not buf.connected("map", "magnetometer", 3.0)
 
 
 # ------------------------------------------------------------------------------------ the demo bag, end to end

@@ -1,12 +1,21 @@
 """The tf tree without ROS: one transform buffer for the offline replay (a whole bag's /tf and /tf_static) and
 the live node (its /tf and /tf_static subscriptions), and the rule that gives each magnetometer reading its pose.
 
-:class:`TransformBuffer` holds one edge per child frame. Edges from /tf_static hold for all times; edges from /tf
-are interpolated between the two transforms around the asked time (linear translation, slerp rotation) as
-tf2's BufferCore does, never extrapolated, and both neighbours must lie within ``max_gap`` seconds (the rule
-:mod:`gp_mapping.mapping.sync` applies to pose topics, ``sync.max_pose_gap``). A lookup walks from both frames
-up to their common ancestor and composes the edges. A live buffer keeps ``cache_seconds`` of each edge (tf2
-keeps 10 s).
+:class:`TransformBuffer` holds the history of each child frame's edge to its parent. Edges from /tf_static hold
+for all times; edges from /tf are interpolated between the two transforms around the asked time (linear
+translation, slerp rotation) as tf2's BufferCore does, never extrapolated, and both neighbours must lie within
+``max_gap`` seconds (the rule :mod:`gp_mapping.mapping.sync` applies to pose topics, ``sync.max_pose_gap``). A
+lookup walks from both frames up to their common ancestor *at the asked time* and composes the edges. A live
+buffer keeps ``cache_seconds`` of each edge (tf2 keeps 10 s).
+
+The tree follows tf2's rules. A child whose parent changes is re-parented from the new transform's stamp on (the
+latest parent wins, as tf2's TF_REPARENT; counted in ``reparents``, one notice per distinct change): a lookup
+at a later time goes through the new parent, one at an earlier time through the old one, and never
+interpolates across the change. A transform is refused (counted in ``rejected`` and by reason in
+``rejected_by_reason``) when it is unusable (a non-finite value, a quaternion whose norm is not 1, an empty
+frame name), names one frame as its own parent, makes the fixed frame (the map frame, ``grid.frame_id``) a
+child, closes a loop with the current tree, or changes a parent at a time already covered by the current one.
+Nothing refused ever enters the tree, so the correct chain that keeps arriving is used as soon as it does.
 
 :class:`TfPoseMatcher` is the live node's use of it: readings wait until the transforms around their stamp have
 arrived, then each gets the pose of the magnetometer in the map frame, or is refused and counted.
@@ -68,10 +77,13 @@ def invert(a: Transform) -> Transform:
 
 
 class _Edge:
-    """One parent → child edge of the tf tree: static (one transform for all times) or a time series."""
+    """One parent → child edge of the tf tree over a span of time: static (one transform for all times) or a
+    time series. ``until`` is the stamp from which a later parent took the child over (inf while it is the
+    child's current parent)."""
 
-    def __init__(self, parent: str, child: str, static: bool) -> None:
+    def __init__(self, parent: str, child: str, static: bool, since: float = -math.inf) -> None:
         self.parent, self.child, self.static = parent, child, static
+        self.since, self.until = since, math.inf
         self._stamps: list[float] = []
         self._translations: list[np.ndarray] = []
         self._rotations: list[np.ndarray] = []
@@ -119,9 +131,10 @@ class _Edge:
     def at(self, stamp: float, max_gap: float) -> Transform:
         """Transform at ``stamp``: linear / spherical interpolation between the two transforms around it.
 
-        TransformNotYetError when ``stamp`` is newer than the newest transform, TransformGapError when it is
-        older than the oldest one (tf2 does not extrapolate) or when either of the two transforms around it is
-        more than ``max_gap`` seconds away (the matching rule of mapping.sync).
+        TransformNotYetError when ``stamp`` is newer than the newest transform (and the edge is still the
+        child's current one), TransformGapError when it is older than the oldest one (tf2 does not extrapolate),
+        when either of the two transforms around it is more than ``max_gap`` seconds away (the matching rule of
+        mapping.sync), or when it falls after this edge's last transform but before a new parent took over.
         """
         if self._dirty:
             self.freeze()
@@ -130,6 +143,10 @@ class _Edge:
         stamps = self.stamps
         if stamps.size == 0 or stamp > stamps[-1]:
             span = f"[{stamps[0]:.3f}, {stamps[-1]:.3f}]" if stamps.size else "(empty)"
+            if math.isfinite(self.until):  # superseded: no transform of this parent will ever cover it
+                raise TransformGapError(f"tf {self.parent} -> {self.child} has no transform at {stamp:.3f} s "
+                                        f"(recorded span {span}; {self.child} was re-parented at "
+                                        f"{self.until:.3f} s)")
             raise TransformNotYetError(f"tf {self.parent} -> {self.child} has no transform at {stamp:.3f} s "
                                        f"(recorded span {span}; no extrapolation)")
         if stamp < stamps[0]:
@@ -146,70 +163,171 @@ class _Edge:
         return pos[0], quat[0]
 
 
+#: Why a transform is refused (TransformBuffer.rejected_by_reason).
+TF_REFUSAL_REASONS = ("invalid", "self_parent", "fixed_frame_child", "loop", "late_reparent")
+MAX_NOTICES_KEPT = 1024  # distinct re-parentings / refusals remembered, so each is reported once
+
+
 class TransformBuffer:
     """The tf tree, for looking up ``parent`` → ``child`` at a time (see the module docstring). It keeps every
-    transform until :meth:`prune` (the replay reads a whole bag; the live node prunes)."""
+    transform until :meth:`prune` (the replay reads a whole bag; the live node prunes). ``fixed_frame`` (the
+    map frame) is never made a child: a transform that would is refused."""
 
-    def __init__(self) -> None:
-        self._edges: dict[str, _Edge] = {}  # by child: a tf tree gives each frame one parent
-        self.rejected = 0  # transforms refused: a non-unit quaternion, a non-finite value, or a second parent
+    def __init__(self, fixed_frame: str | None = None) -> None:
+        # By child: the edges to its successive parents, oldest first (a tf tree gives each frame one parent
+        # at a time; the last edge is the current one).
+        self._history: dict[str, list[_Edge]] = {}
+        self.fixed_frame = frame_name(fixed_frame) if fixed_frame else None
+        self.rejected = 0  # transforms refused, for any reason of TF_REFUSAL_REASONS
+        self.rejected_by_reason = {reason: 0 for reason in TF_REFUSAL_REASONS}
+        self.reparents = 0  # children whose parent changed (latest wins)
+        self._noticed: set[tuple[str, ...]] = set()
+        self._notices: list[str] = []
+
+    def take_notices(self) -> list[str]:
+        """Lines about re-parentings and refused transforms not reported before (each distinct one once)."""
+        notices, self._notices = self._notices, []
+        return notices
+
+    def _notice(self, key: tuple[str, ...], text: str) -> None:
+        if key in self._noticed or len(self._noticed) >= MAX_NOTICES_KEPT:
+            return
+        self._noticed.add(key)
+        self._notices.append(text)
+
+    def _refuse(self, reason: str, parent: str = "", child: str = "", text: str = "") -> bool:
+        self.rejected += 1
+        self.rejected_by_reason[reason] += 1
+        if text:
+            self._notice((reason, parent, child), text)
+        return False
 
     def add(self, sample: TransformSample, static: bool = False) -> bool:
-        """Add one transform; False (and counted in ``rejected``) when it is unusable."""
+        """Add one transform; False (and counted in ``rejected``) when it is refused (module docstring)."""
         parent, child = frame_name(sample.parent), frame_name(sample.child)
         translation = np.asarray(sample.translation, dtype=np.float64)
         rotation = np.asarray(sample.rotation, dtype=np.float64)
-        ok = np.all(np.isfinite(translation)) and np.all(np.isfinite(rotation)) and math.isfinite(sample.stamp)
-        if not ok or abs(np.linalg.norm(rotation) - 1.0) > 1e-3 or parent == child or not child:
-            self.rejected += 1
-            return False
-        edge = self._edges.get(child)
-        if edge is None:
-            edge = self._edges[child] = _Edge(parent, child, static)
-        elif edge.parent != parent:
-            self.rejected += 1  # tf2 would re-parent; a tree with two parents for one frame is broken here
-            return False
-        edge.add(TransformSample(sample.stamp, parent, child, translation, rotation))
+        ok = (translation.shape == (3,) and rotation.shape == (4,) and np.all(np.isfinite(translation))
+              and np.all(np.isfinite(rotation)) and math.isfinite(sample.stamp))
+        if not ok or abs(np.linalg.norm(rotation) - 1.0) > 1e-3 or not child or not parent:
+            return self._refuse("invalid")
+        if parent == child:
+            return self._refuse("self_parent", parent, child, f"tf: a transform names '{child}' as its own parent; "
+                                "refused")
+        if child == self.fixed_frame:
+            return self._refuse("fixed_frame_child", parent, child,
+                                f"tf: {parent} -> {child} would make the map frame '{child}' a child; refused "
+                                "(tf2 never lets the fixed frame of a lookup have a parent)")
+        edges = self._history.get(child)
+        current = edges[-1] if edges else None
+        if current is not None and current.parent == parent:  # (a static edge takes the newest transform)
+            current.add(TransformSample(sample.stamp, parent, child, translation, rotation))
+            return True
+        if self._closes_loop(parent, child):
+            return self._refuse("loop", parent, child,
+                                f"tf: {parent} -> {child} would close a loop ({child} is an ancestor of {parent}); "
+                                "refused")
+        sample = TransformSample(sample.stamp, parent, child, translation, rotation)
+        if current is None:
+            edge = _Edge(parent, child, static)
+            edge.add(sample)
+            self._history[child] = [edge]
+            return True
+        if static:  # a static transform holds for all times: it replaces the child's history
+            edge = _Edge(parent, child, True)
+            edge.add(sample)
+            self._history[child] = [edge]
+        else:
+            newest = current.newest if not current.static else -math.inf
+            if sample.stamp <= newest:  # out of order: the old parent already covers this time
+                return self._refuse("late_reparent", parent, child,
+                                    f"tf: {parent} -> {child} at {sample.stamp:.3f} s would re-parent {child} at a "
+                                    f"time its parent {current.parent} already covers (up to {newest:.3f} s); "
+                                    "refused")
+            current.until = sample.stamp
+            edge = _Edge(parent, child, False, since=sample.stamp)
+            edge.add(sample)
+            edges.append(edge)
+        self.reparents += 1
+        self._notice(("reparent", current.parent, parent, child),
+                     f"tf: {child} re-parented from {current.parent} to {parent} at {sample.stamp:.3f} s (the "
+                     "latest parent wins, as tf2's TF_REPARENT)")
         return True
 
+    def _closes_loop(self, parent: str, child: str) -> bool:
+        """True when ``child`` is ``parent`` or one of its ancestors in the current tree."""
+        frame, seen = parent, set()
+        while frame not in seen:
+            if frame == child:
+                return True
+            seen.add(frame)
+            edges = self._history.get(frame)
+            if not edges:
+                return False
+            frame = edges[-1].parent
+        return False
+
     def prune(self, keep_after: float) -> None:
-        """Drop /tf transforms older than ``keep_after`` (each edge keeps the newest one before it)."""
-        for edge in self._edges.values():
-            edge.prune(keep_after)
+        """Drop /tf transforms older than ``keep_after`` (each edge keeps the newest one before it), and the
+        edges of former parents that ended before it."""
+        for child, edges in self._history.items():
+            if len(edges) > 1:
+                keep = [e for e in edges[:-1] if e.until >= keep_after] + [edges[-1]]
+                if len(keep) < len(edges):
+                    edges[:] = keep
+            for edge in edges:
+                edge.prune(keep_after)
 
     def freeze(self) -> None:
         """Sort every edge by time (lookups also do it when an edge changed)."""
-        for edge in self._edges.values():
-            edge.freeze()
+        for edges in self._history.values():
+            for edge in edges:
+                edge.freeze()
 
     @property
     def frames(self) -> list[str]:
-        names = set(self._edges)
-        names.update(e.parent for e in self._edges.values())
+        names = set(self._history)
+        names.update(e.parent for edges in self._history.values() for e in edges)
         return sorted(names)
 
-    def _ancestors(self, frame: str) -> list[str]:
-        """``frame`` and its parents up to the root (stops on a loop)."""
-        chain = [frame]
-        while chain[-1] in self._edges and self._edges[chain[-1]].parent not in chain:
-            chain.append(self._edges[chain[-1]].parent)
+    def _edge_at(self, frame: str, stamp: float | None) -> _Edge | None:
+        """The edge from ``frame`` to its parent at ``stamp`` (None: the current one)."""
+        edges = self._history.get(frame)
+        if not edges:
+            return None
+        if stamp is None or len(edges) == 1:
+            return edges[-1]
+        for edge in reversed(edges):
+            if stamp >= edge.since:
+                return edge
+        return edges[0]
+
+    def _ancestors(self, frame: str, stamp: float | None = None) -> list[_Edge]:
+        """The edges from ``frame`` up to its root at ``stamp`` (stops on a loop)."""
+        chain, seen = [], {frame}
+        edge = self._edge_at(frame, stamp)
+        while edge is not None and edge.parent not in seen:
+            chain.append(edge)
+            seen.add(edge.parent)
+            edge = self._edge_at(edge.parent, stamp)
         return chain
 
-    def _paths(self, parent: str, child: str) -> tuple[list[_Edge], list[_Edge]]:
-        """Edges from the common ancestor down to ``parent`` and down to ``child``."""
+    def _paths(self, parent: str, child: str, stamp: float | None = None) -> tuple[list[_Edge], list[_Edge]]:
+        """Edges from the common ancestor down to ``parent`` and down to ``child`` (at ``stamp``)."""
         parent, child = frame_name(parent), frame_name(child)
-        up_parent, up_child = self._ancestors(parent), self._ancestors(child)
-        common = next((f for f in up_child if f in up_parent), None)
+        up_parent, up_child = self._ancestors(parent, stamp), self._ancestors(child, stamp)
+        frames_parent = [parent] + [e.parent for e in up_parent]
+        frames_child = [child] + [e.parent for e in up_child]
+        common = next((f for f in frames_child if f in frames_parent), None)
         if common is None:
-            raise TransformError(f"tf frames '{parent}' and '{child}' are not connected "
+            when = "" if stamp is None else f" at {stamp:.3f} s"
+            raise TransformError(f"tf frames '{parent}' and '{child}' are not connected{when} "
                                  f"(frames in tf: {', '.join(self.frames) or 'none'})")
-        to_parent = [self._edges[f] for f in up_parent[:up_parent.index(common)]]
-        to_child = [self._edges[f] for f in up_child[:up_child.index(common)]]
-        return to_parent, to_child
+        return up_parent[:frames_parent.index(common)], up_child[:frames_child.index(common)]
 
-    def connected(self, parent: str, child: str) -> bool:
+    def connected(self, parent: str, child: str, stamp: float | None = None) -> bool:
         try:
-            self._paths(parent, child)
+            self._paths(parent, child, stamp)
         except TransformError:
             return False
         return True
@@ -224,7 +342,7 @@ class TransformBuffer:
 
     def lookup(self, parent: str, child: str, stamp: float, max_gap: float = math.inf) -> Transform:
         """Pose of ``child`` in ``parent`` at ``stamp``: (translation (3,), rotation [x, y, z, w])."""
-        to_parent, to_child = self._paths(parent, child)
+        to_parent, to_child = self._paths(parent, child, stamp)
 
         def down(edges: list[_Edge]) -> Transform:
             # edges run from the frame up to the common ancestor; compose from the ancestor down.
@@ -285,7 +403,7 @@ class TfPoseMatcher:
 
     def __init__(self, map_frame: str, base_frame: str, extrinsic: Transform, max_gap: float, timeout: float,
                  cache_seconds: float = 10.0, max_waiting: int = 100_000) -> None:
-        self.buffer = TransformBuffer()
+        self.buffer = TransformBuffer(fixed_frame=map_frame)
         self.cache_seconds = float(cache_seconds)
         self.map_frame, self.base_frame = frame_name(map_frame), frame_name(base_frame)
         self.extrinsic = (np.asarray(extrinsic[0], np.float64), normalize_quaternion(extrinsic[1]))
@@ -302,8 +420,9 @@ class TfPoseMatcher:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def add_transform(self, sample: TransformSample, static: bool) -> None:
-        self.buffer.add(sample, static=static)
+    def add_transform(self, sample: TransformSample, static: bool) -> bool:
+        """Add one transform to the tree; False when the buffer refuses it (counted there, by reason)."""
+        return self.buffer.add(sample, static=static)
 
     def add_field(self, stamp: float, field: Any, frame_id: str, receive_time: float | None = None) -> None:
         if len(self._waiting) >= self.max_waiting:  # bounded: the oldest is given up
@@ -354,7 +473,8 @@ class TfPoseMatcher:
 
     def _pose(self, item: _Waiting) -> Transform:
         sensor = frame_name(item.frame_id)
-        on_sensor = bool(sensor) and sensor != self.map_frame and self.buffer.connected(self.map_frame, sensor)
+        on_sensor = bool(sensor) and sensor != self.map_frame and self.buffer.connected(self.map_frame, sensor,
+                                                                                           item.stamp)
         body = body_pose_from_tf(self.buffer, self.map_frame, sensor if on_sensor else self.base_frame, item.stamp,
                                  self.max_gap, self.extrinsic, frame_is_sensor=on_sensor)
         if on_sensor:

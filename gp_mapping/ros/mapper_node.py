@@ -629,6 +629,8 @@ class _MapperCore:
             elif kind == "tf":
                 for sample in a:
                     tf.add_transform(sample, static=b)
+                for notice in tf.buffer.take_notices():  # each re-parenting or refusal kind once (tf2 warns too)
+                    self.get_logger().warning(notice)
             elif tf is not None:
                 tf.add_field(stamp, a, b, receive_time=now)
             else:
@@ -912,6 +914,8 @@ class _MapperCore:
             values["node/tf_from_sensor_frame"] = self._tf.from_sensor_frame
             values["node/tf_from_base_frame"] = self._tf.from_base_frame
             values["node/tf_rejected_transforms"] = self._tf.buffer.rejected
+            values.update({f"node/tf_rejected/{k}": v for k, v in self._tf.buffer.rejected_by_reason.items()})
+            values["node/tf_reparents"] = self._tf.buffer.reparents
         values["node/inbox"] = inbox
         lat = self._latency
         values["node/update_latency_last_s"] = lat["last"]
