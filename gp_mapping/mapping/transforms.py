@@ -166,6 +166,7 @@ class _Edge:
 #: Why a transform is refused (TransformBuffer.rejected_by_reason).
 TF_REFUSAL_REASONS = ("invalid", "self_parent", "fixed_frame_child", "loop", "late_reparent")
 MAX_NOTICES_KEPT = 1024  # distinct re-parentings / refusals remembered, so each is reported once
+MAX_NOTICE_CHARS = 400  # a notice naming hostile frame names of a megabyte is cut there
 
 
 class TransformBuffer:
@@ -181,7 +182,7 @@ class TransformBuffer:
         self.rejected = 0  # transforms refused, for any reason of TF_REFUSAL_REASONS
         self.rejected_by_reason = {reason: 0 for reason in TF_REFUSAL_REASONS}
         self.reparents = 0  # children whose parent changed (latest wins)
-        self._noticed: set[tuple[str, ...]] = set()
+        self._noticed: set[int] = set()
         self._notices: list[str] = []
 
     def take_notices(self) -> list[str]:
@@ -190,10 +191,12 @@ class TransformBuffer:
         return notices
 
     def _notice(self, key: tuple[str, ...], text: str) -> None:
-        if key in self._noticed or len(self._noticed) >= MAX_NOTICES_KEPT:
+        digest = hash(key)  # kept small: frame names can be megabytes
+        if digest in self._noticed or len(self._noticed) >= MAX_NOTICES_KEPT:
             return
-        self._noticed.add(key)
-        self._notices.append(text)
+        self._noticed.add(digest)
+        self._notices.append(text if len(text) <= MAX_NOTICE_CHARS
+                             else f"{text[:MAX_NOTICE_CHARS]}... ({len(text)} characters)")
 
     def _refuse(self, reason: str, parent: str = "", child: str = "", text: str = "") -> bool:
         self.rejected += 1
