@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> (module, one-line help). Each module exposes add_arguments(parser) and run(args) -> int.
@@ -48,7 +49,32 @@ def main(argv: list[str] | None = None) -> int:
     if ros_args and name not in ("node", "merge-node"):
         command_parser.error(f"unrecognised arguments: {' '.join(ros_args)}")
     args.ros_args = ros_args
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"gp-mapping {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # a user error a command did not name itself: one line, never a traceback
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(user_error_line(f"gp-mapping {name}", err), file=sys.stderr)
+        return 1
+
+
+DEBUG_ENV = "GP_MAPPING_DEBUG"  # set (to anything) to get the traceback of an error instead of its one line
+
+
+def user_error_line(program: str, err: BaseException) -> str:
+    """The one line a command ends with on an error it did not report itself: the error, shortened (a path or
+    a value can be megabytes), with its kind when that says more than the message (an OSError names the file)."""
+    from gp_mapping.config import shorten
+
+    if isinstance(err, OSError) and err.filename is not None:
+        text = f"cannot write or read {err.filename}: {err.strerror or err}"
+    else:
+        reason = getattr(err, "reason", "")
+        text = f"{type(err).__name__}{f' ({reason})' if reason else ''}: {err}"
+    return f"{program}: error: {shorten(text, 600)} (set {DEBUG_ENV}=1 for the traceback)".replace("\n", " ")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,18 @@ from gp_mapping.gp.config import option as _opt
 
 #: Longest frame_id accepted (in sync.field_frame and in a reading's header).
 FRAME_ID_MAX_LENGTH = 256
+#: Longest text a log line, a service answer or a CLI error quotes from a value (a path, a parameter, a message).
+LOG_VALUE_MAX_CHARS = 300
+
+
+def shorten(text: Any, limit: int = LOG_VALUE_MAX_CHARS) -> str:
+    """``text`` (any value, as str) cut to ``limit`` characters, saying how long it was: a 200 kB parameter value
+    or path is quoted by its start, never in full."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters in all)"
+
 
 @dataclass
 class SyncConfig:
@@ -165,13 +177,15 @@ def config_from_dict(values: Mapping[str, Any] | None) -> MapperConfig:
             continue
         section, dot, sub = key.partition(".")
         if section not in _SECTION_CLASSES:
-            raise ConfigError(f"unknown config key '{key}'; known sections: {', '.join(_SECTION_CLASSES)}")
+            raise ConfigError(f"unknown config key '{shorten(key, 100)}'; known sections: "
+                              f"{', '.join(_SECTION_CLASSES)}")
         if dot:
             nested.setdefault(section, {})[sub] = value
         elif isinstance(value, Mapping):
             nested.setdefault(section, {}).update(value)
         else:
-            raise ConfigError(f"config key '{key}' must be a section (a mapping of keys), got {value!r}")
+            raise ConfigError(f"config key '{shorten(key, 100)}' must be a section (a mapping of keys), got "
+                              f"{shorten(repr(value), 100)}")
     return MapperConfig(**{name: section_from_dict(cls, nested.get(name, {}), name + ".")
                            for name, cls in _SECTION_CLASSES.items()})
 
@@ -184,8 +198,12 @@ def load_config(path: str | Path | None = None) -> MapperConfig:
         document = yaml.safe_load(Path(path).read_text())
     except OSError as err:
         raise ConfigError(f"cannot read config file {path}: {err}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not text (UTF-8): {err}") from err
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+        raise ConfigError(f"config file {path} is not valid YAML: {shorten(err)}") from err
+    except RecursionError:  # a hostile file of nested brackets
+        raise ConfigError(f"config file {path} is nested deeper than any parameter file; refused") from None
     if document is None:
         return MapperConfig()
     if not isinstance(document, Mapping):

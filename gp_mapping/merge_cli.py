@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from gp_mapping.mapping.mapper import Mapper
     from gp_mapping.mapping.merge import MapSource, merge_maps, parse_transform
     from gp_mapping.mapping.state import MapStateError
-    from gp_mapping.replay import draw_map, write_map_npz
+    from gp_mapping.replay import draw_map, unwritable_folder, write_map_npz
 
     def fail(message: str) -> int:
         print(f"gp-mapping merge: error: {message}", file=sys.stderr)
@@ -55,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
 
     if (args.steps is not None and args.steps < 0) or (args.num_inducing is not None and args.num_inducing < 1):
         return fail("--steps must be >= 0 and --num-inducing >= 1")
+    problem = unwritable_folder(Path(args.out))  # before the merge, which can take minutes
+    if problem:
+        return fail(f"--out: {problem}")
     try:
         config = load_config(args.config) if args.config else None
         sources = []

@@ -402,14 +402,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Replay, write the outputs, print where they are; 0 on success, 1 with a message on failure."""
     from gp_mapping.mapping.grid import GridError
+    from gp_mapping.mapping.state import MapStateError
 
+    # Before minutes of replay: the outputs must be writable where they go.
+    state_folder = args.save_state.parent if args.save_state else None
+    for option, folder in (("--out", args.out), ("--save-state", state_folder)):
+        problem = unwritable_folder(folder)
+        if problem:
+            print(f"gp-mapping replay: error: {option}: {problem}", file=sys.stderr)
+            return 1
+    if args.save_state is not None and args.save_state.is_dir():
+        print(f"gp-mapping replay: error: --save-state: {args.save_state} is a folder; name the file to write",
+              file=sys.stderr)
+        return 1
     try:
         result = replay_bag(args.bag, load_config(args.config) if args.config else None, out_dir=args.out,
                             mag_topic=args.mag_topic, pose_topic=args.pose_topic, tf_frames=args.tf,
                             progress=not args.no_progress)
     except IncompleteReplayError as err:
         print(f"gp-mapping replay: error: {err}", file=sys.stderr)
-        _save_state(err.result, args.save_state)
+        try:
+            _save_state(err.result, args.save_state)
+        except (OSError, MapStateError) as save_err:
+            print(f"gp-mapping replay: error: cannot write the state file {args.save_state}: {save_err}",
+                  file=sys.stderr)
         for kind in ("npz", "png", "mcap", "state"):
             if kind in err.result.files:
                 print(f"wrote {err.result.files[kind].resolve()} (partial)")
@@ -427,7 +443,7 @@ def run(args: argparse.Namespace) -> int:
           f"({result.real_time_factor:.1f}x real time); {result.counts['snapshots']} map snapshots")
     try:
         _save_state(result, args.save_state)
-    except OSError as err:
+    except (OSError, MapStateError) as err:
         print(f"gp-mapping replay: error: cannot write the state file {args.save_state}: {err}", file=sys.stderr)
         return 1
     for kind in ("npz", "png", "mcap", "state"):
@@ -436,10 +452,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def unwritable_folder(folder: Path | None) -> str:
+    """Why files cannot be written into ``folder`` (made if missing), or "" when they can (None: nothing to
+    check). A command checks its output folder before its work, so a typo costs no replay."""
+    if folder is None:
+        return ""
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        return f"cannot write into {folder}: {err.strerror or err}"
+    return ""
+
+
 def _save_state(result: ReplayResult, path: Path | None) -> None:
-    """``--save-state``: the mapper's whole state, as the node's ~/save_map writes it."""
+    """``--save-state``: the mapper's whole state, as the node's ~/save_map writes it, then read back with the
+    checks every loader runs (a node's node.initial_map, export, merge): a file that would be refused there is
+    reported here (MapStateError) instead of handed out."""
     if path is None:
         return
+    from gp_mapping.mapping.mapper import Mapper
+
     path.parent.mkdir(parents=True, exist_ok=True)
     result.mapper.save(path)
+    Mapper.load(path, config=result.mapper.config)
     result.files["state"] = path

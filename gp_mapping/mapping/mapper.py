@@ -35,7 +35,8 @@ import numpy as np
 from gp_mapping.config import ConfigError, MapperConfig, config_from_dict, to_dict
 from gp_mapping.mapping.grid import (Coverage, GridSpec, GridTooLargeError, cell_inputs, check_grid_config,
                                      fixed_grid_spec, predict_grid, spec_from_bounds, window_bounds)
-from gp_mapping.mapping.state import MapState, MapStateError, read_state, write_state
+from gp_mapping.mapping.state import (MapState, MapStateError, check_model, check_state, read_state,
+                                      write_state)
 from gp_mapping.mapping.sync import REJECTION_REASONS, UNIT_SYMBOL, Measurements, MeasurementSync, output_dims
 
 # Config keys that decide what the saved model means; a state file refuses a config that changes them.
@@ -678,14 +679,17 @@ class Mapper:
         try:
             saved = config_from_dict(state.config)
         except ConfigError as err:
-            raise MapStateError(f"map state file {path} holds an invalid config: {err}") from err
+            raise MapStateError(f"map state file {path} holds an invalid config: {err}", "metadata") from err
         if config is not None:
             for section, key in STATE_DEFINING_KEYS:
                 a, b = getattr(getattr(saved, section), key), getattr(getattr(config, section), key)
                 if a != b:
                     raise MapStateError(f"map state file {path} was made with {section}.{key} = {a!r}, but the "
-                                        f"config asks for {b!r}; they must agree to reuse the map")
+                                        f"config asks for {b!r}; they must agree to reuse the map",
+                                        "unit_mismatch" if key == "field_unit" else "config_mismatch")
         mapper = cls(config if config is not None else saved, model=model)
+        check_state(state, path, template=mapper.model.state_dict(), input_dims=mapper.input_dims,
+                    output_dims=mapper.output_dims, saved=saved, reference=config)
         try:
             mapper.model.load_state_dict(state.model_state)
         except (RuntimeError, KeyError, ValueError) as err:
@@ -695,11 +699,16 @@ class Mapper:
                            for k, v in to_dict(config)["model"].items() if getattr(saved.model, k) != v]
                 differs = f"; the config differs from the saved one in {', '.join(changed)}" if changed else ""
             raise MapStateError(f"map state file {path} does not fit the model built from the config{differs}: "
-                                f"{err}") from err
+                                f"{err}", "model_mismatch") from err
         try:
             mapper._restore(state)
         except (KeyError, TypeError, ValueError) as err:
-            raise MapStateError(f"map state file {path} has missing or malformed mapper data: {err}") from err
+            raise MapStateError(f"map state file {path} has missing or malformed mapper data: {err}",
+                                "shape") from err
+        xy = mapper.trajectory[::max(1, len(mapper.trajectory) // 16)][:16]
+        xy = xy if len(xy) else np.zeros((1, 2))
+        probe = np.column_stack([xy, np.full(len(xy), mapper.config.grid.height)])[:, :mapper.input_dims]
+        check_model(mapper.model, path, probe, mapper.output_dims)  # a loaded model must predict (state.py)
         return mapper
 
     def _restore(self, state: MapState) -> None:

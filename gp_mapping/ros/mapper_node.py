@@ -115,7 +115,7 @@ from std_msgs.msg import Float64MultiArray, UInt8MultiArray
 from std_srvs.srv import Trigger
 
 from gp_mapping.config import (ROS_RESERVED_KEYS, ConfigError, MapperConfig, describe_allowed, config_from_dict,
-                               field_specs, to_flat_parameters, validate_value)
+                               field_specs, shorten, to_flat_parameters, validate_value)
 from gp_mapping.gp import warm_up as warm_up_engines
 from gp_mapping.mapping import publication
 from gp_mapping.mapping.grid import check_grid_config
@@ -480,8 +480,9 @@ class _MapperCore:
             try:
                 mapper = Mapper.load(path, config=self.config)
             except Exception as err:  # any failure to read the file is a bad parameter value
-                raise NodeStartError(f"bad parameter: node.initial_map = {path!r}: {err}") from err
-            self.get_logger().info(f"started from the map in {path}")
+                raise NodeStartError(shorten(f"bad parameter: node.initial_map = {shorten(repr(path), 120)}: {err}",
+                                             600)) from err
+            self.get_logger().info(f"started from the map in {shorten(path)}")
             return mapper
         try:
             return Mapper(self.config)
@@ -550,7 +551,7 @@ class _MapperCore:
             if param.name == "node.publish_period" and self._active:
                 self._publish_timer.timer_period_ns = int(round(value * 1e9))
                 self._publish_timer.reset()
-            self.get_logger().info(f"parameter {param.name} = {value!r} applied")
+            self.get_logger().info(f"parameter {param.name} = {shorten(repr(value))} applied")
 
     # -------------------------------------------------------------------------------------------- inputs
 
@@ -724,6 +725,7 @@ class _MapperCore:
 
     def _report(self, message: str) -> None:
         """An error that the node survives: logged (throttled) and shown as ERROR in the diagnostics."""
+        message = shorten(message, 1000)
         self._last_error = message
         self._counts["errors"] += 1
         self.get_logger().error(message, throttle_duration_sec=5.0)
@@ -966,7 +968,10 @@ class _MapperCore:
             response.success = False
             response.message = f"{name}: not finished after {SERVICE_TIMEOUT_S:.0f} s; it goes on in the node"
         except Exception as err:  # a failed save or reset is the caller's answer, not the node's end
-            response.success, response.message = False, f"{name} failed: {type(err).__name__}: {err}"
+            reason = getattr(err, "reason", "")  # a state file's refusal is named (MapStateError.reason)
+            response.success = False
+            response.message = shorten(f"{name} failed: {type(err).__name__}{f' ({reason})' if reason else ''}: "
+                                       f"{err}", 1000)
         if response.success:
             self.get_logger().info(f"{name}: {response.message}")
         else:
