@@ -32,7 +32,7 @@ import torch
 
 from gp_mapping.evaluation.common import default_results_dir, jsonable, machine_info
 
-SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore", "merge", "forgetting")
+SECTIONS = ("accuracy", "calibration", "speed", "growth", "cuda", "large", "explore", "merge", "forgetting")
 JSON_NAME = "bench.json"
 MD_NAME = "bench.md"
 
@@ -63,6 +63,9 @@ FULL = {
     **{"forget_radius": 0.1, "forget_variants": 1, "vargp_drive_seconds": 1800.0, "vargp_drive_m": 256},
 }
 QUICK = {  # a smoke run of every section (make test runs it): small enough to keep the suite's time down
+    "calibration_recordings": ("solin_p1",), "calibration_engines": ("dual_svgp",),
+    "calibration_candidates": ("shipped", "no calibration"), "calibration_offline_iterations": 50,
+    "calibration_exact_points": 300,
     "p1_batches": 6, "p2_batch_seconds": 20.0, "p2_eval_every": 3, "fast_full_every": 10,
     "test_stride": 4, "p2_seconds_per_sequence": 60.0,
     "accuracy_num_inducing": 128,  # a smoke run: M = 256 made continual_mogp alone ~40 s of it
@@ -137,6 +140,10 @@ def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[
                 out = merge.run(plan, log, root, why)
             elif section == "forgetting":
                 out = forgetting.run(plan, root, why, log)
+            elif section == "calibration":
+                from gp_mapping.evaluation import calibration
+
+                out = calibration.run(plan, root, log) if root is not None else {"skipped": why}
             else:
                 raise ValueError(f"unknown section {section!r}; choose from {', '.join(SECTIONS)}")
         except Exception as err:  # one broken section must not hide the others' numbers
@@ -251,7 +258,7 @@ def markdown(results: dict[str, Any]) -> str:
                       f"Latency slope after warm-up: {_f(s.get('latency_slope_ms_per_10k_samples'), '+.3f')} ms per "
                       "10 000 samples. Curves: `growth.png`.", ""]
     # sections whose module writes its own markdown, imported only when the section ran
-    for name in ("explore", "large", "merge", "forgetting"):
+    for name in ("calibration", "explore", "large", "merge", "forgetting"):
         if sec.get(name) is not None:
             lines += importlib.import_module(f"gp_mapping.evaluation.{name}").markdown(sec[name])
     cu = sec.get("cuda")
@@ -342,6 +349,11 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "growth.png", dpi=110)
         plt.close(fig)
         written.append("growth.png")
+    cal = results["sections"].get("calibration", {})
+    if cal.get("recordings"):
+        from gp_mapping.evaluation import calibration
+
+        written += calibration.plot(cal, out)
     fg = results["sections"].get("forgetting", {})
     if fg and "error" not in fg:
         from gp_mapping.evaluation import forgetting

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .calibration import PrequentialCalibration
 from .config import ModelConfig
 from .errors import ConfigError, ModelInputError
 
@@ -192,6 +193,8 @@ class Engine(nn.Module, abc.ABC):
         self.input_dims = int(input_dims)
         self.output_dims = int(output_dims)
         self._cache = None
+        self.calibration = PrequentialCalibration(self.input_dims, self.output_dims, config.calibration_records,
+                                                  config.calibration_history, config.calibration_radius)
 
     def _register_target_statistics(self, outputs: int, count_per_output: bool = False) -> None:
         """The buffers of adaptive target scaling: the offset and scale in use (``y_mean``, ``y_std``, (P,)) and the
@@ -246,11 +249,77 @@ class Engine(nn.Module, abc.ABC):
             mean, var = self._latent(xt)
             return mean * self.y_std + self.y_mean, var * self.y_std ** 2
 
+    # ------------------------------------------------------------------ the variance of a reading
+    @property
+    def calibrates(self) -> bool:
+        """Whether this engine calibrates a reading's variance prequentially (gp/calibration.py): configured,
+        and a Gaussian likelihood (whose predictive density the variance model replaces)."""
+        return self.config.calibration == "prequential" and hasattr(self.likelihood, "noise_variance")
+
+    def _noise_variance(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, P) variance a reading adds to the latent f at checked inputs, standardised units: the
+        likelihood's (Gaussian noise; Student-t scale^2 dof / (dof - 2), its variance where it has one).
+        Engines whose noise varies over space override it."""
+        lik = self.likelihood
+        if hasattr(lik, "noise_variance"):
+            noise = lik.noise_variance
+        elif hasattr(lik, "scale_variance"):
+            dof = float(self.config.student_t_dof)
+            noise = lik.scale_variance * (dof / (dof - 2.0) if dof > 2.0 else 1.0)
+        else:
+            noise = torch.zeros(self.output_dims, dtype=torch.float64, device=x.device)
+        return noise.detach().reshape(1, -1).expand(x.shape[0], self.output_dims)
+
+    def _reading_moments(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean, latent variance, noise variance) (N, P) at checked inputs, in the targets' units."""
+        mean, var = self._latent(xt)
+        noise = self._noise_variance(xt)
+        scale2 = self.y_std ** 2
+        return mean * self.y_std + self.y_mean, var * scale2, noise * scale2
+
+    def predict_reading(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and variance (G, P) of a *reading* at x, in the original target units: the latent variance
+        plus the noise, calibrated on the engine's own out-of-sample errors where it calibrates
+        (:attr:`calibrates`; gp/calibration.py). What a localizer's measurement model and NLPD need."""
+        xt = self._check_x(x)
+        with torch.no_grad():
+            mean, var, noise = self._reading_moments(xt)
+            if self.calibrates:
+                return mean, self.calibration.reading_variance(var, noise)
+            return mean, var + noise
+
+    def _calibrate_on(self, xt: torch.Tensor, yt: torch.Tensor, observed: torch.Tensor | None = None) -> None:
+        """Score a batch before the engine conditions on it (each engine's update calls this first): its
+        readings away from the track just driven are predicted out of sample and recorded, and the variance
+        model is refitted. ``observed`` (N, P) marks the channels a reading has (default all)."""
+        if not self.calibrates or xt.shape[0] == 0:
+            return
+        cal = self.calibration
+        with torch.no_grad():
+            if self.num_seen > 0 and bool(getattr(self, "standardised", True)):
+                away = cal.away_from_track(xt)
+                if bool(away.any()):
+                    mean, var, noise = self._reading_moments(xt[away])
+                    seen = torch.ones_like(mean, dtype=torch.bool) if observed is None else observed[away]
+                    err = torch.where(seen, yt[away] - mean, torch.zeros_like(mean))
+                    cal.record(err, var, noise, seen)
+                    cal.refit(self._target_variance())
+            cal.remember_inputs(xt)
+
+    def _target_variance(self) -> torch.Tensor:
+        """(P,) variance of the targets seen so far (the scale of the calibration's tau^2 grid)."""
+        return self.y_std.detach() ** 2
+
     def log_predictive_density(self, x, y) -> torch.Tensor:
-        """log p(y*|x*) (N, P) in the original units (includes the Jacobian of the standardisation)."""
+        """log p(y*|x*) (N, P) in the original units (includes the Jacobian of the standardisation); with a
+        calibrated reading variance (:meth:`predict_reading`) where the engine calibrates."""
         xt = self._check_x(x)
         yt = self._check_y(y, xt.shape[0])
         with torch.no_grad():
+            if self.calibrates:
+                mean, var, noise = self._reading_moments(xt)
+                s2 = self.calibration.reading_variance(var, noise)
+                return -0.5 * (math.log(2.0 * math.pi) + torch.log(s2) + (yt - mean) ** 2 / s2)
             mean, var = self._latent(xt)
             lpd = self.likelihood.log_predictive_density((yt - self.y_mean) / self.y_std, mean, var)
             if self.likelihood.standardise_targets:

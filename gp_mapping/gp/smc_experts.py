@@ -1028,6 +1028,33 @@ class SMCExperts(Engine):
         back[order] = torch.arange(order.shape[0], device=order.device)
         return torch.cat(out_m)[back] / sbar, torch.cat(out_v)[back] / sbar ** 2
 
+    @property
+    def calibrates(self) -> bool:
+        """False: a reading's predictive distribution here is a mixture over particles and experts, each with
+        its own noise (log_predictive_density scores the mixture itself); a single Gaussian variance model
+        does not describe it."""
+        return False
+
+    def predict_reading(self, x, t=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and variance (G, P) of a reading at x (original units): the mixture's moments with each
+        expert's noise added to its latent variance (law of total variance)."""
+        xt = self._check_x(x)
+        sbar = self._work_scale()[2]
+        means, variances = [], []
+        with torch.no_grad():
+            step = self._chunks(max(xt.shape[0], 1))
+            for s in range(0, xt.shape[0], step):
+                w, g, mu, var, noise = self._mixture(xt[s:s + step], t)
+                wg = w[:, None, None] * g
+                m = torch.einsum("jkg,jkgp->gp", wg, mu)
+                second = torch.einsum("jkg,jkgp->gp", wg, mu * mu + (var + noise[..., None])[..., None])
+                means.append(m / sbar)
+                variances.append((second - m * m).clamp_min(0.0) / sbar ** 2)
+        if not means:
+            empty = torch.zeros(0, self.output_dims, dtype=torch.float64, device=self.device)
+            return empty, empty.clone()
+        return torch.cat(means) * self.y_std + self.y_mean, torch.cat(variances) * self.y_std ** 2
+
     def predict(self, x, t=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and variance (G, P) of the latent f at x, original units; gate at stamp t (default: newest)."""
         xt = self._check_x(x)

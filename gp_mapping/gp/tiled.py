@@ -683,8 +683,19 @@ class TiledModel(Engine):
 
     def _latent(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mixture's moments at checked inputs, in the targets' units (each tile predicts in its own)."""
+        return self._blend(xt, lambda engine, x: engine.predict(x))
+
+    def predict_reading(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blended mean and variance (G, P) of a reading: each tile's (Engine.predict_reading), mixed as the
+        latent moments are."""
+        xt = self._check_x(x)
+        with torch.no_grad():
+            return self._blend(xt, lambda engine, x: engine.predict_reading(x))
+
+    def _blend(self, xt: torch.Tensor, moments) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixture over tiles of ``moments(engine, x) -> (mean, var)`` at checked inputs."""
         g, p = xt.shape[0], self.output_dims
-        parts = [(rows, w[:, None], *engine.predict(xt[rows])) for rows, engine, w in self._each_tile(xt)]
+        parts = [(rows, w[:, None], *moments(engine, xt[rows])) for rows, engine, w in self._each_tile(xt)]
         mean = torch.zeros(g, p, dtype=torch.float64, device=xt.device)
         for rows, w, m, _ in parts:
             mean.index_add_(0, rows, w * m)
