@@ -122,7 +122,8 @@ def test_pose_gap_and_teleport():
     assert not np.any((m.x[:, 0] > 5.0) & (m.x[:, 0] < 35.0))
     # a pose stall longer than max_pose_gap: readings inside it are refused as pose_gap
     sync.add_field(8.3, B)
-    sync.add_pose(8.6, [38.6, 0, 0], Q)
+    sync.add_pose(8.6, [38.6, 0, 0], Q)  # 0.6 s after a 10 Hz stream: held back until the stream confirms it
+    sync.add_pose(8.7, [38.7, 0, 0], Q)
     assert sync.rejected["pose_gap"] == 1
 
 

@@ -121,7 +121,8 @@ def test_rejection_reasons_each_counted():
     assert sync.add_pose(1.8, [0, 0, 0], ok)
     sync.add_field(1.9, [1e-6, 0, 0])              # waits for a pose that never comes ...
     sync.add_field(4.5, [1e-6, 0, 0])              # ... and 2.6 s of field time later it times out
-    assert sync.num_waiting == 1
+    # (4.5 is 2.6 s ahead of a stream ~0.3 s apart: held back until confirmed; finish() releases it)
+    assert sync.num_waiting == 2
     sync.finish()                                   # the 4.5 s sample never gets its following pose
     expected = {"pose_stamp_nonfinite": 1, "pose_nonfinite": 2, "pose_bad_quaternion": 1,
                 "pose_stamp_backwards": 1, "pose_stamp_duplicate": 1, "no_pose_before": 1, "field_nonfinite": 1,

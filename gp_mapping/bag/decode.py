@@ -2,6 +2,7 @@
 receive time only where a header stamp is zero); frame ids without the ROS 1 leading slash."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,10 +26,13 @@ _frame = frame_name  # tf2 frame ids carry no leading slash (ROS 1 bags often ha
 
 
 def _stamp(header, bag_time_ns: int) -> float:
-    """Header stamp in seconds; the bag's receive time where the publisher left the stamp at zero."""
+    """Header stamp in seconds; the bag's receive time where the publisher left the stamp at zero; NaN (refused
+    as a non-finite stamp, as the node does) for a malformed one whose nanosec is not below 1e9."""
     sec, nsec = int(header.stamp.sec), int(header.stamp.nanosec)
     if sec == 0 and nsec == 0:
         return bag_time_ns * 1e-9
+    if not 0 <= nsec < 1_000_000_000:
+        return math.nan
     return sec + nsec * 1e-9
 
 

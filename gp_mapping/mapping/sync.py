@@ -32,6 +32,15 @@ jumped, or a bad stamp accepted earlier) re-anchors after :data:`REANCHOR_AFTER`
 buffers are cleared (waiting samples counted as ``stamp_reanchor``) and the new time base is accepted. A stamp
 jump that comes with an equal jump of the receive time (within PAUSE_SLACK_S, or PAUSE_SLACK_FRACTION of the
 jump) is a pause in the data, not a bad stamp: it is accepted at once and counted in ``pauses``.
+
+Stamps ahead of their stream (within ``sync.max_stamp_jump``, when that check is on). A message whose stamp is
+ahead of its own stream's newest by more than HOLD_INTERVALS of the stream's usual interval (the median of its
+last HOLD_INTERVALS_KEPT; at least HOLD_MIN_S) is held back, not accepted, until the stream confirms it: the
+next message of the stream at or near its stamp (within that margin), or a message of the other stream at or
+after it, releases it (a real gap in the stream costs one message of latency, nothing else); a next message of
+the stream that carries on below it means it was a lone stamp ahead, and it is refused (``*_stamp_ahead``). So
+one bad stamp seconds ahead no longer turns the clean data after it into "backwards" refusals. The end of the
+stream (:meth:`finish`) releases what is held.
 """
 from __future__ import annotations
 
@@ -61,11 +70,13 @@ UNIT_SYMBOL: dict[str, str] = {"tesla": "T", "millitesla": "mT", "microtesla": "
 # Why a pose or a field sample was not used; each is a key of MeasurementSync.rejected.
 REJECTION_REASONS: dict[str, str] = {
     "field_nonfinite": "a field component is NaN or infinite",
-    "field_stamp_nonfinite": "the field sample's stamp is NaN or infinite",
+    "field_stamp_nonfinite": "the field sample's stamp is NaN or infinite, or malformed (nanosec >= 1e9)",
     "field_stamp_backwards": "the field sample is older than the previous field sample",
     "field_stamp_duplicate": "the field sample has the same stamp as the previous field sample",
     "field_stamp_jump": "the field sample's stamp is more than sync.max_stamp_jump ahead of the newest accepted stamp",
     "field_stamp_skew": "the field sample's stamp is more than sync.max_stamp_skew from its receive time",
+    "field_stamp_ahead": "a lone field stamp ahead of its stream (within sync.max_stamp_jump), held back and not "
+                         "confirmed: the next reading carried on below it",
     "field_zero": "the reading is exactly (0, 0, 0): an unset message or a dead sensor",
     "field_out_of_range": "|B| is above sync.max_field (saturated or absurd)",
     "field_frame_mismatch": "the reading's frame_id differs from the magnetometer frame (sync.field_frame, or the "
@@ -75,11 +86,13 @@ REJECTION_REASONS: dict[str, str] = {
     "pose_bad_quaternion": "the pose orientation has zero norm, or a norm off 1 by more than "
                            "sync.quaternion_tolerance",
     "pose_out_of_range": "the pose position is farther than sync.max_position from the origin",
-    "pose_stamp_nonfinite": "the pose stamp is NaN or infinite",
+    "pose_stamp_nonfinite": "the pose stamp is NaN or infinite, or malformed (nanosec >= 1e9)",
     "pose_stamp_backwards": "the pose is older than the previous pose",
     "pose_stamp_duplicate": "the pose has the same stamp as the previous pose",
     "pose_stamp_jump": "the pose stamp is more than sync.max_stamp_jump ahead of the newest accepted stamp",
     "pose_stamp_skew": "the pose stamp is more than sync.max_stamp_skew from its receive time",
+    "pose_stamp_ahead": "a lone pose stamp ahead of its stream (within sync.max_stamp_jump), held back and not "
+                        "confirmed: the next pose carried on below it",
     "no_pose_before": "no buffered pose at or before the sample (before the first pose, or beyond the pose "
                       "buffer)",
     "pose_gap": "the nearest pose before or after the sample is more than sync.max_pose_gap away",
@@ -92,7 +105,8 @@ REJECTION_REASONS: dict[str, str] = {
 # Reasons that count rejected poses; every other reason counts rejected field samples, so that
 # accepted + sum(rejected[r] for r in SAMPLE_REJECTION_REASONS) + waiting = field samples given.
 POSE_REJECTION_REASONS = ("pose_nonfinite", "pose_bad_quaternion", "pose_out_of_range", "pose_stamp_nonfinite",
-                          "pose_stamp_backwards", "pose_stamp_duplicate", "pose_stamp_jump", "pose_stamp_skew")
+                          "pose_stamp_backwards", "pose_stamp_duplicate", "pose_stamp_jump", "pose_stamp_skew",
+                          "pose_stamp_ahead")
 SAMPLE_REJECTION_REASONS = tuple(r for r in REJECTION_REASONS if r not in POSE_REJECTION_REASONS)
 # Consecutive messages of one stream, refused for their stamps (backwards or jump) and consistent among
 # themselves, after which the sync takes them as the new time base.
@@ -104,6 +118,13 @@ FRAME_RELATCH_AFTER = REANCHOR_AFTER
 # within PAUSE_SLACK_S, or PAUSE_SLACK_FRACTION of the jump for long ones (latency, clock rates).
 PAUSE_SLACK_S = 2.0
 PAUSE_SLACK_FRACTION = 0.05
+# A stamp ahead of its stream's newest by more than HOLD_INTERVALS of its usual interval (median of the last
+# HOLD_INTERVALS_KEPT, known after HOLD_MIN_INTERVALS), and at least HOLD_MIN_S, waits for the stream to confirm it.
+HOLD_INTERVALS = 4.0
+HOLD_INTERVALS_KEPT = 15
+HOLD_MIN_INTERVALS = 3
+HOLD_MIN_S = 0.02
+_HOLD = "hold"  # _stamp_refusal's answer for a stamp that waits for confirmation
 # A teleport must exceed sync.max_speed * dt by this much [m]: localisation noise between close poses is no jump.
 TELEPORT_SLACK_M = 0.05
 LOG = logging.getLogger("gp_mapping.sync")
@@ -295,6 +316,14 @@ class MeasurementSync:
         self._anchor: tuple[float, float] | None = None  # (stamp, receive time) of the last accepted message
         # Per stream: (consecutive stamp refusals consistent among themselves, the last refused stamp).
         self._stale: dict[str, tuple[int, float]] = {"field": (0, -math.inf), "pose": (0, -math.inf)}
+        self._clear_held()
+
+    def _clear_held(self) -> None:
+        # Per stream: the message held back for being ahead of its stream, (stamp, accept it), and the stream's
+        # recent intervals between accepted stamps.
+        self._held: dict[str, tuple[float, Any] | None] = {"field": None, "pose": None}
+        self._intervals: dict[str, deque[float]] = {"field": deque(maxlen=HOLD_INTERVALS_KEPT),
+                                                    "pose": deque(maxlen=HOLD_INTERVALS_KEPT)}
 
     def reset_counters(self) -> None:
         self._decide_waiting()
@@ -335,13 +364,13 @@ class MeasurementSync:
     def num_waiting(self) -> int:
         """Samples waiting for a pose that follows them."""
         self._decide_waiting()
-        return len(self._waiting)
+        return len(self._waiting) + (self._held["field"] is not None)
 
     @property
     def num_held(self) -> int:
         """Samples given and neither returned by ``pop_ready`` nor refused yet, decided or not: what a
         ``pop_ready`` could return at most. Deciding nothing, it costs nothing."""
-        return len(self._waiting) + self._ready_count
+        return len(self._waiting) + self._ready_count + (self._held["field"] is not None)
 
     @property
     def num_ready(self) -> int:
@@ -369,6 +398,11 @@ class MeasurementSync:
         last = self._last_field_stamp if stream == "field" else self._last_pose_stamp
         if stamp == last:
             return f"{stream}_stamp_duplicate"  # a repeated stamp is never a new time base
+        if self._held[stream] is not None:
+            self._resolve_held(stream, stamp)  # this message confirms the held one, or shows it was alone
+            last = self._last_field_stamp if stream == "field" else self._last_pose_stamp
+            if stamp == last:
+                return f"{stream}_stamp_duplicate"
         newest = max(self._last_field_stamp, self._last_pose_stamp)
         reason = None
         if cfg.max_stamp_jump > 0 and math.isfinite(newest) and stamp > newest + cfg.max_stamp_jump:
@@ -382,6 +416,9 @@ class MeasurementSync:
             reason = f"{stream}_stamp_backwards"
         if reason is None:
             self._stale[stream] = (0, -math.inf)
+            margin = self._hold_margin(stream)
+            if margin is not None and stamp > last + margin:
+                return _HOLD
             return None
         count, previous = self._stale[stream]
         consistent = previous < stamp and (cfg.max_stamp_jump <= 0 or stamp - previous <= cfg.max_stamp_jump)
@@ -391,6 +428,43 @@ class MeasurementSync:
             return reason
         self._reanchor()
         return None
+
+    def _hold_margin(self, stream: str) -> float | None:
+        """How far ahead of its stream's newest stamp a message may be before it is held back (None: no hold;
+        the check is off, or the stream's interval is not known yet)."""
+        intervals = self._intervals[stream]
+        if self.config.max_stamp_jump <= 0 or len(intervals) < HOLD_MIN_INTERVALS:
+            return None
+        ordered = sorted(intervals)
+        return max(HOLD_MIN_S, HOLD_INTERVALS * ordered[len(ordered) // 2])
+
+    def _resolve_held(self, stream: str, stamp: float) -> None:
+        """A usable message of ``stream`` at ``stamp`` came while one is held: at or near the held stamp (or after
+        it) it confirms it (accepted now, before this one); between the stream's newest and the held stamp it shows
+        the held one was a lone stamp ahead (refused); older than the stream's newest it says nothing."""
+        held_stamp, accept = self._held[stream]
+        last = self._last_field_stamp if stream == "field" else self._last_pose_stamp
+        margin = self._hold_margin(stream) or HOLD_MIN_S
+        if stamp >= held_stamp - margin:
+            self._held[stream] = None
+            accept()
+        elif stamp > last:
+            self._held[stream] = None
+            self._reject(f"{stream}_stamp_ahead")
+
+    def _release_other(self, stream: str, stamp: float) -> None:
+        """A message of ``stream`` accepted at ``stamp``: the other stream's held message at or before it is
+        confirmed by it (the data have reached its time)."""
+        other = "pose" if stream == "field" else "field"
+        held = self._held[other]
+        if held is not None and stamp >= held[0]:
+            self._held[other] = None
+            held[1]()
+
+    def _note_interval(self, stream: str, stamp: float) -> None:
+        last = self._last_field_stamp if stream == "field" else self._last_pose_stamp
+        if math.isfinite(last) and stamp > last:
+            self._intervals[stream].append(stamp - last)
 
     def _is_pause(self, stamp: float, receive_time: float | None) -> bool:
         """Whether a stamp jump came with an equal jump of the receive time since the last accepted message."""
@@ -436,6 +510,10 @@ class MeasurementSync:
         self._poses = _PoseBuffer()
         self._last_field_stamp = self._last_pose_stamp = -math.inf
         self._stale = {"field": (0, -math.inf), "pose": (0, -math.inf)}
+        for stream, held in self._held.items():
+            if held is not None:
+                self._reject(f"{stream}_stamp_ahead")
+        self._clear_held()
         self._anchor = None
         self.reanchors += 1
 
@@ -463,9 +541,17 @@ class MeasurementSync:
         else:
             # Only a pose with usable values may take part in re-anchoring the stream's time base.
             reason = self._stamp_refusal("pose", stamp, receive_time)
+        if reason == _HOLD:  # ahead of the pose stream: waits for the stream to confirm it
+            self._held["pose"] = (stamp, lambda: self._accept_pose(stamp, p, q, values, receive_time))
+            return True
         if reason is not None:
             self._reject(reason)
             return False
+        self._accept_pose(stamp, p, q, values, receive_time)
+        return True
+
+    def _accept_pose(self, stamp: float, p: np.ndarray, q: np.ndarray, values: list[float],
+                     receive_time: float | None) -> None:
         jump = False
         if self.config.max_speed > 0 and len(self._poses):
             dt = stamp - self._poses.newest
@@ -473,6 +559,7 @@ class MeasurementSync:
             jump = distance > self.config.max_speed * dt + TELEPORT_SLACK_M
             self.teleports += int(jump)
         self._accepted_at(stamp, receive_time)
+        self._note_interval("pose", stamp)
         self._last_pose_stamp = stamp
         self._poses.append(stamp, p, normalize_quaternion(q), jump)
         self.poses_accepted += 1
@@ -480,7 +567,7 @@ class MeasurementSync:
         if self._waiting and self._waiting[0][0] < cutoff:
             self._decide_waiting()  # before the trim drops a queued sample's left neighbour
         self._poses.trim_before(cutoff)
-        return True
+        self._release_other("pose", stamp)
 
     def add_field(self, stamp: float, field_tesla, frame_id: str = "", receive_time: float | None = None) -> None:
         """Queue one magnetometer reading (sensor frame, tesla); decided now or when its next pose arrives.
@@ -508,13 +595,20 @@ class MeasurementSync:
             reason = self._frame_refusal(frame_id)
             if reason is None:
                 reason = self._stamp_refusal("field", stamp, receive_time)
+        if reason == _HOLD:  # ahead of the field stream: waits for the stream to confirm it
+            self._held["field"] = (stamp, lambda: self._accept_field(stamp, b, frame_id, receive_time))
+            return
         if reason is not None:
             self._reject(reason)
             return
+        self._accept_field(stamp, b, frame_id, receive_time)
+
+    def _accept_field(self, stamp: float, b: np.ndarray, frame_id: str, receive_time: float | None) -> None:
         if frame_id and not self._field_frame:
             self._field_frame = frame_id
             LOG.info("magnetometer frame '%s' held: readings in another frame are refused", frame_id)
         self._accepted_at(stamp, receive_time)
+        self._note_interval("field", stamp)
         self._last_field_stamp = stamp
         self._waiting.append((stamp, b))
         # A pose stream that stopped long ago (in field time) will not bracket the oldest samples any more.
@@ -528,6 +622,7 @@ class MeasurementSync:
         if len(self._waiting) >= DECIDE_CHUNK:
             self._decide_waiting()
         self._enforce_bound()
+        self._release_other("field", stamp)
 
     def _decide_waiting(self) -> None:
         """Decide every waiting sample that is at or before the newest pose (its bracket is now known)."""
@@ -630,7 +725,13 @@ class MeasurementSync:
         return out
 
     def finish(self) -> None:
-        """End of stream: samples still waiting for a following pose can never be matched; count them."""
+        """End of stream: held messages are released (nothing came to contradict them); samples still waiting
+        for a following pose can never be matched; count them."""
+        for stream in ("pose", "field"):
+            held = self._held[stream]
+            if held is not None:
+                self._held[stream] = None
+                held[1]()
         self._decide_waiting()
         self._reject("no_pose_after", len(self._waiting))
         self._waiting.clear()

@@ -40,7 +40,11 @@ class ConversionError(ValueError):
 
 
 def stamp_to_seconds(stamp: Time) -> float:
-    """``builtin_interfaces/Time`` -> float seconds."""
+    """``builtin_interfaces/Time`` -> float seconds; NaN (refused as a non-finite stamp, counted) for a malformed
+    one whose ``nanosec`` is not below 1e9 (a stamp is normalised: 1.5 s is sec 1, nanosec 5e8), so a publisher's
+    bug is not read as seconds ahead."""
+    if not 0 <= stamp.nanosec < 1_000_000_000:
+        return math.nan
     return float(stamp.sec) + 1e-9 * float(stamp.nanosec)
 
 
