@@ -145,6 +145,11 @@ _PARAMETER_TYPES = {"bool": ParameterType.PARAMETER_BOOL, "int": ParameterType.P
 
 MAP_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
                      durability=DurabilityPolicy.TRANSIENT_LOCAL)
+# Requests the services keep while earlier ones run (rclpy's default keeps 10: of 50 concurrent ~/reset calls 39
+# were never answered). Each request waits its turn on the update thread, so a burst is answered in order.
+SERVICE_QUEUE_DEPTH = 1000
+SERVICE_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=SERVICE_QUEUE_DEPTH,
+                         reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.VOLATILE)
 
 
 MODEL_TOPIC = "~/model"  # the model summary a merger node merges (std_msgs/UInt8MultiArray: safetensors bytes)
@@ -349,9 +354,9 @@ class _MapperCore:
                                                context=self.context, use_global_arguments=False,
                                                start_parameter_services=False)
         own_name = self.get_fully_qualified_name()
-        self._service_node.create_service(Trigger, f"{own_name}/save_map", self.on_save_map)
-        self._service_node.create_service(Trigger, f"{own_name}/reset", self.on_reset)
-        self._service_node.create_service(Trigger, f"{own_name}/load_map", self.on_load_map)
+        for name, callback in (("save_map", self.on_save_map), ("reset", self.on_reset),
+                               ("load_map", self.on_load_map)):
+            self._service_node.create_service(Trigger, f"{own_name}/{name}", callback, qos_profile=SERVICE_QOS)
         self._service_executor = SingleThreadedExecutor(context=self.context)
         self._service_executor.add_node(self._service_node)
         self._service_thread = threading.Thread(target=self._spin_services, name="gp_mapping_services",
