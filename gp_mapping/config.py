@@ -147,6 +147,22 @@ class NodeConfig:
     model_max_bytes: int = _opt(16_000_000, doc="largest model summary sent on ~/model; a larger one is not sent "
                                 "(counted, logged), except a tiled map's, which then goes in parts of as many "
                                 "tiles as fit, changed tiles first [bytes]", low=1024, high=1_000_000_000)
+    # Diagnostics levels (gp_mapping.mapping.health): each check names its reason in the status message.
+    stale_after: float = _opt(5.0, doc="diagnostics: WARN when no magnetometer message, or no pose message (/tf "
+                              "with node.pose_source tf), has come for this long, also before the first one (a dead "
+                              "or stalled sensor) [s]; 0: no check", low=0.0, high=1e6)
+    stale_level_after: float = _opt(30.0, doc="diagnostics: STALE when a stream has been silent this long (taken as "
+                                    "at least node.stale_after) [s]", low=0.0, high=1e6)
+    expected_mag_rate: float = _opt(0.0, doc="diagnostics: WARN when the magnetometer's message rate over "
+                                    "node.diagnostics_window falls below this [Hz]; 0: no check", low=0.0, high=1e6)
+    expected_pose_rate: float = _opt(0.0, doc="diagnostics: WARN when the pose topic's (or /tf's) message rate over "
+                                     "node.diagnostics_window falls below this [Hz]; 0: no check", low=0.0, high=1e6)
+    max_refused_share: float = _opt(0.5, doc="diagnostics: WARN when more than this share of the readings of the "
+                                    "last node.diagnostics_window were refused (judged from 10 readings on); 1: no "
+                                    "check", low=0.0, high=1.0)
+    diagnostics_window: float = _opt(10.0, doc="diagnostics: the window of the rate, refused-share, falling-behind "
+                                     "(samples pending grew at every tick, by more than a batch: WARN) and "
+                                     "failed-update (ERROR) checks [s]", low=0.0, low_open=True, high=3600.0)
 
 
 @dataclass

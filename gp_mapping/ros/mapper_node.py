@@ -33,7 +33,14 @@ Publications (reliable + transient local, depth 1, so a late subscriber such as 
                                  unit (variance: unit squared). Lossless up to float32.
     ``~/scale``                  std_msgs/Float64MultiArray, how to decode the grids (below).
     ``/diagnostics``             diagnostic_msgs/DiagnosticArray every second: messages received, samples
-                                 accepted, rejected by reason, update latency, map size, errors.
+                                 accepted, rejected by reason, update latency, map size, errors. Its level
+                                 (:mod:`gp_mapping.mapping.health`): WARN for a magnetometer or pose stream silent
+                                 ``node.stale_after`` s (STALE after ``node.stale_level_after``) or slower than
+                                 ``node.expected_mag_rate`` / ``node.expected_pose_rate``, for more than
+                                 ``node.max_refused_share`` of the readings refused or the model falling behind
+                                 over ``node.diagnostics_window``; ERROR when updates fail or the map cannot be
+                                 predicted or published; the message names each reason. A change of level is
+                                 logged once.
 
 The scale message (latched, republished with every map). A row-major L x 4 matrix, one row per layer::
 
@@ -119,10 +126,12 @@ from gp_mapping.config import (ROS_RESERVED_KEYS, ConfigError, MapperConfig, des
 from gp_mapping.gp import warm_up as warm_up_engines
 from gp_mapping.mapping import publication
 from gp_mapping.mapping.grid import check_grid_config
+from gp_mapping.mapping.health import OK, WARN, Health, HealthMonitor, Tick
 from gp_mapping.mapping.mapper import Mapper
 from gp_mapping.mapping.merge import (MapSource, TileRotation, encode_summary, summary_overhead_bytes,
                                       tile_summary_bytes)
 from gp_mapping.mapping.publication import NODE_NAME
+from gp_mapping.mapping.sync import SAMPLE_REJECTION_REASONS
 from gp_mapping.mapping.transforms import TfPoseMatcher
 from gp_mapping.ros import conversions
 from gp_mapping.runtime import keep_freed_memory
@@ -133,7 +142,9 @@ DIAGNOSTICS_PERIOD = 1.0  # seconds (node clock), the usual rate of /diagnostics
 # from it at start.
 LIVE_PARAMETERS = frozenset({"node.publish_period", "grid.unknown_distance", "grid.tile_size", "grid.margin",
                              "grid.window", "grid.height",
-                             "grid.mean_range", "grid.variance_range", "node.initial_map", "node.map_directory"})
+                             "grid.mean_range", "grid.variance_range", "node.initial_map", "node.map_directory",
+                             "node.stale_after", "node.stale_level_after", "node.expected_mag_rate",
+                             "node.expected_pose_rate", "node.max_refused_share", "node.diagnostics_window"})
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_CONFIG = 0, 1, 2
 LOG_THROTTLE_S = 5.0  # seconds between two log lines about refused input, failed updates or dropped backlog
 MAX_TRACKED_PUBLISHERS = 64  # per input topic, for counting messages lost in transport
@@ -318,11 +329,15 @@ class _MapperCore:
         self._model_pub = self.create_publisher(UInt8MultiArray, MODEL_TOPIC, MAP_QOS)
         self._model = {"sent": 0, "parts": 0, "too_large": 0, "failed": 0, "bytes": 0, "num_seen": -1}
         self._tile_rotation = TileRotation()  # which tiles the next part of a large tiled map's summary carries
+        self._last_seen: dict[str, float | None] = {"magnetometer": None, "pose": None}  # node clock [s]
+        self._tf_dynamic_messages = 0
+        self._health: HealthMonitor | None = None
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
 
     def _activate(self) -> None:
         """Subscriptions, timers, services and the update thread: the node maps and publishes."""
         depth = self.config.node.queue_depth
+        self._health = HealthMonitor(self.config.node, self._now() or 0.0)  # silence counts from activation
         sensor_qos = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=depth,
                                 reliability=ReliabilityPolicy.BEST_EFFORT, durability=DurabilityPolicy.VOLATILE)
         # The two-argument callbacks get the message info: its sequence numbers reveal messages that the
@@ -608,6 +623,7 @@ class _MapperCore:
         stamp, field_tesla, frame = conversions.field_from_msg(msg)
         now = self._now()
         self._counts["mag_messages"] += 1
+        self._last_seen["magnetometer"] = now
         self._push(("field", self._receive_stamp(stamp, now), field_tesla, frame, now))
 
     def on_pose(self, msg: Any) -> None:
@@ -616,13 +632,18 @@ class _MapperCore:
         now = self._now()
         stamp = self._receive_stamp(stamp, now)
         self._counts["pose_messages"] += 1
+        self._last_seen["pose"] = now
         self._push(("pose", stamp, position, (orientation, frame), now))
 
     def on_tf(self, msg: Any, static: bool = False) -> None:
         """Subscription callback of ``/tf`` and ``/tf_static`` (``node.pose_source: tf``)."""
         samples = conversions.transforms_from_msg(msg)
         self._counts["tf_messages"] += 1
-        self._push(("tf", 0.0, samples, static, self._now()))
+        now = self._now()
+        if not static:  # /tf is the pose stream (the diagnostics' silence and rate checks)
+            self._tf_dynamic_messages += 1
+            self._last_seen["pose"] = now
+        self._push(("tf", 0.0, samples, static, now))
 
     def _feed_inbox(self) -> None:
         """Hand every buffered message to the mapper in arrival order (caller holds ``_lock``)."""
@@ -907,6 +928,30 @@ class _MapperCore:
             self.get_logger().info(f"magnetometer frame '{frame}' held ({how}): readings in another frame are "
                                    "refused as field_frame_mismatch")
 
+    _logged_level = OK
+
+    def _health_now(self, mapper_diag: dict[str, Any], inbox: int) -> Health:
+        """The levels of gp_mapping.mapping.health for this tick (node clock)."""
+        now = self._now()
+        if self._health is None:
+            self._health = HealthMonitor(self.config.node, now or 0.0)
+        self._health.settings = self.config.node
+        rejected = mapper_diag.get("rejected", {})
+        refused = {k: int(rejected.get(k, 0)) for k in SAMPLE_REJECTION_REASONS}
+        if self._tf is not None:
+            refused.update({k: int(v) for k, v in self._tf.rejected.items()})
+        tick = Tick(now=now if now is not None else 0.0,
+                    messages={"magnetometer": self._counts["mag_messages"],
+                              "pose": self._counts["pose_messages"] + self._tf_dynamic_messages},
+                    last_seen=dict(self._last_seen), accepted=int(mapper_diag.get("accepted", 0)), refused=refused,
+                    pending=int(mapper_diag.get("pending", 0)) + inbox, updates=int(mapper_diag.get("updates", 0)),
+                    failed_updates=int(mapper_diag.get("failed_updates", 0)),
+                    update_error=shorten(mapper_diag.get("last_error") or "", 300), node_error=self._last_error,
+                    batch_size=self.config.batching.size)
+        if now is None:  # sim time before the first /clock: only the errors can be judged
+            tick.last_seen = {k: tick.now for k in tick.last_seen}
+        return self._health.observe(tick)
+
     def _publish_diagnostics(self) -> None:
         mapper_diag = self._mapper_diagnostics  # as of the update thread's last step: never waits for an update
         with self._inbox_cond:
@@ -941,12 +986,18 @@ class _MapperCore:
         self._log_refusals(values)
         self._log_field_frame(str(mapper_diag.get("field_frame", "")))
         status = DiagnosticStatus(name=f"{self.get_name()}: gp_mapping", hardware_id="gp_mapping")
-        if self._last_error:
-            status.level, status.message = DiagnosticStatus.ERROR, self._last_error
-        elif self._counts["mag_messages"] and not self._counts["updates"]:
-            status.level, status.message = DiagnosticStatus.WARN, "receiving data, no map update yet"
-        else:
-            status.level, status.message = DiagnosticStatus.OK, "mapping"
+        health = self._health_now(mapper_diag, inbox)
+        if health.level == OK and self._counts["mag_messages"] and not self._counts["updates"]:
+            health = Health(WARN, "receiving data, no map update yet", [(WARN, "receiving data, no map update yet")])
+        status.level, status.message = bytes([health.level]), health.message
+        values["node/health"] = health.level_name
+        if health.level != self._logged_level:  # one line per change of level, naming why
+            self._logged_level = health.level
+            line = f"diagnostics {health.level_name}: {shorten(health.message, 1000)}"
+            if health.level == OK:  # (rclpy: one severity per call site)
+                self.get_logger().info(line)
+            else:
+                self.get_logger().warning(line)
         status.values = [KeyValue(key=k, value=_format(v)) for k, v in values.items()]
         msg = DiagnosticArray(status=[status])
         msg.header.stamp = self.get_clock().now().to_msg()
