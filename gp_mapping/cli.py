@@ -23,6 +23,8 @@ SUBCOMMANDS = {
     "merge-node": ("gp_mapping.ros.merger_node", "run the merger node: merges the maps of mapping nodes from their "
                    "~/model summaries (same as `ros2 run gp_mapping merger`)"),
     "bench": ("gp_mapping.bench_cli", "benchmarks: engines vs baselines (accuracy, latency, growth)"),
+    "localize": ("gp_mapping.localization.cli", "localize a recorded drive on a saved map (particle filter); writes "
+                 "poses.csv, summary.json, localization.png"),
 }
 
 

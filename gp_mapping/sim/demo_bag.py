@@ -9,6 +9,11 @@ The bag holds what a real robot would record (topic names are the defaults in :d
 - ``/tf``: ``tf2_msgs/msg/TFMessage`` with ``map -> base_link``; ``/tf_static``: one message with
   ``base_link -> magnetometer`` (the sensor extrinsic), offered as reliable + transient-local (latched).
 
+A second drive in the same world for localization (``--drive-seed N``: the world of ``--seed``, the path and sensor
+of N) may carry drifting odometry (``--odometry-drift SCALE DEG_PER_S``): ``/odom`` then holds the pose a wheel
+odometry would integrate, in frame ``odom`` (starting at its origin), with that scale error, that heading drift
+and a little noise; ``/pose`` and ``/tf`` keep the true pose in ``map`` (the ground truth to score against).
+
 Beside the storage file, inside the bag directory, ``ground_truth.npz`` (plain arrays, no pickles) holds the
 true field on a grid, the truth at every sample and the world's parameters; :func:`load_ground_truth` reads
 it. rosbags' readers (and rosbag2) open only the files that ``metadata.yaml`` lists, so the extra file is
@@ -50,6 +55,9 @@ MSGTYPES = {
     "tf_static": "tf2_msgs/msg/TFMessage",
 }
 MAP_FRAME, BASE_FRAME, SENSOR_FRAME = "map", "base_link", "magnetometer"
+ODOM_FRAME = "odom"  # the frame of drifting odometry (--odometry-drift)
+ODOMETRY_TRANS_NOISE = 0.01  # drifting odometry: white noise on every increment, this fraction of its length
+ODOMETRY_YAW_NOISE = 0.0005  # and this much heading [rad] per increment
 GROUND_TRUTH_FILE = "ground_truth.npz"
 GROUND_TRUTH_VERSION = 1
 DEFAULT_START_TIME = 1_700_000_000.0  # seconds since the epoch of the first sample (2023-11-14)
@@ -76,6 +84,33 @@ def body_twist(t: np.ndarray, position: np.ndarray, orientation_xyzw: np.ndarray
     return rot.apply(v_map, inverse=True), omega
 
 
+def drifting_odometry(t: np.ndarray, position: np.ndarray, orientation_xyzw: np.ndarray, scale_error: float,
+                      drift_deg_s: float, seed: int = 0, trans_noise: float = ODOMETRY_TRANS_NOISE,
+                      yaw_noise: float = ODOMETRY_YAW_NOISE) -> tuple[np.ndarray, np.ndarray]:
+    """What wheel odometry integrates along a true planar pose track: each increment (body frame, between two
+    instants) with its length scaled by ``1 + scale_error``, its heading change plus ``drift_deg_s`` deg/s, and
+    white noise (``trans_noise`` of its length, ``yaw_noise`` rad), summed from the origin of an odom frame.
+    Returns positions (N, 3) (z the true z) and orientations (N, 4) [x, y, z, w] (the true roll and pitch, the
+    odometry's heading)."""
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0x0D0]))
+    rot = Rotation.from_quat(orientation_xyzw)
+    roll, pitch, yaw = rot.as_euler("xyz").T
+    c, s = np.cos(yaw[:-1]), np.sin(yaw[:-1])
+    dx, dy = np.diff(position[:, 0]), np.diff(position[:, 1])
+    fwd, left = c * dx + s * dy, -s * dx + c * dy  # the true increments in the body frame
+    dyaw = np.angle(np.exp(1j * np.diff(yaw)))
+    step = np.hypot(fwd, left)
+    n = len(step)
+    fwd = fwd * (1.0 + scale_error) + rng.standard_normal(n) * trans_noise * step
+    left = left * (1.0 + scale_error) + rng.standard_normal(n) * trans_noise * step
+    dyaw = dyaw + math.radians(drift_deg_s) * np.diff(t) + rng.standard_normal(n) * yaw_noise
+    heading = np.concatenate([[0.0], np.cumsum(dyaw)])
+    ch, sh = np.cos(heading[:-1]), np.sin(heading[:-1])
+    xy = np.vstack([[0.0, 0.0], np.cumsum(np.column_stack([ch * fwd - sh * left, sh * fwd + ch * left]), axis=0)])
+    odom_q = Rotation.from_euler("xyz", np.column_stack([roll, pitch, heading])).as_quat()
+    return np.column_stack([xy, position[:, 2]]), odom_q
+
+
 def _stamps_ns(t: np.ndarray, start_time: float) -> np.ndarray:
     return int(round(start_time * 1e9)) + np.round(np.asarray(t) * 1e9).astype(np.int64)
 
@@ -93,13 +128,16 @@ class BagSummary:
 def write_demo_bag(out_dir: str | Path, recording: SimRecording, *, start_time: float = DEFAULT_START_TIME,
                    pose_every: int = 1, odom_every: int = 2, tf_every: int = 1, storage: str = "mcap",
                    compress: bool = True, grid_resolution: float = 0.1, grid_area: Sequence[float] | None = None,
-                   ground_truth: bool = True, custom_data: Mapping[str, str] | None = None) -> BagSummary:
+                   ground_truth: bool = True, custom_data: Mapping[str, str] | None = None,
+                   odometry: tuple[np.ndarray, np.ndarray] | None = None) -> BagSummary:
     """Write ``recording`` as a ROS 2 bag directory ``out_dir`` (which must not exist).
 
     /mag carries every delivered sample; /pose, /odom and /tf every ``pose_every``-th, ``odom_every``-th and
     ``tf_every``-th instant of the timeline. ``storage`` is ``mcap`` (zstd chunk compression when
     ``compress``) or ``sqlite3`` (uncompressed). The ground truth grid covers ``grid_area`` (default: the
-    trajectory's area) every ``grid_resolution`` metres at the sensor's mean height.
+    trajectory's area) every ``grid_resolution`` metres at the sensor's mean height. ``odometry`` (positions
+    (N, 3), orientations (N, 4), e.g. :func:`drifting_odometry`): /odom carries these poses in frame ``odom``
+    instead of the true pose in ``map``.
     """
     from rosbags.rosbag2 import CompressionFormat, CompressionMode, StoragePlugin, Writer
 
@@ -164,11 +202,13 @@ def write_demo_bag(out_dir: str | Path, recording: SimRecording, *, start_time: 
     lin, ang = body_twist(recording.t, pos, q)
     pose_cov = np.diag([POSE_VARIANCE] * 6).ravel()
     twist_cov = np.diag([TWIST_VARIANCE] * 6).ravel()
+    odom_pos, odom_q, odom_frame = (pos, q, MAP_FRAME) if odometry is None else (*odometry, ODOM_FRAME)
     for k in range(0, len(recording), odom_every):
         ns = int(stamps[k])
         messages.append((ns, 4, "odom", T["nav_msgs/msg/Odometry"](
-            header=header(ns, MAP_FRAME), child_frame_id=BASE_FRAME,
-            pose=T["geometry_msgs/msg/PoseWithCovariance"](pose=pose(pos[k], q[k]), covariance=pose_cov.copy()),
+            header=header(ns, odom_frame), child_frame_id=BASE_FRAME,
+            pose=T["geometry_msgs/msg/PoseWithCovariance"](pose=pose(odom_pos[k], odom_q[k]),
+                                                           covariance=pose_cov.copy()),
             twist=T["geometry_msgs/msg/TwistWithCovariance"](
                 twist=T["geometry_msgs/msg/Twist"](linear=vec3(lin[k]), angular=vec3(ang[k])),
                 covariance=twist_cov.copy()))))
@@ -197,7 +237,7 @@ def write_demo_bag(out_dir: str | Path, recording: SimRecording, *, start_time: 
         gt_path = None
         if ground_truth:
             gt_path = out / GROUND_TRUTH_FILE
-            _save_ground_truth(gt_path, recording, stamps, xs, ys, grid, height)
+            _save_ground_truth(gt_path, recording, stamps, xs, ys, grid, height, odometry)
     except BaseException:
         if writer.storage is not None:
             writer.abort()
@@ -208,9 +248,10 @@ def write_demo_bag(out_dir: str | Path, recording: SimRecording, *, start_time: 
 
 
 def _save_ground_truth(path: Path, rec: SimRecording, stamps: np.ndarray, xs: np.ndarray, ys: np.ndarray,
-                       grid: np.ndarray, height: float) -> None:
+                       grid: np.ndarray, height: float, odometry: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     grid_ut = grid * UT
     b_true_ut = rec.field_map_tesla_true * UT
+    extra = {} if odometry is None else {"odometry_position": odometry[0], "odometry_orientation_xyzw": odometry[1]}
     np.savez_compressed(
         path,
         format_version=np.int64(GROUND_TRUTH_VERSION),
@@ -229,6 +270,7 @@ def _save_ground_truth(path: Path, rec: SimRecording, stamps: np.ndarray, xs: np
         sensor_rotation_xyzw=np.asarray(rec.sensor.rotation, dtype=float),
         noise_std_ut=np.float64(rec.sensor.noise_std * UT), bias_ut=np.asarray(rec.sensor.bias, dtype=float) * UT,
         seed=np.int64(rec.seed),
+        **extra,
     )
 
 
@@ -330,6 +372,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-time", type=float, default=DEFAULT_START_TIME,
                         help=f"stamp of the first sample [s since the epoch] (default {DEFAULT_START_TIME:.0f})")
     parser.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap", help="bag storage (default mcap)")
+    parser.add_argument("--drive-seed", type=int, default=None, help="a second drive in the world of --seed: the "
+                        "path and the sensor drawn from this seed instead (default: --seed)")
+    parser.add_argument("--odometry-drift", type=float, nargs=2, default=None, metavar=("SCALE", "DEG_PER_S"),
+                        help="/odom as drifting wheel odometry in frame odom: a scale error (0.03: 3 %% too long) and "
+                             "a heading drift [deg/s] (default: /odom is the true pose in map)")
     parser.add_argument("--no-compression", action="store_true", help="write MCAP chunks uncompressed")
 
 
@@ -399,11 +446,27 @@ def run(args: argparse.Namespace) -> int:
         odom_every = _divisor(args.rate, args.odom_rate, "--odom-rate")
         if not (math.isfinite(args.grid_resolution) and args.grid_resolution > 0.0):
             raise DemoBagError(f"--grid-resolution must be > 0, got {args.grid_resolution}")
-        recording = simulate(world, trajectory, sensor, seed=args.seed)
+        drive_seed = getattr(args, "drive_seed", None)
+        drift = getattr(args, "odometry_drift", None)
+        if drive_seed is None:
+            recording = simulate(world, trajectory, sensor, seed=args.seed)
+        else:
+            if drive_seed < 0:
+                raise DemoBagError(f"--drive-seed must be >= 0, got {drive_seed}")
+            # the world of --seed (simulate draws it from the first of the seed's three streams)
+            world_rng = np.random.default_rng(np.random.SeedSequence(int(args.seed)).spawn(3)[0])
+            recording = simulate(World.from_config(world, world_rng), trajectory, sensor, seed=drive_seed)
+        odometry = None
+        if drift is not None:
+            if not all(math.isfinite(v) for v in drift) or abs(drift[0]) >= 0.5:
+                raise DemoBagError(f"--odometry-drift needs a finite scale error below 0.5 and a finite drift, got "
+                                   f"{drift}")
+            odometry = drifting_odometry(recording.t, recording.position, recording.orientation_xyzw, drift[0],
+                                         drift[1], seed=recording.seed)
         summary = write_demo_bag(args.out, recording, start_time=args.start_time, pose_every=pose_every,
                                  odom_every=odom_every, tf_every=pose_every, storage=args.storage,
                                  compress=not args.no_compression, grid_resolution=args.grid_resolution,
-                                 custom_data={"gp_mapping.command": command_line(args)})
+                                 custom_data={"gp_mapping.command": command_line(args)}, odometry=odometry)
     except (DemoBagError, SimulationError) as exc:
         print(f"gp-mapping demo-bag: error: {exc}", file=sys.stderr)
         return 2
@@ -415,5 +478,5 @@ def run(args: argparse.Namespace) -> int:
 __all__ = [
     "TOPICS", "MSGTYPES", "GROUND_TRUTH_FILE", "DemoBagError", "BagSummary", "GroundTruth", "write_demo_bag",
     "load_ground_truth", "ground_truth_path", "body_twist", "configs_from_args", "command_line", "add_arguments",
-    "run",
+    "run", "drifting_odometry",
 ]

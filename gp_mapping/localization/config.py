@@ -1,0 +1,165 @@
+"""The localizer's settings (the ``localizer`` section of a YAML) and the errors of localization.
+
+:class:`LocalizerConfig` is one small dataclass whose every field carries its allowed range or choices (the
+``option`` rules of :mod:`gp_mapping.gp.config`, so a bad value reads like the mapper's: ``config key
+'localizer.num_particles': 0 is too small; allowed: an integer in [10, 1000000]``). It validates itself on
+construction, so ``LocalizerConfig(inflation=-1)`` is refused as a YAML holding it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from gp_mapping.gp.config import option, section_from_dict, validate_value
+from gp_mapping.gp.errors import ConfigError
+
+SECTION = "localizer"
+
+
+class LocalizationError(ValueError):
+    """Localization cannot run with the given inputs (a map that does not fit, a bad initial pose ...)."""
+
+
+class MapLoadError(LocalizationError):
+    """The map state file is missing, unreadable, empty, or of another frame or target than asked for."""
+
+
+@dataclass
+class LocalizerConfig:
+    """Particle-filter settings (section ``localizer``). Units: metres, radians, seconds, and the map's field
+    unit (microtesla for the shipped config)."""
+
+    num_particles: int = option(1000, doc="particles in the filter", low=10, high=1_000_000)
+    # --- motion model (nav2 AMCL's differential model: the odometry increment between two filter updates as
+    # rotation 1, translation, rotation 2, each perturbed with a variance from the four alphas)
+    alpha1: float = option(0.05, doc="rotation noise from rotation (variance of a turn per rad^2 turned)",
+                           low=0.0, high=10.0)
+    alpha2: float = option(0.02, doc="rotation noise from translation [rad^2 per m^2 driven]", low=0.0, high=10.0)
+    alpha3: float = option(0.02, doc="translation noise from translation (variance per m^2 driven)", low=0.0,
+                           high=10.0)
+    alpha4: float = option(0.005, doc="translation noise from rotation [m^2 per rad^2 turned]", low=0.0, high=10.0)
+    # --- when the filter updates (AMCL's update_min_d / update_min_a): readings between updates are skipped
+    update_min_d: float = option(0.05, doc="a filter update needs this much translation since the last one [m] "
+                                 "(consecutive readings closer than this carry the same map error)", low=0.0,
+                                 high=100.0)
+    update_min_a: float = option(0.1, doc="... or this much rotation [rad]", low=0.0, high=10.0)
+    max_update_rate: float = option(50.0, doc="at most this many filter updates per second of stamps (a 200 Hz "
+                                    "magnetometer is subsampled); 0: no limit", low=0.0, high=10_000.0)
+    # --- measurement model
+    inflation: float = option(3.0, doc="the reading's predictive variance (latent + noise + bias) is multiplied "
+                              "by this: readings along a path share their map error, so they are not independent",
+                              low=0.0, low_open=True, high=1e6)
+    position_std: float = option(0.0, doc="position uncertainty the map lookup allows for [m]: adds |grad m|^2 "
+                                 "position_std^2 to the reading variance (a noisy-input GP, McHutchon and Rasmussen "
+                                 "2011), so steep parts of the field, where a few centimetres change a reading by "
+                                 "microtesla, weigh less", low=0.0, high=10.0)
+    variance_floor: float = option(0.0, doc="added to every reading variance [unit^2]", low=0.0, high=1e6)
+    use_map_variance: bool = option(True, doc="use the map's predictive variance of a reading; false: a fixed "
+                                    "variance (fixed_variance) everywhere (a baseline, the map's variance ignored)")
+    fixed_variance: float = option(1.0, doc="the reading variance when use_map_variance is false [unit^2]",
+                                   low=0.0, low_open=True, high=1e6)
+    outlier_probability: float = option(0.05, doc="weight of a uniform density over the map's range mixed into the "
+                                        "likelihood (AMCL's z_rand): a reading the map explains badly (a map error, "
+                                        "a disturbance) costs a particle at most this floor, so the true pose "
+                                        "survives a few bad readings", low=0.0, high=0.99)
+    off_map: str = option("prior", doc="the likelihood of a particle on an unknown cell (farther than the map's "
+                          "grid.unknown_distance from its data) or off the grid: the map's marginal distribution of "
+                          "readings (prior) or a uniform density over the map's range (uniform)",
+                          choices=("prior", "uniform"))
+    grid_resolution: float = option(0.0, doc="cell size of the lookup grid predicted from the map [m]; 0: the "
+                                    "map's grid.resolution", low=0.0, high=100.0)
+    orientation: str = option("level", doc="vector maps: the reading is rotated into the map frame by the "
+                              "particle's yaw and roll and pitch from the orientation given with it (orientation), or "
+                              "assumed level (level)", choices=("level", "orientation"))
+    # --- magnetometer bias: a constant offset per map output, Rao-Blackwellised (a Kalman filter per particle)
+    bias_prior_std: float = option(5.0, doc="prior standard deviation of the offset per output [unit]; 0: no "
+                                   "bias state", low=0.0, high=1e6)
+    bias_prior_mean: list = option([], doc="prior mean of the offset [unit]: empty (0), one value (every "
+                                   "output) or one per output", length=(0, 1, 3))
+    bias_random_walk: float = option(0.0, doc="random walk of the offset [unit per sqrt(s)]; 0: constant",
+                                     low=0.0, high=1e6)
+    # --- resampling and initialisation
+    ess_threshold: float = option(0.5, doc="resample (systematic) when the effective sample size falls below this "
+                                  "fraction of the particles", low=0.0, high=1.0)
+    initial_std: list = option([0.1, 0.1, 0.05], doc="standard deviation of a Gaussian initial pose: x [m], y [m], "
+                               "yaw [rad]", length=3, low=0.0, high=1e4)
+    # --- bad input
+    max_speed: float = option(5.0, doc="odometry moving faster than this between two messages is a jump: refused "
+                              "and counted, the filter bridges it without motion [m/s]", low=0.0, low_open=True,
+                              high=1e4)
+    max_yaw_rate: float = option(10.0, doc="as max_speed for rotation [rad/s]", low=0.0, low_open=True, high=1e4)
+    max_odometry_gap: float = option(0.5, doc="a reading needs odometry within this many seconds before and after "
+                                     "it [s]", low=0.0, low_open=True, high=3600.0)
+    converged_std: float = option(0.3, doc="the filter counts as converged while the position standard deviation "
+                                  "(larger axis) is below this [m]", low=0.0, low_open=True, high=1e4)
+    seed: int = option(0, doc="random seed", low=0, high=2**31 - 1)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, validate_value(f"{SECTION}.{f.name}", getattr(self, f.name), f))
+        if self.update_min_d == 0.0 and self.update_min_a == 0.0 and self.max_update_rate == 0.0:
+            raise ConfigError("update_min_d, update_min_a and max_update_rate are all 0: every reading would be an "
+                              "update, at any rate; set max_update_rate", f"{SECTION}.max_update_rate")
+
+    def bias_mean(self, outputs: int) -> list[float]:
+        """The prior mean of the offset for a map of ``outputs`` outputs."""
+        values = list(self.bias_prior_mean)
+        if not values:
+            return [0.0] * outputs
+        if len(values) == 1:
+            return values * outputs
+        if len(values) != outputs:
+            raise ConfigError(f"{values} has {len(values)} entries but the map has {outputs} output(s)",
+                              f"{SECTION}.bias_prior_mean")
+        return values
+
+
+def config_from_dict(values: Mapping[str, Any] | None) -> LocalizerConfig:
+    """A LocalizerConfig from a mapping of its keys (unknown keys and bad values refused, named
+    ``localizer.<key>``)."""
+    return section_from_dict(LocalizerConfig, dict(values or {}), SECTION + ".")
+
+
+def load_localizer_config(path: str | Path) -> LocalizerConfig:
+    """Read a YAML: a mapping of the keys, or one with a ``localizer`` section, either at the top level or under
+    a ROS ``/**: ros__parameters:`` entry (so the node's parameter file serves the CLI too)."""
+    try:
+        document = yaml.safe_load(Path(path).read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err}") from err
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+    if document is None:
+        return LocalizerConfig()
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    entries = [v["ros__parameters"] for v in document.values() if isinstance(v, Mapping) and "ros__parameters" in v]
+    if len(entries) > 1:
+        raise ConfigError(f"config file {path} holds several node entries; use one '/**: ros__parameters:'")
+    if entries:
+        document = entries[0] or {}
+    if SECTION in document:
+        section = document[SECTION]
+        if section is None:
+            return LocalizerConfig()
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"must be a mapping of keys, got {section!r}", SECTION)
+        return config_from_dict(section)
+    # dotted ROS names (localizer.num_particles) or bare keys
+    flat = {(k[len(SECTION) + 1:] if isinstance(k, str) and k.startswith(SECTION + ".") else k): v
+            for k, v in document.items() if k not in ("use_sim_time",)}
+    return config_from_dict(flat)
+
+
+def field_specs() -> dict[str, dataclasses.Field]:
+    """Every setting's dataclass field by its ROS parameter name (``localizer.<key>``): type, default, doc and
+    range, for a node's parameter descriptors."""
+    return {f"{SECTION}.{f.name}": f for f in dataclasses.fields(LocalizerConfig)}
+
+
+__all__ = ["ConfigError", "LocalizationError", "LocalizerConfig", "MapLoadError", "config_from_dict", "field_specs",
+           "load_localizer_config"]
