@@ -203,7 +203,7 @@ def _displays(document) -> list[dict]:
 
 
 def test_rviz_config_matches_the_node():
-    from gp_mapping.ros.mapper_node import published_topics
+    from gp_mapping.ros.publishers import published_topics
 
     document = yaml.safe_load(RVIZ_FILE.read_text())
     assert str(RVIZ_FILE.relative_to(REPO_ROOT)) in _installed_share_files()

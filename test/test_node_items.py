@@ -92,7 +92,7 @@ def test_the_3d_slice_height_changes_while_running(node_factory):  # noqa: F811
 
 
 def test_a_ctrl_c_inside_a_finalizer_prints_nothing(capsys, monkeypatch):
-    from gp_mapping.ros.mapper_node import quiet_interrupts_in_finalizers
+    from gp_mapping.ros.process import quiet_interrupts_in_finalizers
 
     class RaisesWhenCollected:
         def __init__(self, exc: BaseException) -> None:

@@ -66,7 +66,7 @@ def test_node_and_map_bag_render_the_one_layout_identically(node_factory, tmp_pa
     from rclpy.serialization import serialize_message
     from rosbags.typesys import Stores, get_typestore
 
-    from gp_mapping.ros.mapper_node import published_topics
+    from gp_mapping.ros.publishers import published_topics
 
     grid = _grid(target)
     node = node_factory(**{"sync.target": target, "model.device": "cpu"})

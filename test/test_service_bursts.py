@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gp_mapping.ros.mapper_node import SERVICE_QUEUE_DEPTH
+from gp_mapping.ros.services import SERVICE_QUEUE_DEPTH
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

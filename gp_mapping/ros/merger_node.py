@@ -24,7 +24,9 @@ shares data with another source (its lineage overlaps another's) is refused, cou
 tile by tile and merge tile by tile into a map tiled alike (gp_mapping/mapping/merge.py); a map too large for one
 message arrives in parts, which the merger puts together: it merges that map once it holds every tile (until then
 its earlier whole map, if any, stays in the merge), each tile as of its latest part (``parts_received``,
-``sources_incomplete`` in the diagnostics).
+``sources_incomplete`` in the diagnostics). The merge is gp_mapping/mapping/merge.py's, as for ``gp-mapping merge``
+(gp_mapping/merge_cli.py) on state files; the map goes out through the mapping node's publishers
+(gp_mapping/ros/publishers.py).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import threading
 import time
 from typing import Any
 
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from diagnostic_msgs.msg import DiagnosticArray
 from rcl_interfaces.msg import ParameterDescriptor, ParameterType
 from rclpy.exceptions import ParameterUninitializedException
 from rclpy.parameter import Parameter
@@ -44,13 +46,14 @@ from std_msgs.msg import UInt8MultiArray
 
 from gp_mapping.gp.recyclable import MergeError
 from gp_mapping.mapping import publication
+from gp_mapping.mapping.health import OK, WARN
 from gp_mapping.mapping.merge import (DuplicateSourceError, MapSource, SummaryError, assemble_tiles, check_compatible,
                                       check_lineage, decode_summary, merge_maps, parse_transform)
-from gp_mapping.ros.mapper_node import (MAP_QOS, NodeStartError, create_map_publishers, publish_map_layout,
-                                        spin_node)
+from gp_mapping.ros.diagnostics import DIAGNOSTICS_PERIOD, diagnostic_array
+from gp_mapping.ros.process import NodeStartError, spin_node
+from gp_mapping.ros.publishers import MAP_QOS, create_map_publishers, publish_map_layout
 
 MERGER_NAME = "merger"
-DIAGNOSTICS_PERIOD = 1.0
 REJECTION_REASONS = ("oversized", "malformed", "incompatible", "duplicate")
 
 _PARAMETERS = {
@@ -240,17 +243,14 @@ class MergerNode(Node):
         values["sources_incomplete"] = sum(bool(s.missing_tiles) for s in self._parts.values())
         values["merge_seconds_last"] = self._merge_seconds
         values["merge_tiles_reused_last"] = self._tiles_reused
-        status = DiagnosticStatus(name=f"{self.get_name()}: gp_mapping merger", hardware_id="gp_mapping")
         if self._last_error:
-            status.level, status.message = DiagnosticStatus.WARN, self._last_error
+            level, message = WARN, self._last_error
         elif not self._sources:
-            status.level, status.message = DiagnosticStatus.WARN, "waiting for model summaries"
+            level, message = WARN, "waiting for model summaries"
         else:
-            status.level, status.message = DiagnosticStatus.OK, f"merging {len(self._sources)} maps"
-        status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]
-        msg = DiagnosticArray(status=[status])
-        msg.header.stamp = self.get_clock().now().to_msg()
-        self._diag_pub.publish(msg)
+            level, message = OK, f"merging {len(self._sources)} maps"
+        self._diag_pub.publish(diagnostic_array(self.get_clock().now().to_msg(),
+                                                f"{self.get_name()}: gp_mapping merger", level, message, values))
 
     def close(self) -> None:
         """Nothing to stop or write: the merged map is rebuilt from the sources' summaries."""
