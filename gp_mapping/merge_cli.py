@@ -5,7 +5,8 @@ followed by ``@x,y,yaw_deg`` (or ``@x,y,z,yaw_deg``): the rigid transform from t
 frame. Writes ``DIR/merged.safetensors`` (a state file: start a node from it with ``node.initial_map``, or merge
 it again), ``DIR/map.npz`` and ``DIR/map.png`` (as the replay writes them). Maps made from the same data (one
 map twice, a map and a map merged or continued from it) are refused: their data would count twice. Tiled maps
-merge tile by tile into a map tiled alike (gp_mapping/mapping/merge.py).
+merge tile by tile into a map tiled alike. The merge itself is gp_mapping/mapping/merge.py's, which the merger
+node (gp_mapping/ros/merger_node.py) drives from model summaries instead of state files.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from gp_mapping.mapping.mapper import Mapper
     from gp_mapping.mapping.merge import MapSource, merge_maps, parse_transform
     from gp_mapping.mapping.state import MapStateError
-    from gp_mapping.replay import draw_map, unwritable_folder, write_map_npz
+    from gp_mapping.mapping.map_files import NPZ_NAME, PNG_NAME, draw_map, unwritable_folder, write_map_npz
 
     def fail(message: str) -> int:
         print(f"gp-mapping merge: error: {message}", file=sys.stderr)
@@ -75,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
         if grid is None:
             return fail("the merged map has no grid to draw")
         names = ", ".join(s.name for s in sources)
-        npz = write_map_npz(out / "map.npz", grid, mapper.trajectory, {"merged_from": names})
-        png = draw_map(out / "map.png", grid, mapper.trajectory, f"merged: {len(sources)} maps")
+        npz = write_map_npz(out / NPZ_NAME, grid, mapper.trajectory, {"merged_from": names})
+        png = draw_map(out / PNG_NAME, grid, mapper.trajectory, f"merged: {len(sources)} maps")
     except (ConfigError, MapStateError, MergeError, GridError, OSError) as err:
         return fail(str(err))
     tiles = f"{result.tiles} tiles of up to " if hasattr(result, "tiles") else ""

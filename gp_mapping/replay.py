@@ -5,7 +5,8 @@
 The bag's magnetometer and pose messages are fed to the Mapper in bag-time order, as fast as the machine goes.
 Every ``node.publish_period`` seconds of bag time the current map is recorded, as the node would publish it;
 the recordings go to ``DIR/maps.mcap`` (a ROS 2 bag for ``ros2 bag play`` and RViz). At the end of the bag
-the final map is written to ``DIR/map.npz`` (arrays only, no pickles) and drawn in ``DIR/map.png``.
+the final map is written to ``DIR/map.npz`` (arrays only, no pickles) and drawn in ``DIR/map.png``
+(:mod:`gp_mapping.mapping.map_files`).
 
 Pose source. A pose topic (PoseStamped, Odometry or PoseWithCovarianceStamped, its type read from the bag, so
 ``node.pose_type`` is not needed) gives the body pose, and the config's ``sync.sensor_translation`` /
@@ -29,17 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from gp_mapping.bag import (Bag, BagError, CorruptBagError, MapBagWriter, PoseSource, TransformBuffer,
                             choose_pose_source, decode_magnetic_field, decode_pose, is_identity_extrinsic)
 from gp_mapping.config import ConfigError, MapperConfig, load_config
 from gp_mapping.gp import warm_up
+from gp_mapping.mapping.map_files import MCAP_NAME, NPZ_NAME, PNG_NAME, draw_map, unwritable_folder, write_map_npz
 from gp_mapping.mapping.transforms import TransformError, body_pose_from_tf  # a lookup's (the bag's own: a subclass)
 
-NPZ_NAME = "map.npz"
-PNG_NAME = "map.png"
-MCAP_NAME = "maps.mcap"
 
 
 class ReplayError(Exception):
@@ -221,8 +218,9 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
                           notes=notes, error=str(broken[0]) if broken else "")
     if out is not None:
         files["mcap"] = writer.close()
-        files["npz"] = save_map_npz(out / NPZ_NAME, result)
-        files["png"] = plot_map(out / PNG_NAME, result)
+        files["npz"] = write_map_npz(out / NPZ_NAME, grid, mapper.trajectory,
+                                     {"bag": str(bag_path), "mag_topic": mag_topic, "pose_source": source.describe()})
+        files["png"] = draw_map(out / PNG_NAME, grid, mapper.trajectory, bag_path.name)
     if broken:
         raise IncompleteReplayError(f"{broken[0]}; the map of the {counts['mag_messages']} magnetometer messages "
                                     "read before it was written", result, broken[0])
@@ -267,113 +265,6 @@ def _rejections(diagnostics: dict[str, Any], counts: dict[str, Any]) -> str:
         parts.append(f"poses not in grid.frame_id {counts['pose_frame_mismatch']}")
     return (f"{counts.get('mag_messages', 0)} magnetometer messages, {diagnostics.get('accepted', 0)} accepted; "
             f"rejected: {', '.join(parts) or 'none'}")
-
-
-# --------------------------------------------------------------------------------------------- outputs
-
-
-def save_map_npz(path: str | Path, result: ReplayResult) -> Path:
-    """Write the replay's final map with :func:`write_map_npz`, naming the bag, topic and pose source."""
-    return write_map_npz(path, result.grid, result.mapper.trajectory,
-                         {"bag": str(result.bag_path), "mag_topic": result.mag_topic,
-                          "pose_source": result.pose_source.describe()})
-
-
-def write_map_npz(path: str | Path, grid, trajectory, provenance: dict[str, str] | None = None) -> Path:
-    """Write a map as plain arrays (loadable with ``allow_pickle=False``).
-
-    Keys: ``x`` (W,) and ``y`` (H,) cell-centre coordinates [m]; ``origin`` (2,) corner of cell (0, 0);
-    ``resolution``; ``known`` (H, W) bool; ``layers`` (names); per layer ``<layer>_mean`` and
-    ``<layer>_variance`` (H, W) in ``field_unit`` (variance in unit squared; rows are y, columns x, as the
-    OccupancyGrid); ``field_unit``, ``frame_id``, ``stamp`` (newest sample [s]), ``height`` (z of the cells);
-    ``extent`` ("full": the whole visited area plus margin; "window": grow mode's window around the newest
-    position, when the whole map exceeds ``grid.max_cells``); ``trajectory`` (K, 2) accepted sensor positions;
-    ``provenance`` strings (the replay: ``bag``,
-    ``mag_topic``, ``pose_source``). :func:`gp_mapping.export.read_map_npz` reads it back.
-    """
-    spec = grid.spec
-    arrays: dict[str, np.ndarray] = {
-        "x": spec.column_centres(), "y": spec.row_centres(),
-        "origin": np.array([spec.origin_x, spec.origin_y], dtype=np.float64),
-        "resolution": np.float64(spec.resolution), "known": np.asarray(grid.known, dtype=bool),
-        "layers": np.array(list(grid.layers), dtype=str), "field_unit": np.array(grid.field_unit),
-        "frame_id": np.array(grid.frame_id), "stamp": np.float64(grid.stamp), "height": np.float64(grid.height),
-        "extent": np.array(getattr(grid, "extent", "full")),
-        "trajectory": np.asarray(trajectory, dtype=np.float64).reshape(-1, 2),
-    }
-    arrays.update({key: np.array(str(value)) for key, value in (provenance or {}).items()})
-    for name, (mean, var) in grid.layers.items():
-        arrays[f"{name}_mean"] = np.asarray(mean, dtype=np.float64)
-        arrays[f"{name}_variance"] = np.asarray(var, dtype=np.float64)
-    path = Path(path)
-    with open(path, "wb") as fh:  # a file object keeps numpy from appending ".npz" to another suffix
-        np.savez_compressed(fh, **arrays)
-    return path
-
-
-def opacity_from_variance(var: np.ndarray, known: np.ndarray, floor: float = 0.25) -> np.ndarray:
-    """Per-cell alpha: 1 at the smallest std among known cells, ``floor`` at the largest, 0 where unknown."""
-    std = np.sqrt(np.maximum(np.asarray(var, dtype=np.float64), 0.0))
-    alpha = np.zeros(std.shape)
-    if not np.any(known):
-        return alpha
-    lo, hi = float(std[known].min()), float(std[known].max())
-    spread = (std - lo) / (hi - lo) if hi > lo else np.zeros(std.shape)
-    alpha[known] = 1.0 - (1.0 - floor) * spread[known]
-    return alpha
-
-
-def plot_map(path: str | Path, result: ReplayResult) -> Path:
-    """Draw the replay's final map with :func:`draw_map`, titled with the bag's name."""
-    return draw_map(path, result.grid, result.mapper.trajectory, result.bag_path.name)
-
-
-def draw_map(path: str | Path, grid, trajectory, title: str) -> Path:
-    """Draw every layer's mean, its opacity from the variance, and the trajectory (matplotlib Agg)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import Normalize
-    from matplotlib.cm import ScalarMappable
-
-    from gp_mapping.mapping.sync import UNIT_SYMBOL
-
-    spec = grid.spec
-    known = np.asarray(grid.known, dtype=bool)
-    unit = UNIT_SYMBOL.get(grid.field_unit, grid.field_unit)
-    extent = (spec.origin_x, spec.origin_x + spec.width * spec.resolution,
-              spec.origin_y, spec.origin_y + spec.height * spec.resolution)
-    names = list(grid.layers)
-    fig, axes = plt.subplots(1, len(names), figsize=(6.4 * len(names), 5.6), squeeze=False)
-    trajectory = np.asarray(trajectory, dtype=np.float64).reshape(-1, 2)
-    cmap = plt.get_cmap("viridis")
-    for ax, name in zip(axes[0], names):
-        mean, var = (np.asarray(a, dtype=np.float64) for a in grid.layers[name])
-        values = mean[known] if np.any(known) else mean.ravel()
-        # The 1st-99th percentile of the known cells: a few extrapolated edge cells must not wash out the rest.
-        lo, hi = (float(v) for v in np.percentile(values, [1.0, 99.0]))
-        norm = Normalize(vmin=lo, vmax=hi if hi > lo else lo + 1e-12)
-        rgba = cmap(norm(mean))
-        rgba[..., 3] = opacity_from_variance(var, known)
-        ax.set_facecolor("0.85")  # unknown cells show as grey
-        ax.imshow(rgba, origin="lower", extent=extent, interpolation="nearest")
-        if trajectory.size:
-            ax.plot(trajectory[:, 0], trajectory[:, 1], color="white", lw=0.6, alpha=0.8)
-            ax.plot(trajectory[:, 0], trajectory[:, 1], color="black", lw=0.25, alpha=0.8)
-        label = "|B|" if name in ("magnitude", "norm") else f"B{name}"
-        fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, shrink=0.85, extend="both",
-                     label=f"{label} [{unit}]")
-        ax.set_xlabel(f"x [m] ({grid.frame_id})")
-        ax.set_ylabel("y [m]")
-        ax.set_aspect("equal")
-        ax.set_xlim(extent[0], extent[1])
-        ax.set_ylim(extent[2], extent[3])
-        ax.set_title(f"{title}: {label} mean\nopacity 1 - normalised std; grey unknown", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 # --------------------------------------------------------------------------------------------- command
@@ -450,22 +341,6 @@ def run(args: argparse.Namespace) -> int:
         if kind in result.files:
             print(f"wrote {result.files[kind].resolve()}")
     return 0
-
-
-def unwritable_folder(folder: Path | None) -> str:
-    """Why files cannot be written into ``folder`` (made if missing), or "" when they can (None: nothing to
-    check). A command checks its output folder before its work, so a typo costs no replay."""
-    if folder is None:
-        return ""
-    import tempfile
-
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as err:
-        return f"cannot write into {folder}: {err.strerror or err}"
-    return ""
 
 
 def _save_state(result: ReplayResult, path: Path | None) -> None:

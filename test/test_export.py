@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from gp_mapping.export import NAV2_KEYS, UNKNOWN_PIXEL, decode_nav2_map, read_pgm
+from gp_mapping.mapping.map_files import NAV2_KEYS, UNKNOWN_PIXEL, decode_nav2_map, read_pgm
 from test_bad_input import node_factory  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

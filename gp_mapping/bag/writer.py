@@ -1,4 +1,5 @@
-"""The replay's map bag: the published maps as a ROS 2 MCAP file that ``ros2 bag play`` and RViz take."""
+"""The replay's map bag: the published maps as a ROS 2 MCAP file that ``ros2 bag play`` and RViz take (the map
+file that needs rosbags; the others are gp_mapping/mapping/map_files.py's)."""
 from __future__ import annotations
 
 import math
