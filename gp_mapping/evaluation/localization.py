@@ -36,8 +36,8 @@ from gp_mapping.localization.motion import compose, inverse
 
 HEADING_SMOOTH_S = 0.5      # Gaussian smoothing of the positions before their direction is the heading [s]
 HEADING_MIN_SPEED = 0.05    # below this speed the heading is interpolated between moving stretches [m/s]
-SCALE_ERROR = 0.04          # odometry scale error (sign by seed)
-DRIFT_DEG_S = 0.5           # heading drift [deg/s] (sign by seed)
+SCALE_ERROR = 0.03          # odometry scale error (sign by seed)
+DRIFT_DEG_S = 0.3           # heading drift [deg/s] (sign by seed)
 TRANS_NOISE = 0.02          # white noise on every increment: this fraction of its length [m/m]
 YAW_NOISE = 0.002           # and this much heading [rad] per increment (50 Hz)
 BIAS_OFFSET_UT = 5.0        # the offset added to the readings in the bias rows [uT]

@@ -33,7 +33,14 @@ class LocalizerConfig:
     """Particle-filter settings (section ``localizer``). Units: metres, radians, seconds, and the map's field
     unit (microtesla for the shipped config)."""
 
-    num_particles: int = option(1000, doc="particles in the filter", low=10, high=1_000_000)
+    num_particles: int = option(1000, doc="particles in the filter after a start from a pose, and the fewest the "
+                                "adaptive count (kld_err) goes down to", low=10, high=1_000_000)
+    max_particles: int = option(10000, doc="particles after a global start (spread over the whole map), and the most "
+                                "the adaptive count goes up to", low=10, high=10_000_000)
+    kld_err: float = option(0.05, doc="KLD-sampling (Fox 2003, AMCL's pf_err): at each resampling the count is the "
+                            "number that bounds the error of the particle histogram (bins of 0.5 m, 0.5 m, 10 deg) "
+                            "by this with probability 0.99, between num_particles and max_particles; 0: a fixed "
+                            "count", low=0.0, high=1.0)
     # --- motion model (nav2 AMCL's differential model: the odometry increment between two filter updates as
     # rotation 1, translation, rotation 2, each perturbed with a variance from the four alphas)
     alpha1: float = option(0.05, doc="rotation noise from rotation (variance of a turn per rad^2 turned)",
@@ -43,14 +50,14 @@ class LocalizerConfig:
                            high=10.0)
     alpha4: float = option(0.005, doc="translation noise from rotation [m^2 per rad^2 turned]", low=0.0, high=10.0)
     # --- when the filter updates (AMCL's update_min_d / update_min_a): readings between updates are skipped
-    update_min_d: float = option(0.05, doc="a filter update needs this much translation since the last one [m] "
+    update_min_d: float = option(0.2, doc="a filter update needs this much translation since the last one [m] "
                                  "(consecutive readings closer than this carry the same map error)", low=0.0,
                                  high=100.0)
     update_min_a: float = option(0.1, doc="... or this much rotation [rad]", low=0.0, high=10.0)
     max_update_rate: float = option(50.0, doc="at most this many filter updates per second of stamps (a 200 Hz "
                                     "magnetometer is subsampled); 0: no limit", low=0.0, high=10_000.0)
     # --- measurement model
-    inflation: float = option(3.0, doc="the reading's predictive variance (latent + noise + bias) is multiplied "
+    inflation: float = option(1.0, doc="the reading's predictive variance (latent + noise + bias) is multiplied "
                               "by this: readings along a path share their map error, so they are not independent",
                               low=0.0, low_open=True, high=1e6)
     position_std: float = option(0.0, doc="position uncertainty the map lookup allows for [m]: adds |grad m|^2 "
@@ -62,7 +69,7 @@ class LocalizerConfig:
                                     "variance (fixed_variance) everywhere (a baseline, the map's variance ignored)")
     fixed_variance: float = option(1.0, doc="the reading variance when use_map_variance is false [unit^2]",
                                    low=0.0, low_open=True, high=1e6)
-    outlier_probability: float = option(0.05, doc="weight of a uniform density over the map's range mixed into the "
+    outlier_probability: float = option(0.2, doc="weight of a uniform density over the map's range mixed into the "
                                         "likelihood (AMCL's z_rand): a reading the map explains badly (a map error, "
                                         "a disturbance) costs a particle at most this floor, so the true pose "
                                         "survives a few bad readings", low=0.0, high=0.99)
@@ -101,6 +108,9 @@ class LocalizerConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, validate_value(f"{SECTION}.{f.name}", getattr(self, f.name), f))
+        if self.max_particles < self.num_particles:
+            raise ConfigError(f"{self.max_particles} is below num_particles = {self.num_particles}",
+                              f"{SECTION}.max_particles")
         if self.update_min_d == 0.0 and self.update_min_a == 0.0 and self.max_update_rate == 0.0:
             raise ConfigError("update_min_d, update_min_a and max_update_rate are all 0: every reading would be an "
                               "update, at any rate; set max_update_rate", f"{SECTION}.max_update_rate")

@@ -25,8 +25,12 @@ readings (``off_map: prior``: the mean and spread of the map's readings, plus it
 over the map's range (``uniform``); its offset is not updated.
 
 Resampling is systematic (Kitagawa 1996) when the effective sample size ``1 / sum w^2`` drops below
-``ess_threshold * N``. Initialisation: a Gaussian around a pose, or uniform over the map's known cells with a
-uniform heading (global localization).
+``ess_threshold * N``. With ``kld_err`` > 0 the number of particles adapts at each resampling (KLD-sampling, Fox
+2003, as AMCL): as many as bound the Kullback-Leibler error of the particles' histogram (bins KLD_BINS) by
+``kld_err`` with probability KLD_QUANTILE, between ``num_particles`` and ``max_particles``; a cloud spread over the
+map keeps many, a cloud that has found the robot comes down to ``num_particles``. Initialisation: a Gaussian
+around a pose (``num_particles``), or uniform over the map's known cells with a uniform heading (global
+localization, ``max_particles``).
 """
 from __future__ import annotations
 
@@ -40,6 +44,19 @@ from gp_mapping.localization.field_map import MagneticMap
 from gp_mapping.localization.motion import sample_motion, wrap_angle
 
 LOG_2PI = math.log(2.0 * math.pi)
+#: KLD-sampling histogram bins: x [m], y [m], yaw [rad] (AMCL's), and the standard normal quantile of 0.99
+KLD_BINS = (0.5, 0.5, math.radians(10.0))
+KLD_QUANTILE = 2.3263478740408408
+
+
+def kld_particles(bins: int, err: float, z: float = KLD_QUANTILE) -> int:
+    """Fox (2003): the sample size that keeps the KL divergence between the histogram of ``bins`` occupied bins
+    and the true posterior below ``err`` with the probability whose standard normal quantile is ``z``."""
+    if bins <= 1:
+        return 1
+    k = bins - 1.0
+    a = 2.0 / (9.0 * k)
+    return int(math.ceil(k / (2.0 * err) * (1.0 - a + math.sqrt(a) * z) ** 3))
 
 
 @dataclass
@@ -82,6 +99,8 @@ class ParticleFilter:
             raise LocalizationError(f"sensor_offset must be two finite numbers [m], got {sensor_offset!r}")
         cfg = self.config
         n, p = cfg.num_particles, field_map.outputs
+        if cfg.max_particles < n:
+            raise LocalizationError(f"max_particles {cfg.max_particles} is below num_particles {n}")
         self._alphas = (cfg.alpha1, cfg.alpha2, cfg.alpha3, cfg.alpha4)
         self._bias_prior = np.asarray(cfg.bias_mean(p), dtype=np.float64)
         self._bias_var0 = cfg.bias_prior_std ** 2
@@ -102,10 +121,6 @@ class ParticleFilter:
 
     # ------------------------------------------------------------------------------------------ initialisation
 
-    def _reset_bias(self) -> None:
-        self.bias_mean[:] = self._bias_prior
-        self.bias_var[:] = self._bias_var0
-
     def initialise_gaussian(self, pose, std=None) -> None:
         """Particles drawn from N(pose, diag(std^2)) (``std`` default ``initial_std``); weights uniform."""
         pose = np.asarray(pose, dtype=np.float64).reshape(-1)
@@ -114,18 +129,16 @@ class ParticleFilter:
             raise LocalizationError(f"an initial pose is three finite numbers x, y, yaw; got {pose.tolist()}")
         if std.shape != (3,) or not np.all(np.isfinite(std)) or np.any(std < 0):
             raise LocalizationError(f"initial standard deviations are three finite numbers >= 0; got {std.tolist()}")
-        n = self.num_particles
+        n = self.config.num_particles
         self.poses = pose + self.rng.standard_normal((n, 3)) * std
         self.poses[:, 2] = wrap_angle(self.poses[:, 2])
-        self.weights = np.full(n, 1.0 / n)
-        self._reset_bias()
-        self.initialised = True
+        self._reset(n)
 
     def initialise_global(self) -> None:
         """Particles uniform over the map's known cells (a uniform point in a uniformly drawn cell, so the
         density is uniform over the known area) with a uniform heading."""
         centres = self.map.known_cell_centres()
-        n, res = self.num_particles, self.map.spec.resolution
+        n, res = self.config.max_particles, self.map.spec.resolution
         cells = centres[self.rng.integers(0, centres.shape[0], n)]
         sensor = cells + (self.rng.random((n, 2)) - 0.5) * res
         yaw = self.rng.uniform(-math.pi, math.pi, n)
@@ -133,8 +146,12 @@ class ParticleFilter:
         c, s = np.cos(yaw), np.sin(yaw)
         ox, oy = self.sensor_offset
         self.poses = np.column_stack([sensor[:, 0] - (c * ox - s * oy), sensor[:, 1] - (s * ox + c * oy), yaw])
+        self._reset(n)
+
+    def _reset(self, n: int) -> None:
         self.weights = np.full(n, 1.0 / n)
-        self._reset_bias()
+        self.bias_mean = np.tile(self._bias_prior, (n, 1))
+        self.bias_var = np.full((n, self.map.outputs), self._bias_var0)
         self.initialised = True
 
     # ------------------------------------------------------------------------------------------ the two steps
@@ -209,13 +226,38 @@ class ParticleFilter:
             self.resample()
         return ess
 
-    def resample(self) -> None:
-        """Systematic resampling: N evenly spaced pointers with one random offset into the cumulative weights."""
-        n = self.num_particles
+    def _systematic(self, n: int) -> np.ndarray:
+        """Indices of n systematic draws: evenly spaced pointers with one random offset into the cumulative
+        weights (each particle drawn floor(n w) or ceil(n w) times)."""
         positions = (self.rng.random() + np.arange(n)) / n
         cumulative = np.cumsum(self.weights)
         cumulative[-1] = 1.0
-        idx = np.searchsorted(cumulative, positions, side="left")
+        return np.searchsorted(cumulative, positions, side="left")
+
+    def target_count(self, idx: np.ndarray | None = None) -> int:
+        """The KLD-sampling count for the particles ``idx`` (default all), clipped to [num_particles,
+        max_particles]; the current count when kld_err is 0."""
+        cfg = self.config
+        if cfg.kld_err <= 0:
+            return self.num_particles
+        p = self.poses if idx is None else self.poses[idx]
+        cells = np.floor(np.column_stack([p[:, 0] / KLD_BINS[0], p[:, 1] / KLD_BINS[1],
+                                          (p[:, 2] + math.pi) / KLD_BINS[2]])).astype(np.int64)
+        # one integer per bin (x and y offset to be non-negative within the particles' span)
+        cells -= cells.min(axis=0)
+        span = cells.max(axis=0) + 1
+        keys = (cells[:, 0] * span[1] + cells[:, 1]) * span[2] + cells[:, 2]
+        bins = int(np.unique(keys).size)
+        return int(min(max(kld_particles(bins, cfg.kld_err), cfg.num_particles), cfg.max_particles))
+
+    def resample(self) -> None:
+        """Systematic resampling; with kld_err > 0 to the KLD-sampling count of the resampled cloud."""
+        n = self.num_particles
+        idx = self._systematic(n)
+        target = self.target_count(idx)
+        if target != n:
+            idx = self._systematic(target)
+            n = target
         self.poses = self.poses[idx]
         self.bias_mean = self.bias_mean[idx]
         self.bias_var = self.bias_var[idx]
@@ -246,4 +288,4 @@ class ParticleFilter:
                                     "initialise_global() first")
 
 
-__all__ = ["ParticleFilter", "PoseEstimate"]
+__all__ = ["KLD_BINS", "KLD_QUANTILE", "ParticleFilter", "PoseEstimate", "kld_particles"]
