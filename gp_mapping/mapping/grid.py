@@ -327,7 +327,8 @@ def cell_inputs(spec: GridSpec, idx, height: float = 0.0, input_dims: int = 2):
 def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
                  input_dims: int = 2, only=None) -> tuple[np.ndarray, np.ndarray]:
     """Predict the latent mean and variance at every cell centre, ``tile_size`` cells at a time (0: by the
-    model's device, :func:`tile_cells`).
+    model's device, :func:`tile_cells`). ``model``: an engine, or any predictor with its ``predict(x) -> (mean,
+    var)`` (tensors) and ``device``.
 
     Cell centres are built on ``model.device`` (no host-to-device copy of the inputs); with ``input_dims``
     3 the cells sit at z = ``height``. ``only`` (H, W) bool: predict those cells alone (the known ones), NaN
@@ -338,7 +339,7 @@ def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
 
     if input_dims not in (2, 3):
         raise GridError(f"input_dims must be 2 or 3, got {input_dims}")
-    device = torch.device(getattr(model, "device", "cpu"))
+    device = torch.device(model.device)
     tile_size = tile_cells(tile_size, device, getattr(getattr(model, "config", None), "num_inducing", None))
     h, w = spec.shape
     cells = None

@@ -351,8 +351,8 @@ class Mapper:
         if not finite:
             self._fail(batch, before, "the update left a non-finite prediction")
             return None
-        device = getattr(self.model, "device", None)
-        if device is not None and str(device).startswith("cuda"):
+        device = torch.device(self.model.device)
+        if device.type == "cuda":
             torch.cuda.synchronize(device)  # honest timing: wait for the queued kernels
         seconds = time.perf_counter() - start
         jitter = (stats or {}).get("jitter")
@@ -517,7 +517,7 @@ class Mapper:
             reuse = want & np.isfinite(mean[..., 0])
             if prev.map_version != self._map_version and reuse.any():
                 cells = np.flatnonzero(reuse)
-                device = torch.device(getattr(self.model, "device", "cpu"))
+                device = torch.device(self.model.device)
                 x = cell_inputs(spec, torch.as_tensor(cells, device=device), g.height, self.input_dims)
                 with torch.no_grad():
                     stale = changed_since(x, prev.versions).to("cpu").numpy()
@@ -594,7 +594,7 @@ class Mapper:
             "num_seen": int(self.model.num_seen),
             "coverage_cells": len(self._coverage),
             "last_stamp": float(self.last_stamp) if math.isfinite(self.last_stamp) else 0.0,
-            "device": str(getattr(self.model, "device", "cpu")),
+            "device": str(self.model.device),
         }
 
     # ------------------------------------------------------------------------------------------------ state

@@ -16,6 +16,10 @@ summary outgrows one message (about 1 MB per tile at M = 256): the mapper then s
 naming every tile the map has), and the merger puts the parts together (:func:`assemble_tiles`), merging once it
 holds every tile; a tile merges as of its last part, which is what tile-by-tile merging allows, since each
 merged tile depends only on the sources' tiles of that place.
+
+Merging, from the math up: ``gp/recyclable.py`` and ``gp/tiled.py`` (posteriors), this module (maps), its two
+drivers ``gp_mapping/merge_cli.py`` (``gp-mapping merge``: state files) and ``gp_mapping/ros/merger_node.py``
+(model summaries over DDS), and the benchmark ``gp_mapping/evaluation/merge.py``.
 """
 from __future__ import annotations
 

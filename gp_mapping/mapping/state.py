@@ -428,7 +428,7 @@ def check_model(model: Any, path: str | os.PathLike, points: np.ndarray, output_
     factor that is no longer positive definite). Numerical failures are part of the message, not a traceback. A
     model without data is its prior (not every engine predicts before its first update): not probed."""
     try:
-        if int(getattr(model, "num_seen", 1)) == 0:
+        if int(model.num_seen) == 0:
             return
     except (TypeError, ValueError, RuntimeError):
         pass
