@@ -318,6 +318,8 @@ def test_an_update_touches_only_the_tiles_its_batch_falls_in(drive):
     other.update(bx, by)
     after, after_few = model.state_dict(), other.state_dict()
     for k, v in after.items():
+        if k.startswith("calibration."):  # the calibration predicts from a lagged copy that a loaded map lacks
+            continue
         if not k.startswith("tiles.") or k.split(".", 2)[1] in touched:
             assert torch.equal(v, after_few[k]), k
         elif k.split(".")[2:4] not in (["engine", "kernel"], ["engine", "likelihood"]):  # shared: the consensus

@@ -160,7 +160,7 @@ ENGINES = {"dual_svgp": RECORDINGS, "continual_mogp": RECORDINGS,
            "smc_experts": ("solin_p1", "optitrack_magnitude", "sim_world")}
 #: the defaults table's candidates (dual_svgp, name -> overrides of the shipped model section)
 CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
-              "radius 0.1 m": {"calibration_radius": 0.1}, "radius 1 m": {"calibration_radius": 1.0},
+              "lag 2.5 m": {"calibration_lag": 2.5}, "lag 10 m": {"calibration_lag": 10.0},
               "M = 128": {"num_inducing": 128}, "M = 512": {"num_inducing": 512},
               "isotropic": {"lengthscales": "isotropic"}, "per_axis": {"lengthscales": "per_axis"}}
 
@@ -183,6 +183,8 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
                 row["engines"][engine] = engine_scores(shipped(engine=engine), rec)
                 log(f"    {engine}: " + _line(row["engines"][engine]))
         out["recordings"][name] = row
+    if "solin_p2" in names and "sessions" in plan.get("calibration_parts", ("sessions",)):
+        out["sessions"] = session_offsets(root, log)
     for cand, overrides in CANDIDATES.items():
         if cand not in plan.get("calibration_candidates", CANDIDATES):
             continue
@@ -204,7 +206,41 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
     return out
 
 
+def session_offsets(root, log: Callable[[str], None], offset: float = 5.0) -> dict[str, Any]:
+    """Sequences 1-4 of the Solin recording streamed as four sessions, with ``offset`` uT added to sequence 2
+    or not, with the session offsets learned (Engine.start_session) or not; sequence 5 held out. Returns each
+    run's learned offsets and held-out scores."""
+    from gp_mapping.evaluation.datasets import load_solin2018
+
+    seqs = [load_solin2018(root, s) for s in (1, 2, 3, 4)]
+    test = load_solin2018(root, 5)
+    out: dict[str, Any] = {"offset_added": offset, "runs": {}}
+    for label, added, sessions in (("no offset", 0.0, False), ("no offset, sessions", 0.0, True),
+                                   ("offset", offset, False), ("offset, sessions", offset, True)):
+        model = build_model(shipped(), 2, 1)
+        learned = [0.0]
+        for k, seq in enumerate(seqs):
+            if sessions and k > 0:
+                model.start_session()
+            y = seq.magnitude_uT[:, None] + (added if k == 1 else 0.0)
+            for i in range(0, len(y), 50):
+                model.update(seq.xy[i:i + 50], y[i:i + 50])
+            if sessions and k > 0:
+                learned.append(float(model.session_offset()[0]))
+        mean, var = model.predict_reading(test.xy)
+        out["runs"][label] = {"learned_offsets": learned,
+                              **scores(mean.cpu().numpy(), var.cpu().numpy(), test.magnitude_uT[:, None])}
+        log(f"  sessions, {label}: offsets {np.round(learned, 2).tolist()} " + _line({**out['runs'][label],
+                                                                                       "uncalibrated": None}))
+    runs = out["runs"]
+    out["recovered_offset"] = runs["offset, sessions"]["learned_offsets"][1] - runs["no offset, sessions"][
+        "learned_offsets"][1]
+    return out
+
+
 def _line(s: dict) -> str:
+    if s.get("uncalibrated") is None:
+        return f"RMSE {s['rmse']:.3f} NLPD {s['nlpd']:.3f} +-2SD {s['within_2sd']:.3f} z-std {s['z_std']:.2f}"
     return (f"RMSE {s['rmse']:.3f} NLPD {s['nlpd']:.3f} +-2SD {s['within_2sd']:.3f} z-std {s['z_std']:.2f} "
             f"(uncalibrated NLPD {s['uncalibrated']['nlpd']:.3f} +-2SD {s['uncalibrated']['within_2sd']:.3f})")
 
@@ -233,6 +269,17 @@ def markdown(sec: dict[str, Any]) -> list[str]:
             else:
                 lines.append(f"| {peer} | {s['rmse']:.3f} | - | - | - | - | - | - | - |")
         lines.append("")
+    ses = sec.get("sessions")
+    if ses:
+        lines += [f"### Session offsets: Solin sequences 1-4 as four sessions, {ses['offset_added']:g} uT added to "
+                  "sequence 2 or not; sequence 5 held out", "",
+                  "| run | learned offsets of sessions 2-4 | RMSE | NLPD | +-2 SD | z-std |", "|:---|:---|---:|---:|---:|---:|"]
+        for label, r in ses["runs"].items():
+            offs = ", ".join(f"{v:+.2f}" for v in r["learned_offsets"][1:]) or "-"
+            lines.append(f"| {label} | {offs} | {r['rmse']:.3f} | {r['nlpd']:.3f} | {r['within_2sd']:.3f} | "
+                         f"{r['z_std']:.2f} |")
+        lines += ["", f"Offset recovered for sequence 2 (with the offset less without it): "
+                  f"{ses['recovered_offset']:+.2f} uT.", ""]
     if sec.get("defaults"):
         names = list(next(iter(sec["defaults"].values()))["per_recording"])
         lines += ["### Defaults by the worst case (dual_svgp)", "",

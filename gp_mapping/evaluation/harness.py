@@ -33,6 +33,8 @@ import torch
 from gp_mapping.evaluation.common import default_results_dir, jsonable, machine_info
 
 SECTIONS = ("accuracy", "calibration", "speed", "growth", "cuda", "large", "explore", "merge", "forgetting")
+#: sections run only when named (--only): the localization section filters the real recordings for minutes
+OPTIONAL_SECTIONS = ("localization",)
 JSON_NAME = "bench.json"
 MD_NAME = "bench.md"
 
@@ -65,6 +67,7 @@ FULL = {
 QUICK = {  # a smoke run of every section (make test runs it): small enough to keep the suite's time down
     "calibration_recordings": ("solin_p1",), "calibration_engines": ("dual_svgp",),
     "calibration_candidates": ("shipped", "no calibration"), "calibration_offline_iterations": 50,
+    "calibration_parts": (),
     "calibration_exact_points": 300,
     "p1_batches": 6, "p2_batch_seconds": 20.0, "p2_eval_every": 3, "fast_full_every": 10,
     "test_stride": 4, "p2_seconds_per_sequence": 60.0,
@@ -144,6 +147,10 @@ def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[
                 from gp_mapping.evaluation import calibration
 
                 out = calibration.run(plan, root, log) if root is not None else {"skipped": why}
+            elif section == "localization":
+                from gp_mapping.evaluation import localization
+
+                out = localization.run(plan, root, why, log)
             else:
                 raise ValueError(f"unknown section {section!r}; choose from {', '.join(SECTIONS)}")
         except Exception as err:  # one broken section must not hide the others' numbers
@@ -258,7 +265,7 @@ def markdown(results: dict[str, Any]) -> str:
                       f"Latency slope after warm-up: {_f(s.get('latency_slope_ms_per_10k_samples'), '+.3f')} ms per "
                       "10 000 samples. Curves: `growth.png`.", ""]
     # sections whose module writes its own markdown, imported only when the section ran
-    for name in ("calibration", "explore", "large", "merge", "forgetting"):
+    for name in ("calibration", "explore", "large", "merge", "forgetting", "localization"):
         if sec.get(name) is not None:
             lines += importlib.import_module(f"gp_mapping.evaluation.{name}").markdown(sec[name])
     cu = sec.get("cuda")
@@ -386,7 +393,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "checkout or the working directory)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: the batches are small and cores are often shared)")
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=None,
+    parser.add_argument("--only", nargs="+", choices=SECTIONS + OPTIONAL_SECTIONS, default=None,
                         help="run only these sections; they are written to <sections>.json / .md (e.g. speed.md), "
                              "not over bench.json / bench.md")
     parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",

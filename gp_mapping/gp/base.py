@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .calibration import PrequentialCalibration
+from .calibration import PrequentialCalibration, SessionOffsets
 from .config import ModelConfig
 from .errors import ConfigError, ModelInputError
 
@@ -91,6 +91,11 @@ def resolve_device(name: str) -> torch.device:
                           f"device(s), numbered from 0", "device")
     return torch.device(name)
 
+
+#: sessions whose offsets a map tells apart (a later one shares the last slot)
+MAX_SESSIONS = 64
+#: side of the cells a session's visited ground is kept in [input units]: about a pass's lateral spread
+SESSION_CELL = 0.3
 
 #: A batch teaches hyperparameters only if its inputs spread over more than this fraction of model.lengthscale
 #: (3 cm for 1 m: above the pose jitter of a robot at rest, below the 9 cm a slow walk covers in a second).
@@ -193,8 +198,10 @@ class Engine(nn.Module, abc.ABC):
         self.input_dims = int(input_dims)
         self.output_dims = int(output_dims)
         self._cache = None
-        self.calibration = PrequentialCalibration(self.input_dims, self.output_dims, config.calibration_records,
-                                                  config.calibration_history, config.calibration_radius)
+        on = config.calibration == "prequential"  # without it the store is empty (a tile's, for one)
+        self.calibration = PrequentialCalibration(self.input_dims, self.output_dims,
+                                                  config.calibration_records if on else 0)
+        self.sessions = SessionOffsets(self.output_dims, MAX_SESSIONS, SESSION_CELL)
 
     def _register_target_statistics(self, outputs: int, count_per_output: bool = False) -> None:
         """The buffers of adaptive target scaling: the offset and scale in use (``y_mean``, ``y_std``, (P,)) and the
@@ -247,7 +254,7 @@ class Engine(nn.Module, abc.ABC):
         xt = self._check_x(x)
         with torch.no_grad():
             mean, var = self._latent(xt)
-            return mean * self.y_std + self.y_mean, var * self.y_std ** 2
+            return mean * self.y_std + self.y_mean + self.sessions.level(), var * self.y_std ** 2
 
     # ------------------------------------------------------------------ the variance of a reading
     @property
@@ -271,7 +278,8 @@ class Engine(nn.Module, abc.ABC):
         return noise.detach().reshape(1, -1).expand(x.shape[0], self.output_dims)
 
     def _reading_moments(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(mean, latent variance, noise variance) (N, P) at checked inputs, in the targets' units."""
+        """(mean, latent variance, noise variance) (N, P) at checked inputs, in the targets' units; the mean at
+        the first session's level (the one the map is conditioned in)."""
         mean, var = self._latent(xt)
         noise = self._noise_variance(xt)
         scale2 = self.y_std ** 2
@@ -280,31 +288,85 @@ class Engine(nn.Module, abc.ABC):
     def predict_reading(self, x) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and variance (G, P) of a *reading* at x, in the original target units: the latent variance
         plus the noise, calibrated on the engine's own out-of-sample errors where it calibrates
-        (:attr:`calibrates`; gp/calibration.py). What a localizer's measurement model and NLPD need."""
+        (:attr:`calibrates`; gp/calibration.py), plus the spread of the session offsets (a reading of a session
+        not seen yet; 0 with one session). The mean is the reference session's level. What a localizer's
+        measurement model and NLPD need."""
         xt = self._check_x(x)
         with torch.no_grad():
             mean, var, noise = self._reading_moments(xt)
-            if self.calibrates:
-                return mean, self.calibration.reading_variance(var, noise)
-            return mean, var + noise
+            return mean + self.sessions.level(), self._reading_variance(var, noise)
 
-    def _calibrate_on(self, xt: torch.Tensor, yt: torch.Tensor, observed: torch.Tensor | None = None) -> None:
-        """Score a batch before the engine conditions on it (each engine's update calls this first): its
-        readings away from the track just driven are predicted out of sample and recorded, and the variance
-        model is refitted. ``observed`` (N, P) marks the channels a reading has (default all)."""
-        if not self.calibrates or xt.shape[0] == 0:
-            return
-        cal = self.calibration
+    def _reading_variance(self, var: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        s2 = self.calibration.reading_variance(var, noise) if self.calibrates else var + noise
+        return s2 + self.sessions.spread()
+
+    def start_session(self) -> int:
+        """The readings from now on come from a new session (another bag, node run or sensor) whose constant
+        offset to the first session's is learned (gp/calibration.py, SessionOffsets); returns its index."""
+        return self.sessions.start()
+
+    def session_offset(self) -> torch.Tensor:
+        """(P,) the current session's learned offset to the first session, in the targets' units."""
+        return self.sessions.offset().clone()
+
+    def _calibrate_on(self, xt: torch.Tensor, yt: torch.Tensor, observed: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """Score a batch before the engine conditions on it (each engine's update calls this first and
+        conditions on what it returns). The current session's offset learns from the map's errors on ground
+        other sessions mapped; the variance model (gp/calibration.py) records the lagged map's errors and is
+        refitted. Returns the targets less the session's offset (unobserved entries, ``observed`` (N, P)
+        False, as given)."""
+        cal, sessions = self.calibration, self.sessions
+        if xt.shape[0] == 0 or not (self.calibrates or sessions.current > 0):
+            return yt
+        seen = torch.ones_like(yt, dtype=torch.bool) if observed is None else observed
         with torch.no_grad():
-            if self.num_seen > 0 and bool(getattr(self, "standardised", True)):
-                away = cal.away_from_track(xt)
-                if bool(away.any()):
-                    mean, var, noise = self._reading_moments(xt[away])
-                    seen = torch.ones_like(mean, dtype=torch.bool) if observed is None else observed[away]
-                    err = torch.where(seen, yt[away] - mean, torch.zeros_like(mean))
+            if sessions.current > 0 and self.num_seen > 0:
+                mean, var, noise = self._reading_moments(xt)
+                # known ground: the latent variance below the reading's other terms, in cells this session has
+                # not visited yet (elsewhere the error is the map's own, or this session's data predict it)
+                floor = self._reading_variance(torch.zeros_like(var), noise)
+                scale = cal.scale if self.calibrates else 1.0
+                known = seen & (scale * var <= floor) & sessions.new_ground(xt)[:, None]
+                err = torch.where(seen, yt - mean, torch.zeros_like(mean))
+                sessions.observe(err, self._reading_variance(var, noise), known, self._target_variance())
+                sessions.visit(xt)
+            offset = sessions.offset()
+            if self.calibrates:
+                lagged = self._lagged()
+                # a lagged map of less than two lags of path is a map of the first seconds: its errors say how
+                # a map that small errs, not the map in use
+                if lagged is not None and float(lagged.calibration.path) >= 2.0 * self.config.calibration_lag:
+                    mean, var, noise = lagged._reading_moments(xt)
+                    err = torch.where(seen, yt - offset - mean, torch.zeros_like(mean))
                     cal.record(err, var, noise, seen)
                     cal.refit(self._target_variance())
-            cal.remember_inputs(xt)
+                self._keep_lagged(xt)
+            return torch.where(seen, yt - offset, yt)
+
+    def _lagged(self) -> "Engine | None":
+        """The map as it was between one and two calibration lags of path ago (None until it exists)."""
+        return self.__dict__.get("_lag_copies", (None, None, 0))[0]
+
+    def _keep_lagged(self, xt: torch.Tensor) -> None:
+        """Called before a batch x (N, D) is conditioned on: each time the path driven grows by
+        model.calibration_lag, the copy taken the last time becomes the lagged map and a copy of the map as
+        it is now is taken. The copies live outside the module's state (not saved, not moved by ``.to()``:
+        they are taken again)."""
+        ready, pending, mark = self.__dict__.get("_lag_copies", (None, None, 0.0))
+        if pending is None or float(self.calibration.path) - mark >= self.config.calibration_lag:
+            self.__dict__["_lag_copies"] = (pending, self._snapshot(), float(self.calibration.path))
+        self.calibration.extend_path(xt)
+
+    def _snapshot(self) -> "Engine":
+        """A frozen copy of this engine (its own lagged copies left out)."""
+        copies = self.__dict__.pop("_lag_copies", None)
+        try:
+            snap = copy.deepcopy(self)
+        finally:
+            if copies is not None:
+                self.__dict__["_lag_copies"] = copies
+        return snap
 
     def _target_variance(self) -> torch.Tensor:
         """(P,) variance of the targets seen so far (the scale of the calibration's tau^2 grid)."""
@@ -316,9 +378,10 @@ class Engine(nn.Module, abc.ABC):
         xt = self._check_x(x)
         yt = self._check_y(y, xt.shape[0])
         with torch.no_grad():
-            if self.calibrates:
+            if self.calibrates or self.sessions.current > 0:
                 mean, var, noise = self._reading_moments(xt)
-                s2 = self.calibration.reading_variance(var, noise)
+                mean = mean + self.sessions.level()
+                s2 = self._reading_variance(var, noise)
                 return -0.5 * (math.log(2.0 * math.pi) + torch.log(s2) + (yt - mean) ** 2 / s2)
             mean, var = self._latent(xt)
             lpd = self.likelihood.log_predictive_density((yt - self.y_mean) / self.y_std, mean, var)
@@ -357,6 +420,7 @@ class Engine(nn.Module, abc.ABC):
 
     def _apply(self, fn, *args, **kwargs):
         self._drop_caches()  # cached factors live on the old device
+        self.__dict__.pop("_lag_copies", None)  # so do the lagged copies of the map (taken again later)
         return super()._apply(fn, *args, **kwargs)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -374,6 +438,7 @@ class Engine(nn.Module, abc.ABC):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         self._drop_caches()
+        self.__dict__.pop("_lag_copies", None)  # copies of another state
         self._loaded()
 
     # ------------------------------------------------------------------ optimiser state

@@ -6,20 +6,20 @@ pass and the same for its neighbouring readings, so the likelihood explains them
 noise variance of the sensor alone. A new pass over the same ground then misses the map by far more than its
 predictive standard deviation says (on the OptiTrack hold-out, 38 % of held-out readings within +-2 SD).
 
-What: every update first predicts its batch from the map *before* conditioning on it. Those predictions are
-out of sample (Dawid's prequential principle, 1984): they score the model exactly as a user will, on data it
-has not seen, and they cost one prediction per batch. Readings close to the track just driven (within
-``calibration_radius`` of the last ``calibration_history`` inputs) are left out: they are predicted from the
-same pass, whose errors they share, and would teach the continuation's confidence, not a revisit's. From the
-rest, a bounded store keeps (squared error, latent variance, noise variance) per output, and a two-parameter
-variance model of a reading
+What: every update first predicts its batch from the map as it was ``calibration_lag`` metres of path (between
+one and two lags) earlier, *before* the batch and the track that led to it were conditioned on. Those
+predictions are out of sample in the way a new pass is (Dawid's prequential principle, 1984, with a lag):
+where older passes mapped the ground they test the map's confidence at a revisit, elsewhere its confidence
+on new ground; the track just driven, whose errors the batch shares, is not in them. A bounded store keeps
+(squared error, latent variance, noise variance) per output, and a two-parameter variance model of a reading
 
     s^2 = a * v_latent + sigma_noise^2 + tau^2
 
 is fitted by maximum likelihood (a: how far the latent variance is off; tau^2: the error a new pass adds that
 no part of the model sees). It is refitted after every update (a grid search, refined once: two parameters,
-a few thousand records) and only after ``CALIBRATION_MIN_RECORDS`` records; until then a = 1, tau^2 = 0, the
-model as it is. The same idea is conformal/recalibration of regression uncertainty (Kuleshov et al. 2018,
+at most ``FIT_RECORDS`` of the stored records) and only after ``CALIBRATION_MIN_RECORDS`` records; until then
+a = 1, tau^2 = 0, the model as it is. The lagged map is a copy the engine keeps (``Engine._lagged``); it is
+not part of the saved state, so a loaded map calibrates again after two lags. The same idea is conformal/recalibration of regression uncertainty (Kuleshov et al. 2018,
 "Accurate uncertainties for deep learning using calibrated regression"), here with a parametric variance
 model, fitted online on prequential residuals instead of a held-out set.
 
@@ -33,25 +33,44 @@ import math
 import torch
 from torch import nn
 
-#: records needed before the calibration replaces the raw variance (a few seconds of revisits)
+#: records needed before the calibration replaces the raw variance (a few seconds of readings)
 CALIBRATION_MIN_RECORDS = 200
+#: the most records one refit uses (evenly spaced over the store), so a refit costs a few milliseconds
+FIT_RECORDS = 1024
 #: bounds of the latent-variance factor a and of tau^2 relative to the targets' variance
 SCALE_BOUNDS = (0.1, 1000.0)
 EXTRA_BOUNDS = (1e-8, 10.0)
 
 
-class PrequentialCalibration(nn.Module):
+class _OptionalState(nn.Module):
+    """Buffers a state saved before they existed may lack: such a state loads with them at their initial values
+    (the map loads uncalibrated, in its first session); a state saved with other store sizes brings its own
+    shapes."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for name, buf in list(self._buffers.items()):
+            key = prefix + name
+            if key in state_dict and state_dict[key].shape != buf.shape:
+                self._buffers[name] = torch.zeros(state_dict[key].shape, dtype=buf.dtype, device=buf.device)
+        before = len(missing_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if not any(key.startswith(prefix) for key in state_dict):
+            del missing_keys[before:]
+        self._loaded()
+
+    def _loaded(self) -> None:
+        """Restore what follows from the buffers' shapes."""
+
+
+class PrequentialCalibration(_OptionalState):
     """Records out-of-sample residuals and fits (a, tau^2) per output; see the module docstring."""
 
-    def __init__(self, input_dims: int, output_dims: int, records: int, history: int, radius: float) -> None:
+    def __init__(self, input_dims: int, output_dims: int, records: int) -> None:
         super().__init__()
         self.records = int(records)
-        self.history = int(history)
-        self.radius = float(radius)
         f64 = {"dtype": torch.float64}
-        # Ring of the most recent conditioned inputs (the track just driven) and how many it holds.
-        self.register_buffer("recent_x", torch.zeros(self.history, input_dims, **f64))
-        self.register_buffer("recent_count", torch.zeros((), dtype=torch.int64))
         # Ring of records, per output: squared error, latent variance, noise variance (targets' units), and
         # whether the entry is filled (a vector output can miss a channel).
         self.register_buffer("err2", torch.zeros(self.records, output_dims, **f64))
@@ -59,6 +78,10 @@ class PrequentialCalibration(nn.Module):
         self.register_buffer("noise_var", torch.zeros(self.records, output_dims, **f64))
         self.register_buffer("filled", torch.zeros(self.records, output_dims, dtype=torch.bool))
         self.register_buffer("record_count", torch.zeros((), dtype=torch.int64))
+        # The path driven so far (sum of steps between consecutive inputs) and its last input: the lag's clock.
+        self.register_buffer("path", torch.zeros((), **f64))
+        self.register_buffer("last_x", torch.zeros(input_dims, **f64))
+        self.register_buffer("has_last_x", torch.zeros((), dtype=torch.bool))
         # The fitted model: s^2 = scale * v + noise + extra (extra in the targets' squared units).
         self.register_buffer("scale", torch.ones(output_dims, **f64))
         self.register_buffer("extra", torch.zeros(output_dims, **f64))
@@ -67,21 +90,17 @@ class PrequentialCalibration(nn.Module):
     def active(self) -> bool:
         return self.records > 0
 
-    def away_from_track(self, x: torch.Tensor) -> torch.Tensor:
-        """(N,) bool: inputs farther than the radius from every recent input (a revisit or new ground)."""
-        n = min(int(self.recent_count), self.history)
-        if n == 0:
-            return torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-        nearest = torch.cdist(x, self.recent_x[:n]).min(dim=1).values
-        return nearest > self.radius
-
-    def remember_inputs(self, x: torch.Tensor) -> None:
-        """Push a conditioned batch's inputs into the ring of recent inputs."""
-        x = x[-self.history:]
-        start = int(self.recent_count) % self.history
-        idx = (torch.arange(x.shape[0], device=x.device) + start) % self.history
-        self.recent_x[idx] = x.to(self.recent_x.dtype)
-        self.recent_count += x.shape[0]
+    def extend_path(self, x: torch.Tensor) -> None:
+        """Add the steps of a batch of inputs (N, D), in order, to the path driven."""
+        if x.shape[0] == 0:
+            return
+        x = x.to(self.path.dtype)
+        steps = (x[1:] - x[:-1]).norm(dim=1).sum()
+        if bool(self.has_last_x):
+            steps = steps + (x[0] - self.last_x).norm()
+        self.path += steps
+        self.last_x.copy_(x[-1])
+        self.has_last_x.fill_(True)
 
     def record(self, err: torch.Tensor, latent_var: torch.Tensor, noise_var: torch.Tensor,
                observed: torch.Tensor) -> None:
@@ -106,6 +125,9 @@ class PrequentialCalibration(nn.Module):
                 self.scale[p], self.extra[p] = 1.0, 0.0
                 continue
             e2, v, s = self.err2[keep, p], self.latent_var[keep, p], self.noise_var[keep, p]
+            if e2.shape[0] > FIT_RECORDS:
+                pick = torch.linspace(0, e2.shape[0] - 1, FIT_RECORDS, device=e2.device).round().long()
+                e2, v, s = e2[pick], v[pick], s[pick]
             unit = max(float(target_var[p]), 1e-12)
             log_a = torch.linspace(math.log(SCALE_BOUNDS[0]), math.log(SCALE_BOUNDS[1]), 25, dtype=e2.dtype,
                                    device=e2.device)
@@ -133,18 +155,97 @@ class PrequentialCalibration(nn.Module):
         """s^2 (N, P) of a reading from the latent and noise variances (targets' units)."""
         return self.scale * latent_var + noise_var + self.extra
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        # A state saved before calibration existed has none of these buffers: the map loads uncalibrated and
-        # calibrates from its next batches on. A state saved with other store sizes brings its own shapes.
-        for name, buf in list(self._buffers.items()):
-            key = prefix + name
-            if key in state_dict and state_dict[key].shape != buf.shape:
-                self._buffers[name] = torch.zeros(state_dict[key].shape, dtype=buf.dtype, device=buf.device)
-        before = len(missing_keys)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        if not any(key.startswith(prefix) for key in state_dict):
-            del missing_keys[before:]
-        self.history = self.recent_x.shape[0]
+    def _loaded(self) -> None:
         self.records = self.err2.shape[0]
+
+class SessionOffsets(_OptionalState):
+    """A constant offset per session (a bag, a node run: another day or another sensor reads differently).
+
+    The first session is the reference (offset 0) that the map is conditioned in; what the map predicts is
+    shifted to the sessions' mean level (an average session), with their spread added to a reading's variance. A later session's offset b (P,) has
+    a Gaussian prior N(0, prior_var) and a conjugate posterior from the session's out-of-sample errors: each
+    reading predicted before conditioning, y = m(x) + b + e with e ~ N(0, s^2) (s^2 a reading's predictive
+    variance); a batch counts as one observation (its readings share their errors), and only readings on
+    ground other sessions mapped (latent variance below the reading's other terms) and this one has not visited
+    yet (cells of side ``cell``) count: elsewhere the error is the map's, or this session's own data predict
+    it. Readings are then conditioned as y - b,
+    so the map of several sessions is not smeared by their offsets.
+    """
+
+    def __init__(self, output_dims: int, sessions: int, cell: float) -> None:
+        super().__init__()
+        self.cell = float(cell)
+        f64 = {"dtype": torch.float64}
+        self.register_buffer("session", torch.zeros((), dtype=torch.int64))
+        # cells (hashed) the current session has visited: a reading there is predicted from its own data
+        self.register_buffer("visited", torch.zeros(0, dtype=torch.int64))
+        # per session: posterior precision and precision-weighted mean; the first row is the reference
+        self.register_buffer("precision", torch.zeros(sessions, output_dims, **f64))
+        self.register_buffer("weighted", torch.zeros(sessions, output_dims, **f64))
+
+    @property
+    def current(self) -> int:
+        return int(self.session)
+
+    def start(self) -> int:
+        """Open the next session (the last slot is reused once all are taken); returns its index."""
+        self.session.fill_(min(int(self.session) + 1, self.precision.shape[0] - 1))
+        self.precision[int(self.session)] = 0.0
+        self.weighted[int(self.session)] = 0.0
+        self.visited = self.visited[:0]
+        return int(self.session)
+
+    def _cells(self, x: torch.Tensor) -> torch.Tensor:
+        """(N,) int64 hash of the cells (side ``cell``) that hold inputs x (N, D)."""
+        idx = torch.floor(x / max(self.cell, 1e-9)).to(torch.int64)
+        primes = torch.tensor([73856093, 19349663, 83492791][:x.shape[1]], dtype=torch.int64, device=x.device)
+        return (idx * primes).sum(1)
+
+    def new_ground(self, x: torch.Tensor) -> torch.Tensor:
+        """(N,) bool: inputs in cells this session has not visited (predicted from other sessions' data)."""
+        return ~torch.isin(self._cells(x), self.visited)
+
+    def visit(self, x: torch.Tensor) -> None:
+        if int(self.session) > 0:
+            self.visited = torch.unique(torch.cat([self.visited, self._cells(x)]))
+
+    def offset(self) -> torch.Tensor:
+        """(P,) posterior mean offset of the current session (0 for the reference)."""
+        s = int(self.session)
+        return torch.where(self.precision[s] > 0, self.weighted[s] / self.precision[s].clamp_min(1e-300),
+                           torch.zeros_like(self.weighted[s]))
+
+    def observe(self, err: torch.Tensor, var: torch.Tensor, observed: torch.Tensor, prior_var: torch.Tensor) -> None:
+        """Fold errors y - m(x) (N, P) with their variances into the current session's posterior."""
+        s = int(self.session)
+        if s == 0 or err.shape[0] == 0:
+            return
+        w = torch.where(observed, 1.0 / var.clamp_min(1e-300), torch.zeros_like(var))
+        if bool((self.precision[s] == 0).any()):
+            self.precision[s] = torch.where(self.precision[s] == 0, 1.0 / prior_var, self.precision[s])
+        # A batch's readings share its pose and sensor errors: the batch is one observation of the offset, its
+        # precision-weighted mean error with the variance of one reading (not 1/N of it: counting its
+        # readings as independent made a first batch's local error the session's offset for good).
+        total = w.sum(0)
+        has = total > 0
+        mean_err = (w * torch.where(observed, err, torch.zeros_like(err))).sum(0) / total.clamp_min(1e-300)
+        batch_precision = total / observed.sum(0).clamp_min(1)
+        self.precision[s] += torch.where(has, batch_precision, torch.zeros_like(total))
+        self.weighted[s] += torch.where(has, batch_precision * mean_err, torch.zeros_like(total))
+
+    def _means(self) -> torch.Tensor:
+        """(S, P) posterior mean offsets of the sessions so far (the reference's 0 first)."""
+        n = int(self.session) + 1
+        return torch.where(self.precision[:n] > 0, self.weighted[:n] / self.precision[:n].clamp_min(1e-300),
+                           torch.zeros_like(self.weighted[:n]))
+
+    def level(self) -> torch.Tensor:
+        """(P,) the sessions' mean offset to the reference: what a map predicts is shifted to it, the level of
+        an average session (0 while there is one session)."""
+        return self._means().mean(0)
+
+    def spread(self) -> torch.Tensor:
+        """(P,) variance of the session offsets about their mean: what a reading of a session not seen yet
+        adds to its predictive variance (0 while there is one session)."""
+        means = self._means()
+        return ((means - means.mean(0)) ** 2).mean(0)

@@ -57,18 +57,17 @@ class ModelConfig:
                                choices=LENGTHSCALE_CHOICES)
     constant_kernel: bool = option(True, doc="add a learned constant (bias) kernel")
     calibration: str = option("prequential", doc="variance of a reading (what map.npz's reading_variance, "
-                              "the localizer and NLPD use): prequential (each batch is predicted before the model "
-                              "conditions on it; from those out-of-sample errors, away from the track just driven, "
+                              "the localizer and NLPD use): prequential (each batch is predicted from the map as "
+                              "it was calibration_lag metres of path earlier; from those out-of-sample errors "
                               "s^2 = a * latent variance + noise + tau^2 is fitted by maximum likelihood: "
                               "docs/calibration.md) or none (latent variance + learned noise). Gaussian likelihood "
                               "only; the latent variance (~/variance) is never changed",
                               choices=("prequential", "none"))
-    calibration_radius: float = option(0.3, doc="prequential calibration: readings within this distance of the "
-                                       "last calibration_history inputs are not scored (they are predicted from "
-                                       "the pass they belong to and share its errors) [m]", low=0.0, high=1e4)
-    calibration_history: int = option(250, doc="prequential calibration: how many of the most recent inputs make "
-                                      "up the track just driven", low=1, high=1_000_000)
-    calibration_records: int = option(2048, doc="prequential calibration: out-of-sample errors kept (the most "
+    calibration_lag: float = option(5.0, doc="prequential calibration: each batch is predicted from the map as "
+                                    "it was between one and two lags of this much path earlier (without the track "
+                                    "that led to it, whose errors the batch shares: a new pass's prediction) [m]",
+                                    low=0.0, low_open=True, high=1e6)
+    calibration_records: int = option(4096, doc="prequential calibration: out-of-sample errors kept (the most "
                                       "recent) to fit the variance model", low=1, high=1_000_000)
     lengthscale: float = option(1.0, doc="initial lengthscale [m]", low=0.0, low_open=True, high=1e4)
     signal_variance: float = option(1.0, doc="initial kernel variance (standardised targets)", low=0.0,

@@ -930,7 +930,7 @@ class ContinualMOGP(Engine):
                        "n_observed": [int(c) for c in mask.sum(0)], "z_moved": 0, "hyper_steps": 0,
                        "variational_steps": 0, "bound": float("nan"), "continual": False}
         if xt.shape[0] > 0:
-            self._calibrate_on(xt, yt, mask)
+            yt = self._calibrate_on(xt, yt, mask)
             with torch.no_grad():
                 self._update_standardisation(yt, mask)
             ys = self._standardise(yt, mask)

@@ -798,7 +798,7 @@ class DualSVGP(Engine):
         stats: dict = {"mode": mode, "n_batch": int(xt.shape[0]), "z_moved": 0, "hyper_steps": 0,
                        "objective": 0.0, "folded": 0}
         if xt.shape[0] > 0:
-            self._calibrate_on(xt, yt)
+            yt = self._calibrate_on(xt, yt)
             with torch.no_grad():
                 self._track_targets(yt)
             ys = self._standardise(yt)

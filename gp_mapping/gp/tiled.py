@@ -510,7 +510,8 @@ class TiledModel(Engine):
         return int(self.hyper_steps_t) < int(self.config.hyper_warmup)
 
     def _tile_config(self, index: tuple[int, ...]) -> ModelConfig:
-        cfg = dataclasses.replace(self.config, tile_size=0.0)
+        # The map calibrates a reading's variance as a whole (a tile alone sees too few revisits to fit it).
+        cfg = dataclasses.replace(self.config, tile_size=0.0, calibration="none")
         seed = (int(self.config.seed) + sum((k + 1) * 1_000_003 * int(i) for k, i in enumerate(index))) % (2 ** 31)
         changes: dict[str, Any] = {"seed": seed}
         if cfg.inducing == "grid":
@@ -530,7 +531,9 @@ class TiledModel(Engine):
         """Start recording what the next updates change, so that :meth:`rollback` can undo them; the record
         holds only the tiles touched (the cost does not grow with the map)."""
         self._journal = {"tiles": {}, "shared": self._theta(),
-                         "buffers": {name: buf.detach().clone() for name, buf in self._buffers.items()}}
+                         "buffers": {name: buf.detach().clone() for name, buf in self._buffers.items()},
+                         "calibration": {k: v.detach().clone() for k, v in self.calibration.state_dict().items()},
+                         "sessions": {k: v.detach().clone() for k, v in self.sessions.state_dict().items()}}
 
     def _journal_prior(self) -> None:
         """Record the prior engine before its unit changes (the only change to it that is not the shared theta)."""
@@ -564,6 +567,8 @@ class TiledModel(Engine):
         with torch.no_grad():
             for name, value in journal["buffers"].items():
                 self._buffers[name].copy_(value)
+        self.calibration.load_state_dict(journal["calibration"])
+        self.sessions.load_state_dict(journal["sessions"])
         self._loaded()
 
     # ------------------------------------------------------------------ update
@@ -588,6 +593,9 @@ class TiledModel(Engine):
             if own:  # an update that fails half way leaves the model as it was
                 self.begin_update()
             try:
+                observed = ~torch.isnan(yt)
+                yt = torch.where(observed, self._calibrate_on(xt, torch.where(observed, yt, torch.zeros_like(yt)),
+                                                              observed), yt)
                 self._update_tiles(xt, yt, mode, stats)
             except BaseException:
                 if own:
@@ -679,23 +687,13 @@ class TiledModel(Engine):
         """Blended mean and variance (G, P) of the latent f: the mixture's moments (module docstring)."""
         xt = self._check_x(x)
         with torch.no_grad():
-            return self._latent(xt)
+            mean, var = self._latent(xt)
+            return mean + self.sessions.level(), var
 
     def _latent(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mixture's moments at checked inputs, in the targets' units (each tile predicts in its own)."""
-        return self._blend(xt, lambda engine, x: engine.predict(x))
-
-    def predict_reading(self, x) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blended mean and variance (G, P) of a reading: each tile's (Engine.predict_reading), mixed as the
-        latent moments are."""
-        xt = self._check_x(x)
-        with torch.no_grad():
-            return self._blend(xt, lambda engine, x: engine.predict_reading(x))
-
-    def _blend(self, xt: torch.Tensor, moments) -> tuple[torch.Tensor, torch.Tensor]:
-        """The mixture over tiles of ``moments(engine, x) -> (mean, var)`` at checked inputs."""
         g, p = xt.shape[0], self.output_dims
-        parts = [(rows, w[:, None], *moments(engine, xt[rows])) for rows, engine, w in self._each_tile(xt)]
+        parts = [(rows, w[:, None], *engine.predict(xt[rows])) for rows, engine, w in self._each_tile(xt)]
         mean = torch.zeros(g, p, dtype=torch.float64, device=xt.device)
         for rows, w, m, _ in parts:
             mean.index_add_(0, rows, w * m)
@@ -706,8 +704,28 @@ class TiledModel(Engine):
             var.index_add_(0, rows, w * (v + dev * dev))
         return mean, var.clamp_min(0.0)
 
+    @property
+    def calibrates(self) -> bool:
+        """The map as a whole calibrates a reading's variance (Engine.calibrates); its tiles do not."""
+        return self.config.calibration == "prequential" and hasattr(self.prior.likelihood, "noise_variance")
+
+    def _reading_moments(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean, latent variance, noise variance) of the blend, targets' units: the noise is the tiles'
+        noise variances weighted as their means are."""
+        mean, var = self._latent(xt)
+        noise = torch.zeros_like(var)
+        for rows, engine, w in self._each_tile(xt):
+            noise.index_add_(0, rows, w[:, None] * engine._noise_variance(xt[rows]) * engine.y_std ** 2)
+        return mean, var, noise
+
+    def _target_variance(self) -> torch.Tensor:
+        return self.target_m2 / self.target_count.clamp_min(1.0)
+
     def log_predictive_density(self, x, y) -> torch.Tensor:
-        """log p(y*|x*) (N, P) of the blend: log sum_t w_t p_t(y*|x*) (a log-sum-exp over the tiles)."""
+        """log p(y*|x*) (N, P) of the blend: log sum_t w_t p_t(y*|x*) (a log-sum-exp over the tiles); where the
+        map calibrates, the Gaussian of a reading's calibrated variance (Engine.log_predictive_density)."""
+        if self.calibrates or self.sessions.current > 0:
+            return super().log_predictive_density(x, y)
         xt = self._check_x(x)
         yt = self._check_y(y, xt.shape[0])
         with torch.no_grad():

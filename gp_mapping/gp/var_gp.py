@@ -831,7 +831,7 @@ class VARGP(Engine):
         stats: dict = {"mode": mode, "n_batch": int(xt.shape[0]), "hyper_steps": 0, "variational_steps": 0,
                        "revisit_points": 0, "objective": 0.0, "blocks_opened": 0, "points_added": 0, "distilled": 0}
         if xt.shape[0]:
-            self._calibrate_on(xt, yt)
+            yt = self._calibrate_on(xt, yt)
             with torch.no_grad():
                 self._track_targets(yt)
                 ys = (yt - self.y_mean) / self.y_std
