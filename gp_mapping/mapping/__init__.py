@@ -1,4 +1,5 @@
-"""Everything a magnetic-field mapper needs that is not ROS: frames, time sync, grid, the Mapper, state files."""
+"""Everything a magnetic-field mapper needs that is not ROS: frames, time sync, grid, the Mapper, state files, map
+files, merging, health."""
 from gp_mapping.mapping.frames import (FrameError, normalize_quaternion, quaternion_from_rpy, quaternion_inverse,
                                        quaternion_multiply, quaternion_to_matrix, rotate_vectors, slerp)
 from gp_mapping.mapping.grid import (Coverage, GridError, GridSpec, GridTooLargeError, decode_occupancy,
