@@ -30,7 +30,7 @@ def test_refit_is_the_maximum_likelihood_of_the_variance_model():
     cal = PrequentialCalibration(2, 1, records=n)
     t = lambda a: torch.as_tensor(a, dtype=torch.float64)[:, None]  # noqa: E731
     cal.record(t(err), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool))
-    cal.refit(torch.ones(1, dtype=torch.float64))
+    cal.refit(torch.ones(1, dtype=torch.float64), force=True)
 
     def nll(p):
         total = np.exp(p[0]) * v + noise + np.exp(p[1])
@@ -49,7 +49,7 @@ def test_too_few_records_leave_the_model_as_it_is():
     k = CALIBRATION_MIN_RECORDS - 1
     cal.record(torch.full((k, 1), 5.0, dtype=torch.float64), torch.ones(k, 1, dtype=torch.float64),
                torch.ones(k, 1, dtype=torch.float64), torch.ones(k, 1, dtype=torch.bool))
-    cal.refit(torch.ones(1, dtype=torch.float64))
+    cal.refit(torch.ones(1, dtype=torch.float64), force=True)
     assert float(cal.scale) == 1.0 and float(cal.extra) == 0.0
 
 

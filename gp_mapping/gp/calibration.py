@@ -16,7 +16,7 @@ on new ground; the track just driven, whose errors the batch shares, is not in t
     s^2 = a * v_latent + sigma_noise^2 + tau^2
 
 is fitted by maximum likelihood (a: how far the latent variance is off; tau^2: the error a new pass adds that
-no part of the model sees). It is refitted after every update (a grid search, refined once: two parameters,
+no part of the model sees). It is refitted every ``REFIT_EVERY`` new records (a grid search, refined four times: two parameters,
 at most ``FIT_RECORDS`` of the stored records) and only after ``CALIBRATION_MIN_RECORDS`` records; until then
 a = 1, tau^2 = 0, the model as it is. The lagged map is a copy the engine keeps (``Engine._lagged``); it is
 not part of the saved state, so a loaded map calibrates again after two lags. The same idea is conformal/recalibration of regression uncertainty (Kuleshov et al. 2018,
@@ -37,6 +37,8 @@ from torch import nn
 CALIBRATION_MIN_RECORDS = 200
 #: the most records one refit uses (evenly spaced over the store), so a refit costs a few milliseconds
 FIT_RECORDS = 1024
+#: new records between refits (about a batch: the last revisits must count at once)
+REFIT_EVERY = 50
 #: bounds of the latent-variance factor a and of tau^2 relative to the targets' variance
 SCALE_BOUNDS = (0.1, 1000.0)
 EXTRA_BOUNDS = (1e-8, 10.0)
@@ -78,6 +80,7 @@ class PrequentialCalibration(_OptionalState):
         self.register_buffer("noise_var", torch.zeros(self.records, output_dims, **f64))
         self.register_buffer("filled", torch.zeros(self.records, output_dims, dtype=torch.bool))
         self.register_buffer("record_count", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("fitted_at", torch.zeros((), dtype=torch.int64))  # record_count at the last refit
         # The path driven so far (sum of steps between consecutive inputs) and its last input: the lag's clock.
         self.register_buffer("path", torch.zeros((), **f64))
         self.register_buffer("last_x", torch.zeros(input_dims, **f64))
@@ -116,9 +119,13 @@ class PrequentialCalibration(_OptionalState):
         self.filled[idx] = observed
         self.record_count += err.shape[0]
 
-    def refit(self, target_var: torch.Tensor) -> None:
-        """Maximum-likelihood (a, tau^2) per output from the stored records; ``target_var`` (P,) sets the
-        scale of the tau^2 grid. Outputs with fewer than CALIBRATION_MIN_RECORDS records stay uncalibrated."""
+    def refit(self, target_var: torch.Tensor, force: bool = False) -> None:
+        """Maximum-likelihood (a, tau^2) per output from the stored records, once REFIT_EVERY records came
+        since the last refit (or ``force``); ``target_var`` (P,) sets the scale of the tau^2 grid. Outputs
+        with fewer than CALIBRATION_MIN_RECORDS records stay uncalibrated."""
+        if not force and int(self.record_count) - int(self.fitted_at) < REFIT_EVERY:
+            return
+        self.fitted_at.copy_(self.record_count)
         for p in range(self.err2.shape[1]):
             keep = self.filled[:, p]
             if int(keep.sum()) < CALIBRATION_MIN_RECORDS:
@@ -129,15 +136,15 @@ class PrequentialCalibration(_OptionalState):
                 pick = torch.linspace(0, e2.shape[0] - 1, FIT_RECORDS, device=e2.device).round().long()
                 e2, v, s = e2[pick], v[pick], s[pick]
             unit = max(float(target_var[p]), 1e-12)
-            log_a = torch.linspace(math.log(SCALE_BOUNDS[0]), math.log(SCALE_BOUNDS[1]), 25, dtype=e2.dtype,
+            log_a = torch.linspace(math.log(SCALE_BOUNDS[0]), math.log(SCALE_BOUNDS[1]), 15, dtype=e2.dtype,
                                    device=e2.device)
-            log_t = torch.linspace(math.log(EXTRA_BOUNDS[0] * unit), math.log(EXTRA_BOUNDS[1] * unit), 25,
+            log_t = torch.linspace(math.log(EXTRA_BOUNDS[0] * unit), math.log(EXTRA_BOUNDS[1] * unit), 15,
                                    dtype=e2.dtype, device=e2.device)
-            for _ in range(3):  # coarse grid, then twice a finer one around the best cell
+            for _ in range(5):  # a coarse grid, then four finer ones around the best cell (each twice as fine)
                 best_a, best_t = self._best(e2, v, s, log_a, log_t)
                 step_a, step_t = float(log_a[1] - log_a[0]), float(log_t[1] - log_t[0])
-                log_a = torch.linspace(best_a - step_a, best_a + step_a, 9, dtype=e2.dtype, device=e2.device)
-                log_t = torch.linspace(best_t - step_t, best_t + step_t, 9, dtype=e2.dtype, device=e2.device)
+                log_a = torch.linspace(best_a - step_a, best_a + step_a, 5, dtype=e2.dtype, device=e2.device)
+                log_t = torch.linspace(best_t - step_t, best_t + step_t, 5, dtype=e2.dtype, device=e2.device)
             self.scale[p] = math.exp(best_a)
             self.extra[p] = math.exp(best_t)
 
