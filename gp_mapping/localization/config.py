@@ -57,7 +57,7 @@ class LocalizerConfig:
     max_update_rate: float = option(50.0, doc="at most this many filter updates per second of stamps (a 200 Hz "
                                     "magnetometer is subsampled); 0: no limit", low=0.0, high=10_000.0)
     # --- measurement model
-    inflation: float = option(1.0, doc="the reading's predictive variance (latent + noise + bias) is multiplied "
+    inflation: float = option(0.5, doc="the reading's predictive variance (latent + noise + bias) is multiplied "
                               "by this: readings along a path share their map error, so they are not independent",
                               low=0.0, low_open=True, high=1e6)
     position_std: float = option(0.0, doc="position uncertainty the map lookup allows for [m]: adds |grad m|^2 "
