@@ -123,6 +123,8 @@ def test_bad_input_ends_with_one_line_and_status_1(demo, tmp_path, capsys):
     write_state(other_frame, state)
     bad_cfg = tmp_path / "bad.yaml"
     bad_cfg.write_text("localizer:\n  num_particles: 0\n")
+    deep_cfg = tmp_path / "deep.yaml"
+    deep_cfg.write_text("[" * 100_000)
     not_a_bag = tmp_path / "x.bag"
     not_a_bag.write_bytes(b"nonsense")
     drive, state_path = str(demo["drive"]), str(demo["state"])
@@ -133,12 +135,16 @@ def test_bad_input_ends_with_one_line_and_status_1(demo, tmp_path, capsys):
         (["localize", drive, "--map", str(not_a_bag)], "cannot load the map"),
         (["localize", drive, "--map", str(other_frame), "--ground-truth", "/pose"], "frame"),
         (["localize", drive, "--map", state_path, "--config", str(bad_cfg)], "localizer.num_particles"),
+        (["localize", drive, "--map", state_path, "--config", str(deep_cfg)], "nested deeper"),
         (["localize", drive, "--map", state_path, "--ground-truth", "/nothing"], "/nothing"),
         (["localize", drive, "--map", state_path, "--odom-topic", "/mag"], "odometry topic /mag"),
         (["localize", drive, "--map", state_path, "--particles", "3"], "localizer.num_particles"),
+        (["localize", drive, "--map", state_path, "--out", "/proc/1/x"], "--out"),
     ]
     for argv, needle in cases:
-        assert cli.main(argv + ["--out", str(tmp_path / "o")]) == 1, argv
+        if "--out" not in argv:
+            argv = argv + ["--out", str(tmp_path / "o")]
+        assert cli.main(argv) == 1, argv
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("gp-mapping localize: error:"), (argv, err)

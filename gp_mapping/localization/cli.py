@@ -347,7 +347,13 @@ def run(args: argparse.Namespace) -> int:
     """Localize, write the outputs, print where they are; 0 on success, 1 with a message on failure."""
     from gp_mapping.mapping.grid import GridError
 
+    from gp_mapping.mapping.map_files import unwritable_folder
+
     name = "gp-mapping localize"
+    problem = unwritable_folder(Path(args.out))  # before the work: a typo costs no filtering
+    if problem:
+        print(f"{name}: error: --out: {problem}", file=sys.stderr)
+        return 1
     try:
         cfg = _config(args)
         result = localize_bag(args.bag, args.map, cfg, initial_pose=args.initial_pose, global_init=args.global_init,

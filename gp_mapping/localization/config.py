@@ -57,9 +57,11 @@ class LocalizerConfig:
     max_update_rate: float = option(50.0, doc="at most this many filter updates per second of stamps (a 200 Hz "
                                     "magnetometer is subsampled); 0: no limit", low=0.0, high=10_000.0)
     # --- measurement model
-    inflation: float = option(0.5, doc="the reading's predictive variance (latent + noise + bias) is multiplied "
-                              "by this: readings along a path share their map error, so they are not independent",
-                              low=0.0, low_open=True, high=1e6)
+    inflation: float = option(0.5, doc="the map's predictive variance of a reading (latent + noise) is multiplied "
+                              "by this before the offset's variance is added: above 1 for maps whose errors along a "
+                              "path are shared by many updates, below 1 where a calibrated reading variance is wider "
+                              "than the filter needs (0.5 had the best worst case on the Solin recording; "
+                              "docs/localization.md)", low=0.0, low_open=True, high=1e6)
     position_std: float = option(0.0, doc="position uncertainty the map lookup allows for [m]: adds |grad m|^2 "
                                  "position_std^2 to the reading variance (a noisy-input GP, McHutchon and Rasmussen "
                                  "2011), so steep parts of the field, where a few centimetres change a reading by "
@@ -141,8 +143,12 @@ def load_localizer_config(path: str | Path) -> LocalizerConfig:
         document = yaml.safe_load(Path(path).read_text())
     except OSError as err:
         raise ConfigError(f"cannot read config file {path}: {err}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not text (UTF-8): {err}") from err
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+        raise ConfigError(f"config file {path} is not valid YAML: {str(err)[:300]}") from err
+    except RecursionError:  # a hostile file of nested brackets
+        raise ConfigError(f"config file {path} is nested deeper than any parameter file; refused") from None
     if document is None:
         return LocalizerConfig()
     if not isinstance(document, Mapping):
@@ -152,6 +158,8 @@ def load_localizer_config(path: str | Path) -> LocalizerConfig:
         raise ConfigError(f"config file {path} holds several node entries; use one '/**: ros__parameters:'")
     if entries:
         document = entries[0] or {}
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"config file {path}: the ros__parameters entry must be a mapping")
     if SECTION in document:
         section = document[SECTION]
         if section is None:

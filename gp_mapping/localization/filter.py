@@ -14,8 +14,9 @@ filter of Doucet et al. (2000) for a state whose nonlinear part (the pose) is sa
 offset) is not: the offset costs one Kalman update per particle and output (a few numpy operations), and unlike
 an offset sampled per particle it does not need particles spread over its range to be estimated, nor does
 resampling deplete it. Why ``inflation`` multiplies the map's part only: the map's error is what successive
-readings along a path share (a reading every few centimetres sees the same error of a map whose lengthscale is
-a metre), so it is counted fewer times; the offset's variance is the filter's own and stays exact.
+readings along a path share (readings a few centimetres apart see the same error of a map whose lengthscale is
+a metre), so its weight is the thing to tune; the offset's variance is the filter's own and stays exact, so the
+Kalman update of the offset stays consistent whatever the inflation.
 
 The offset is constant (``bias_random_walk`` 0: a fixed offset with a Gaussian prior) or a random walk.
 ``bias_prior_std`` 0 removes the state (``b`` = the prior mean).
