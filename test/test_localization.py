@@ -531,3 +531,25 @@ def test_the_default_config_keeps_an_update_of_1000_particles_cheap():
     stamps, poses, est = _run(loc, t, _odometry(t, truth, 0), _magnitude_readings(truth))
     assert len(est) > 20 and all(1.0 <= e.ess <= 1000.0 + 1e-6 for e in est)
     assert np.isclose(loc.filter.weights.sum(), 1.0)
+
+
+def test_a_tilted_vector_reading_is_levelled_by_the_odometry_orientation():
+    from gp_mapping.mapping.frames import quaternion_from_rpy, rotate_vectors, quaternion_inverse
+
+    fmap = _map("vector")
+    q = quaternion_from_rpy(0.3, -0.2, 1.0)
+    room = np.array([12.0, -7.0, -40.0])  # uT, map frame
+    body = rotate_vectors(quaternion_inverse(q), room)  # what a tilted sensor reads
+    level = Localizer(fmap, LocalizerConfig(orientation="orientation"))
+    levelled = level._reading_in_map_units(body * UT, q)
+    # the heading is the filter's (per particle): what is left is the map-frame vector turned back by yaw 1.0
+    np.testing.assert_allclose(levelled, rotate_vectors(quaternion_from_rpy(0.0, 0.0, -1.0), room), atol=1e-9)
+    flat = Localizer(fmap, LocalizerConfig(orientation="level"))
+    np.testing.assert_allclose(flat._reading_in_map_units(body * UT, q), body, atol=1e-9)  # taken as level
+    # a sensor mounted upside down on the body: its extrinsic turns the reading first
+    flip = quaternion_from_rpy(math.pi, 0.0, 0.0)
+    mounted = Localizer(fmap, LocalizerConfig(orientation="level"), sensor_rotation=flip)
+    np.testing.assert_allclose(mounted._reading_in_map_units(rotate_vectors(quaternion_inverse(flip), room) * UT, q),
+                               room, atol=1e-9)
+    magnitude = Localizer(_map(), LocalizerConfig())
+    assert magnitude._reading_in_map_units(body * UT, q)[0] == pytest.approx(np.linalg.norm(room))
