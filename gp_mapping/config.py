@@ -55,7 +55,7 @@ class SyncConfig:
                             "row while the held one is silent takes over)", max_length=FRAME_ID_MAX_LENGTH)
     field_unit: str = _opt("microtesla", doc="unit of the field inside the mapper and in its outputs",
                            choices=("tesla", "millitesla", "microtesla", "nanotesla", "gauss"))
-    # Bad-input guards (README "Bad input and reliability"): each refusal is counted under a named reason.
+    # Bad-input guards (docs/reliability.md): each refusal is counted under a named reason.
     max_field: float = _opt(0.01, doc="refuse readings with |B| above this, saturated or absurd [T]; 0: no limit",
                             low=0.0, high=1e3)
     max_position: float = _opt(1e7, doc="refuse poses farther than this from the map origin [m]", low=0.0,
@@ -102,10 +102,9 @@ class GridConfig:
                                    "the smaller side of grid.window (grow) or grid.size (fixed), so the known-cell "
                                    "mask stays bounded by the published grid", low=0.0, low_open=True, high=1e4)
     tile_size: int = _opt(0, doc="cells predicted per call of the engine; 0: by the model's device, 2048 on a CPU (a "
-                          "tile's (cells, M) kernel matrix fits the cache: 4 MiB at M = 256; larger tiles drew a "
-                          "400x400 grid up to 2x slower) and on a GPU as many as keep a (cells, M) "
-                          "matrix at 64 MiB, 32768 at M = 256 (fewer, larger kernels: the same grid in 7.5 ms "
-                          "against 70 ms in tiles of 2048 on an H200)", low=0, high=10_000_000)
+                          "tile's (cells, M) kernel matrix then fits the cache: 4 MiB at M = 256) and on a GPU as "
+                          "many as keep a (cells, M) matrix at 64 MiB, 32768 at M = 256 (fewer, larger kernel "
+                          "launches)", low=0, high=10_000_000)
     height: float = _opt(0.0, doc="z of the grid cells when input_dims is 3 [m]", low=-1e4, high=1e4)
     mean_range: list = _opt([], doc="field values [unit] published as 0 and 100 in every mean grid, so a colour "
                             "means the same value all run (values outside are clipped); empty: each map's own "

@@ -4,12 +4,10 @@ library changes nothing.
 glibc's malloc serves blocks above an adaptive threshold (128 KiB to start) with mmap and returns them to the
 system when freed, and trims the top of the heap when more than twice that is free. Torch's CPU tensors come
 straight from malloc, so every tile of a map (a (cells, M) kernel matrix and its products, 4 MiB each at the
-default 2048 cells and M = 256) was a fresh mapping whose pages fault in on first touch: measured, a 400 x 400
-grid at M = 256 took 1.33-1.41 s against 0.81-0.90 s with the settings below (the same process, the same model).
-Blocks of up to 16 MiB come from the heap (a tile's buffers at M = 512 are 8 MiB) and up to 64 MiB of free heap is
-kept before trimming: 32 MiB blocks and a 256 MiB trim threshold drew the grid no faster and left the quick
-benchmark's process at 755 MiB against 630 (531 without any setting); the long-exploration benchmark watches the
-resident memory of a node's work (409 -> 437 MiB over 30 minutes, 389 -> 404 without).
+default 2048 cells and M = 256) was a fresh mapping whose pages fault in on first touch, which made drawing a
+map markedly slower. Blocks of up to 16 MiB come from the heap (a tile's buffers at M = 512 are 8 MiB) and up to
+64 MiB of free heap is kept before trimming; larger settings draw no faster and cost resident memory. The bench's
+speed section times the grid, its explore section watches the resident memory of a node's work.
 """
 from __future__ import annotations
 

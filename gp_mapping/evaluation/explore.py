@@ -238,7 +238,7 @@ def summarise(map_times, behind_batches, behind_seconds, rss_t, rss, duration, w
 
 
 def markdown(sec: dict[str, Any]) -> list[str]:
-    lines = ["## Long exploration through the node's path (issue 20)", ""]
+    lines = ["## Long exploration through the node's path", ""]
     if "error" in sec:
         return lines + [f"Failed: {sec['error']}", ""]
     s = sec["summary"]

@@ -328,7 +328,7 @@ def markdown(sec: dict[str, Any]) -> list[str]:
                   "tiles | state MiB (first pass -> end) | RSS MiB (first pass -> end) | window / full map s |",
                   "|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         rows = [(f"tiled ({e.get('plan_tiles', 'plan')})", t)]
-        if "shipped" in e:  # runs before 2026-11-26 had no shipped row
+        if "shipped" in e:  # older reports have no shipped row
             rows.append((f"shipped ({e.get('shipped_tiles', 'config/mapper.yaml')})", e["shipped"]))
         rows.append(("untiled (one engine)", u))
         for name, r in rows:

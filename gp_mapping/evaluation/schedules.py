@@ -1,4 +1,4 @@
-"""The shipped engine against its own schedules and the peers a magnetic-mapping user would pick (issue 13).
+"""The shipped engine against its own schedules and the peers a magnetic-mapping user would pick.
 
     python -m gp_mapping.evaluation.schedules [--data ROOT] [--out DIR] [--every 1 5 10 20]
 

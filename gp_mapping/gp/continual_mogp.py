@@ -952,8 +952,8 @@ class ContinualMOGP(Engine):
             stats["variational_steps"] += self._e_step(xt, ys, mask, priors, scale)
             if learn:
                 hyper, masks = self._hyper_parameters()
-                # No warm-up here: with its own E-step re-run after every M-step, the measured warm-up of many
-                # steps per batch made the rest-then-drive map worse (0.95 against 0.58 uT).
+                # No warm-up here: with its own E-step re-run after every M-step, a warm-up of many steps per
+                # batch makes the rest-then-drive map worse (test/test_target_scaling.py).
                 # the rows conditioned on since the last M-step (fast updates learn nothing)
                 budget = self._hyper_budget(int(self.rows_since_learning) + xt.shape[0], warmup=False)
 

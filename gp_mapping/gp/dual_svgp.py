@@ -822,8 +822,9 @@ class DualSVGP(Engine):
         """'full' on every full_update_every-th update once full_update_samples samples (this batch included)
         have arrived since the last full update, else 'fast'. Counting samples
         keeps a full update's cost per sample the same at 10 Hz and at 200 Hz: on the Solin recording (1-s
-        batches of 50) a full update every third batch mapped better than one every batch (protocol 2, 3 seeds:
-        2.09 against 2.19 uT), while protocol 1's batches of 470 are each full as before. Until hyperparameters
+        batches of 50) a full update every third batch maps better than one every batch (the schedules bench,
+        ``python -m gp_mapping.evaluation.schedules``, protocol 2: 2.10 against 2.24 uT), while protocol 1's
+        batches of 470 are each full. Until hyperparameters
         have been learned from a batch that spans space, every update is full."""
         cfg = self.config
         learning = cfg.learn_hyperparameters and cfg.hyper_steps > 0

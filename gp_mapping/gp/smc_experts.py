@@ -42,12 +42,11 @@ decayed density of k's entries at x over their density; the NIW gate has one per
 A changed field then gets a new expert (its readings disagree with the old expert) and the map prefers it where
 both cover, by e^(dt / tau) for readings dt apart. Recency by place matters because an expert is large: the old
 expert of a changed spot also took new readings nearby, where nothing changed, and with one recency per expert
-it looked as recent as the new one at the spot and kept getting its readings (change bench, where the field
-changed: 0.435 uT against 0.307 by place; the post-change-only map 0.29 and 0.26). The old experts' total stays
-sum_k n_k T_k(x): decaying it (the time-sensitive DP as published) let the new-expert term win everywhere not
-driven for a few tau, so a map forgot every place but the last minutes' (bench: 0.95 uT against 0.47 on the
-changed-field world); decaying it for assignments only opened experts where nothing changed (0.363 against
-0.307 where it changed). Appending t / tau to the NIW input fails the same way: a NIW cluster learns its own
+it looked as recent as the new one at the spot and kept getting its readings (the smc_bench ``change``
+section measures the map where the field changed). The old experts' total stays sum_k n_k T_k(x): decaying it
+(the time-sensitive DP as published) lets the new-expert term win everywhere not driven for a few tau, so a map
+forgets every place but the last minutes'; decaying it for assignments only opens experts where nothing
+changed. Appending t / tau to the NIW input fails the same way: a NIW cluster learns its own
 spread in t, so at the present stamp every expert but the most recent has negligible density.
 
 Targets are scaled by running statistics (mean and standard deviation of every reading so far, updated per
@@ -93,11 +92,10 @@ NEW_EXPERT_SPAN = 10.0
 SPLIT_SPACING = 0.25
 #: kernel gate: an expert's kernel around each reading is this fraction of its lengthscale wide along each axis
 #: (at most smc_gate_bandwidth), so a short-lengthscale expert claims only the places its readings determine.
-#: With one width for all (0.3 m), a sharp expert holding a dip's readings shared the dip with the smooth
-#: neighbour whose readings lay 0.3-0.4 m away, and the map missed the dip at the readings themselves
-#: (nonstationary bench, readings 43.7 uT, map 46.4); fractions 0.3 / 0.5 / 0.7 / 1.0 gave RMSE 0.308 / 0.286 /
-#: 0.318 / 0.334 uT (mean of its four worlds, one seed each, before the experts' total was held at the
-#: configured width in _gate_log; 0.285 at 0.5 with it) against 0.344 with the fixed width
+#: With one width for all, a sharp expert holding a dip's readings shares the dip with a smooth neighbour whose
+#: readings lie a track away, and the map misses the dip at the readings themselves. The smc_bench
+#: ``nonstationary`` section reproduces the choice (docs/benchmarks.md: 0.285 uT with the kernel gate at 0.5,
+#: 0.409 with the paper's NIW gate)
 GATE_LENGTHSCALE_FRACTION = 0.5
 #: to split, a particle without a free slot frees that of its smallest expert if it holds at most
 #: expert_memory / SMALL_EXPERT_FRACTION readings (they join their neighbour expert)
@@ -481,8 +479,8 @@ class SMCExperts(Engine):
             # The experts' own widths decide which of them takes x; how much x belongs to the experts at all,
             # against the new-expert term, is decided at the configured width, about the spacing of the tracks.
             # With the experts' own widths alone, readings between the lanes of the bundled demo (1 m apart)
-            # opened new experts until every slot was used, and its map read 1.23 uT near the path against 0.52
-            # with one width for all (0.48 with this rule; with it in the map's gate only: 1.23).
+            # open new experts until every slot is used, and the map near the path gets worse than with one
+            # width for all; the rule must hold for assignments as well as for the map's gate.
             shift = (torch.logsumexp(count_weighted(log_t_wide), 1, keepdim=True)
                      - torch.logsumexp(log_old, 1, keepdim=True)).nan_to_num(0.0, 0.0, 0.0)
             log_old = log_old + shift

@@ -42,12 +42,11 @@ from gp_mapping.mapping.mapper import Mapper
 
 DEFAULT_MAX_INDUCING = 1024
 # Adam steps on the merged inducing inputs and kernel by default when the merged map's inducing points cannot
-# explain all the sources' (it must compress them: two halves of 64 points each merged into 64, 0.59 uT in closed
-# form against 0.265 with the steps). While they explain them all, the closed form is the merge of the sources'
-# summaries as they are and the default: the steps fit the summaries better and predicted no better anywhere the
-# bench looked (bench merge section, 2026-11-26: two robots' halves 0.219 closed form against 0.221, strips of 2-16
-# robots the same or better, two sessions of a real room 2.138 against 3.410; tile by tile, where the default is
-# always the closed form, a building's two sessions 0.446 against 0.448 at 2.7 s against 180 s of CPU).
+# explain all the sources' (it must compress them: test_recyclable's two halves of 64 points merged into 64).
+# While they explain them all, the closed form is the merge of the sources' summaries as they are and the
+# default: the steps fit the summaries better and predict no better (the bench's merge section,
+# docs/benchmarks.md: a real room's two sessions 2.138 uT in closed form against 3.410 with the steps; tile by
+# tile, where the default is always the closed form, a building's two sessions 0.446 against 0.448).
 DEFAULT_STEPS = recyclable.COMPRESSING_STEPS
 DEFAULT_TILED_STEPS = 0
 SUMMARY_FORMAT = "gp_mapping.model_summary"

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 FORMAT = "gp_mapping.map_state"
-SCHEMA_VERSION = 2  # 2: engines keep running target statistics and Adam moments (issue 13)
+SCHEMA_VERSION = 2  # 2: engines keep running target statistics and Adam moments
 MODEL_PREFIX = "model/"
 MAPPER_PREFIX = "mapper/"
 

@@ -18,7 +18,7 @@ result (``pop_ready``, the counters, a checkpoint) or could change it (a trim of
 sample, a re-anchor, a timeout, the bound, the end of the stream). The outcome is the one of deciding each
 sample on arrival; the cost per sample falls from a vectorised call each (~0.3 ms) to a share of one.
 
-Bad input (README, "Bad input and reliability"). Non-finite values and stamps, a zero reading, a reading above
+Bad input (docs/reliability.md). Non-finite values and stamps, a zero reading, a reading above
 ``sync.max_field``, a reading in another frame than the magnetometer's (``sync.field_frame``; when that is empty
 the first frame seen is held, and another frame that sends FRAME_RELATCH_AFTER readings in a row while the
 held one is silent takes over, so one stray message cannot lock the sensor out), a frame_id longer than

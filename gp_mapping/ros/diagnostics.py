@@ -3,7 +3,7 @@
 ``/diagnostics`` (diagnostic_msgs/DiagnosticArray, every :data:`DIAGNOSTICS_PERIOD` s of node clock): one status per
 node, its values as key/value strings (:func:`diagnostic_array`). The mapping node's: messages received, samples
 accepted, rejected by reason (``rejected/<reason>`` from the Mapper, ``node/rejected/<reason>`` from the node; the
-table is in README "Bad input and reliability"), update latency, map size, errors. Its level
+table is in docs/reliability.md), update latency, map size, errors. Its level
 (:mod:`gp_mapping.mapping.health`): WARN for a magnetometer or pose stream silent ``node.stale_after`` s (STALE after
 ``node.stale_level_after``) or slower than ``node.expected_mag_rate`` / ``node.expected_pose_rate``, for more than
 ``node.max_refused_share`` of the readings refused or the model falling behind over ``node.diagnostics_window``;
