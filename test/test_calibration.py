@@ -157,3 +157,37 @@ def test_known_noise_is_learned_and_a_new_pass_is_covered():
     _, latent = model.predict(x_test[k:])
     raw = bench.scores(mean.numpy(), latent.numpy() + noise, y_test[k:])
     assert raw["nlpd"] > s["nlpd"]
+
+
+def test_a_session_offset_is_learned_and_removed():
+    # Two sessions over the same synthetic field, the second reading 5 units high: the offset is learned within
+    # 0.5 and the map of both is as accurate as the map of the first alone would be at the same place.
+    rng = np.random.default_rng(4)
+
+    def field(x):
+        return (np.sin(x[:, :1]) + np.cos(0.7 * x[:, 1:2])) * 3.0
+
+    def drive(n, seed):
+        r = np.random.default_rng(seed)
+        t = np.linspace(0, 1, n)
+        return np.column_stack([4 + 3.5 * np.cos(12 * t + seed), 4 + 3.5 * np.sin(17 * t + seed)]) \
+            + 0.05 * r.normal(size=(n, 2))
+
+    x1, x2 = drive(3000, 1), drive(3000, 2)
+    y1 = field(x1) + 0.1 * rng.normal(size=(3000, 1))
+    y2 = field(x2) + 5.0 + 0.1 * rng.normal(size=(3000, 1))
+    plain, with_sessions = (build_model(_config(), 2, 1) for _ in range(2))
+    for model, sessions in ((plain, False), (with_sessions, True)):
+        for i in range(0, 3000, 50):
+            model.update(x1[i:i + 50], y1[i:i + 50])
+        if sessions:
+            assert model.start_session() == 1
+        for i in range(0, 3000, 50):
+            model.update(x2[i:i + 50], y2[i:i + 50])
+    assert float(with_sessions.session_offset()[0]) == pytest.approx(5.0, abs=0.5)
+    assert float(plain.session_offset()[0]) == 0.0
+    test = drive(500, 3)
+    truth = field(test) + 2.5  # the two sessions' mean level
+    err_sessions = float(np.sqrt(np.mean((with_sessions.predict(test)[0].numpy() - truth) ** 2)))
+    err_plain = float(np.sqrt(np.mean((plain.predict(test)[0].numpy() - truth) ** 2)))
+    assert err_sessions < 0.5 * err_plain

@@ -402,3 +402,25 @@ def test_cuda_mapper_matches_cpu_and_its_state_loads_on_cpu(tmp_path):
     gpu.save(path)
     moved = Mapper.load(path, config(model={"device": "cpu"}))
     np.testing.assert_allclose(moved.grid().layers["magnitude"][0], b.layers["magnitude"][0], rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("target", ["magnitude", "vector"])
+def test_files_hold_the_variance_of_a_reading(tmp_path, target):
+    # map.npz holds, per layer, a reading's variance (latent + noise, calibrated) beside the latent's: equal to
+    # the engine's predict_reading at the known cells, never below the learned noise, and read back as written.
+    from gp_mapping.mapping.grid import cell_inputs
+    from gp_mapping.mapping.map_files import read_map_npz, write_map_npz
+
+    mapper = Mapper(config(sync={"target": target}))
+    feed(mapper, target=target)
+    grid = mapper.export_grid()
+    assert grid.reading_variance is not None and set(grid.reading_variance) == set(grid.layers)
+    idx = np.flatnonzero(grid.known.ravel())[::97]
+    x = cell_inputs(grid.spec, torch.as_tensor(idx), 0.0, 2)
+    _, expected = mapper.model.predict_reading(x)
+    first = "magnitude" if target == "magnitude" else "x"
+    assert np.allclose(grid.reading_variance[first].ravel()[idx], expected[:, 0].numpy(), rtol=1e-9)
+    assert np.all(grid.reading_variance[first][grid.known] > 0)
+    back, _ = read_map_npz(write_map_npz(tmp_path / "map.npz", grid, mapper.trajectory))
+    for name, var in grid.reading_variance.items():
+        assert np.array_equal(back.reading_variance[name], var, equal_nan=True)

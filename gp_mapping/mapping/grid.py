@@ -325,10 +325,11 @@ def cell_inputs(spec: GridSpec, idx, height: float = 0.0, input_dims: int = 2):
 
 
 def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
-                 input_dims: int = 2, only=None) -> tuple[np.ndarray, np.ndarray]:
+                 input_dims: int = 2, only=None, reading: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Predict the latent mean and variance at every cell centre, ``tile_size`` cells at a time (0: by the
     model's device, :func:`tile_cells`). ``model``: an engine, or any predictor with its ``predict(x) -> (mean,
-    var)`` (tensors) and ``device``.
+    var)`` (tensors) and ``device``. With ``reading``, the mean and variance of a reading there instead
+    (``model.predict_reading``: latent plus noise, calibrated; docs/calibration.md).
 
     Cell centres are built on ``model.device`` (no host-to-device copy of the inputs); with ``input_dims``
     3 the cells sit at z = ``height``. ``only`` (H, W) bool: predict those cells alone (the known ones), NaN
@@ -355,11 +356,12 @@ def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
         mean, _ = model.predict(cell_inputs(spec, torch.zeros(1, dtype=torch.int64, device=device), height, input_dims))
         p = int(mean.shape[1])
         return np.full((h, w, p), np.nan), np.full((h, w, p), np.nan)
+    predict = model.predict_reading if reading else model.predict
     with torch.no_grad():
         for start in range(0, n, tile_size):
             stop = min(n, start + tile_size)
             idx = torch.arange(start, stop, device=device) if cells is None else cells[start:stop]
-            mean, var = model.predict(cell_inputs(spec, idx, height, input_dims))
+            mean, var = predict(cell_inputs(spec, idx, height, input_dims))
             mean = mean.detach().to("cpu", torch.float64).numpy()
             var = var.detach().to("cpu", torch.float64).numpy()
             if mean.ndim != 2 or mean.shape[0] != stop - start or var.shape != mean.shape:

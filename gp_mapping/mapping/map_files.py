@@ -59,7 +59,8 @@ def write_map_npz(path: str | Path, grid, trajectory, provenance: dict[str, str]
     Keys: ``x`` (W,) and ``y`` (H,) cell-centre coordinates [m]; ``origin`` (2,) corner of cell (0, 0);
     ``resolution``; ``known`` (H, W) bool; ``layers`` (names); per layer ``<layer>_mean`` and
     ``<layer>_variance`` (H, W) in ``field_unit`` (variance in unit squared; rows are y, columns x, as the
-    OccupancyGrid); ``field_unit``, ``frame_id``, ``stamp`` (newest sample [s]), ``height`` (z of the cells);
+    OccupancyGrid): the latent field's; ``<layer>_reading_variance`` (when the grid has it): a reading's,
+    latent plus noise, calibrated (docs/calibration.md), what a localizer's measurement model needs; ``field_unit``, ``frame_id``, ``stamp`` (newest sample [s]), ``height`` (z of the cells);
     ``extent`` ("full": the whole visited area plus margin; "window": grow mode's window around the newest
     position, when the whole map exceeds ``grid.max_cells``); ``trajectory`` (K, 2) accepted sensor positions;
     ``provenance`` strings (the replay: ``bag``, ``mag_topic``, ``pose_source``; a merge: ``merged_from``).
@@ -79,6 +80,8 @@ def write_map_npz(path: str | Path, grid, trajectory, provenance: dict[str, str]
     for name, (mean, var) in grid.layers.items():
         arrays[f"{name}_mean"] = np.asarray(mean, dtype=np.float64)
         arrays[f"{name}_variance"] = np.asarray(var, dtype=np.float64)
+    for name, var in (grid.reading_variance or {}).items():
+        arrays[f"{name}_reading_variance"] = np.asarray(var, dtype=np.float64)
     path = Path(path)
     with open(path, "wb") as fh:  # a file object keeps numpy from appending ".npz" to another suffix
         np.savez_compressed(fh, **arrays)
@@ -100,8 +103,10 @@ def read_map_npz(path: str | Path):
                         known.shape[1], known.shape[0])
         layers = {str(n): (np.asarray(data[f"{n}_mean"], np.float64), np.asarray(data[f"{n}_variance"], np.float64))
                   for n in data["layers"]}
+        reading = {str(n): np.asarray(data[f"{n}_reading_variance"], np.float64) for n in data["layers"]
+                   if f"{n}_reading_variance" in data}
         grid = MapGrid(spec, str(data["frame_id"]), str(data["field_unit"]), layers, known, float(data["stamp"]),
-                       float(data.get("height", 0.0)))
+                       float(data.get("height", 0.0)), reading_variance=reading or None)
     except (KeyError, IndexError, ValueError) as err:
         raise MapFileError(f"{path} is not a gp_mapping map.npz (missing or malformed {err})") from err
     return grid, np.asarray(data.get("trajectory", np.zeros((0, 2))), dtype=np.float64).reshape(-1, 2)

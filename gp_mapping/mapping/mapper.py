@@ -75,6 +75,8 @@ class MapGrid:
     stamp: float
     height: float = 0.0
     extent: str = "window"  # "window": grow mode's published window (or the fixed grid); "full": the whole map
+    #: per layer, the variance (H, W) of a reading (latent + noise, calibrated: docs/calibration.md); files only
+    reading_variance: dict[str, np.ndarray] | None = None
 
     @property
     def unit_symbol(self) -> str:
@@ -540,12 +542,19 @@ class Mapper:
         """The map for a file (replay's map.npz, ``gp-mapping export``): the whole visited area when it fits
         ``grid.max_cells``, else the window around the newest position (``extent`` says which; logged)."""
         try:
-            return self.grid(full=True)
+            grid = self.grid(full=True)
         except GridTooLargeError as err:
             LOG.warning("the whole map does not fit grid.max_cells (%s); the file holds the %s m window around "
                         "the newest position instead (the model still holds everything)", err,
                         self.config.grid.window)
-            return self.grid()
+            grid = self.grid()
+        if grid is not None:  # a file also holds the variance of a reading (MapGrid.reading_variance)
+            g = self.config.grid
+            mean, var = predict_grid(self.model, grid.spec, g.tile_size, height=g.height, input_dims=self.input_dims,
+                                     only=grid.known, reading=True)
+            layers = {"magnitude": (mean[..., 0], var[..., 0])} if self.output_dims == 1 else vector_layers(mean, var)
+            grid.reading_variance = {name: v for name, (_, v) in layers.items()}
+        return grid
 
     @property
     def trajectory(self) -> np.ndarray:
@@ -598,6 +607,13 @@ class Mapper:
         }
 
     # ------------------------------------------------------------------------------------------------ state
+
+    def start_session(self) -> int:
+        """The readings from now on are a new session (another node run on a loaded map, another sensor or
+        day): pending samples are conditioned first, then the model learns the new session's constant offset
+        (Engine.start_session, docs/calibration.md). Returns the session's index."""
+        self.flush(end_of_stream=False)
+        return int(self.model.start_session())
 
     def reset(self) -> None:
         """Forget everything: the model returns to its initial state; poses, samples, coverage and counters clear."""
