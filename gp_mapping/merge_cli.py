@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         png = draw_map(out / PNG_NAME, grid, mapper.trajectory, f"merged: {len(sources)} maps")
     except (ConfigError, MapStateError, MergeError, GridError, OSError) as err:
         return fail(str(err))
-    tiles = f"{result.tiles} tiles of up to " if hasattr(result, "tiles") else ""
+    tiles = f"{result.tiles} tiles of up to " if result.tiles else ""
     print(f"merged {len(sources)} maps ({result.num_data} samples, {tiles}{result.num_inducing} inducing points, "
           f"bound {result.bound:.1f} after {result.steps} steps, {result.seconds:.1f} s)")
     for path in (state, npz, png):

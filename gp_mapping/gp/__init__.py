@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from .base import Engine, resolve_device
+from .base import Engine, IncrementalPrediction, Recyclable, resolve_device
 from .config import ModelConfig, section_from_dict
 from .continual_mogp import ContinualMOGP
 from .dual_svgp import DualSVGP
@@ -73,5 +73,5 @@ def warm_up() -> None:
 
 
 __all__ = ["BernoulliLikelihood", "ConfigError", "ContinualMOGP", "DualSVGP", "ENGINES", "Engine", "GPNumericalError",
-           "GaussianLikelihood", "ModelConfig", "ModelInputError", "SMCExperts", "StudentTLikelihood", "TiledModel",
+           "GaussianLikelihood", "IncrementalPrediction", "ModelConfig", "ModelInputError", "Recyclable", "SMCExperts", "StudentTLikelihood", "TiledModel",
            "VARGP", "build_model", "register_engine", "resolve_device", "warm_up"]

@@ -30,6 +30,7 @@ import copy
 import math
 import re
 from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -183,11 +184,40 @@ def symmetrise(a: torch.Tensor) -> torch.Tensor:
     return at.clone(memory_format=torch.contiguous_format).add_(a).mul_(0.5)
 
 
+@runtime_checkable
+class IncrementalPrediction(Protocol):
+    """An engine that says where an update changed what it predicts, so a redrawn grid reuses the rest.
+
+    ``prediction_versions()`` returns a token of what the engine predicts now; ``changed_since(x, versions)``
+    (x (N, D) checked inputs) -> (N,) bool: whether the prediction at x may differ from the one made when
+    ``versions`` was taken. False only where it cannot have changed."""
+
+    def prediction_versions(self): ...
+
+    def changed_since(self, x: torch.Tensor, versions) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class Recyclable(Protocol):
+    """An engine whose posterior can be summarised for a merge of maps (gp/recyclable.py):
+    ``recyclable_summary() -> dict`` (see :func:`gp_mapping.gp.recyclable.merge_summaries`)."""
+
+    def recyclable_summary(self) -> dict: ...
+
+
 class Engine(nn.Module, abc.ABC):
-    """Base class of the GP engines (see the module docstring for the contract)."""
+    """Base class of the GP engines (see the module docstring for the contract).
+
+    Declared capabilities (what callers may ask of any engine, with no probing): :meth:`begin_update` and
+    :meth:`rollback` undo an update (by default from a copy of the state; an engine whose state grows with the
+    area records only what changes); :attr:`wants_stamps` says whether ``update`` takes the samples' stamps
+    ``t=`` (engines that gate on time); :class:`IncrementalPrediction` and :class:`Recyclable` are protocols
+    an engine implements or not (``isinstance``)."""
 
     #: names of buffers or parameters whose shapes follow the data (taken from the saved state on load)
     RESIZABLE: tuple[str, ...] = ()
+    #: whether update(x, y, t=stamps) wants the samples' stamps (an engine whose gate looks at time)
+    wants_stamps: bool = False
 
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int) -> None:
         super().__init__()
@@ -255,6 +285,22 @@ class Engine(nn.Module, abc.ABC):
         with torch.no_grad():
             mean, var = self._latent(xt)
             return mean * self.y_std + self.y_mean + self.sessions.level(), var * self.y_std ** 2
+
+    # ------------------------------------------------------------------ undo
+    def begin_update(self) -> None:
+        """Remember the state, so that :meth:`rollback` can return to it (a failed update is undone)."""
+        self.__dict__["_undo_state"] = {k: v.detach().clone() for k, v in self.state_dict().items()}
+
+    def end_update(self) -> None:
+        """The update since :meth:`begin_update` stands: forget what undoing it needed."""
+        self.__dict__.pop("_undo_state", None)
+
+    def rollback(self) -> None:
+        """Return to the state at the last :meth:`begin_update`."""
+        saved = self.__dict__.pop("_undo_state", None)
+        if saved is None:
+            raise RuntimeError("rollback() without begin_update()")
+        self.load_state_dict(saved)
 
     # ------------------------------------------------------------------ the variance of a reading
     @property

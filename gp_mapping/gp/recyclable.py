@@ -283,6 +283,9 @@ class MergeResult:
     steps: int
     seconds: float
     history: list = field(default_factory=list)
+    #: what a merge of one engine shares with TiledMergeResult: no tiles made, none taken from a cache
+    tiles: int = 0
+    reused: int = 0
 
     @property
     def num_inducing(self) -> int:

@@ -109,7 +109,7 @@ class SMCExperts(Engine):
     RESIZABLE = ("log_w", "alpha", "count", "expert_id", "crp_w", "crp_t", "g_mean", "g_scatter", "g_mu0", "theta",
                  "mem_x", "mem_y", "mem_c", "mem_s", "mem_t", "rng_state")
     #: update() and predict() take the sample stamps ``t`` (the Mapper passes them)
-    wants_stamps = True
+    wants_stamps = True  # Engine.wants_stamps: the gate looks at time
 
     def __init__(self, config, input_dims: int, output_dims: int) -> None:
         super().__init__(config, input_dims, output_dims)

@@ -547,6 +547,9 @@ class TiledModel(Engine):
         self._journal["tiles"][key] = (None if slot is None else
                                        {k: v.detach().clone() for k, v in slot.state_dict().items()})
 
+    def end_update(self) -> None:
+        self._journal = None
+
     def rollback(self) -> None:
         """Return to the state at the last :meth:`begin_update` (tiles created since are removed)."""
         if self._journal is None:

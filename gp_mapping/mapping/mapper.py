@@ -307,13 +307,9 @@ class Mapper:
             return min(n, b.max_pending)
         return b.max_pending if t.shape[0] >= b.max_pending else 0
 
-    def _fail(self, batch: Measurements, before: dict | None, why: str) -> None:
-        """Roll the model back to ``before`` (None: the model's own ``rollback``), count the batch as dropped
-        and log why."""
-        if before is None:
-            self.model.rollback()
-        else:
-            self.model.load_state_dict(before)
+    def _fail(self, batch: Measurements, why: str) -> None:
+        """Roll the model back to its state before the batch, count the batch as dropped and log why."""
+        self.model.rollback()
         self.failed_updates += 1
         self.dropped += len(batch)
         self.dropped_failed_update += len(batch)
@@ -328,16 +324,11 @@ class Mapper:
         from gp_mapping.gp import GPNumericalError, ModelInputError
 
         start = time.perf_counter()
-        # A model that records its own changes (begin_update / rollback: the tiled model, whose state grows with
-        # the area) is rolled back by itself; otherwise from a copy of its whole state.
-        begin = getattr(self.model, "begin_update", None)
-        if begin is not None and callable(getattr(self.model, "rollback", None)):
-            begin()
-            before = None
-        else:
-            before = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        # Every engine can undo an update (Engine.begin_update / rollback; the tiled model records only what
+        # changes, its state grows with the area).
+        self.model.begin_update()
         try:
-            if getattr(self.model, "wants_stamps", False):  # engines that gate on time take the stamps
+            if self.model.wants_stamps:  # engines that gate on time take the stamps
                 stats = self.model.update(batch.x, batch.y, t=batch.t)
             else:
                 stats = self.model.update(batch.x, batch.y)
@@ -345,14 +336,15 @@ class Mapper:
             mean, var = self.model.predict(check)
             finite = bool(torch.isfinite(torch.as_tensor(mean)).all() and torch.isfinite(torch.as_tensor(var)).all())
         except (GPNumericalError, ModelInputError, torch.linalg.LinAlgError) as err:
-            self._fail(batch, before, f"{type(err).__name__}: {err}")
+            self._fail(batch, f"{type(err).__name__}: {err}")
             return None
         except Exception as err:
-            self._fail(batch, before, f"{type(err).__name__}: {err}")
+            self._fail(batch, f"{type(err).__name__}: {err}")
             raise
         if not finite:
-            self._fail(batch, before, "the update left a non-finite prediction")
+            self._fail(batch, "the update left a non-finite prediction")
             return None
+        self.model.end_update()
         device = torch.device(self.model.device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # honest timing: wait for the queued kernels
@@ -505,7 +497,9 @@ class Mapper:
         reuse = np.zeros((h, w), dtype=bool)
         mean = var = None
         prev = self._drawn
-        changed_since = getattr(self.model, "changed_since", None)
+        from gp_mapping.gp.base import IncrementalPrediction
+
+        changed_since = self.model.changed_since if isinstance(self.model, IncrementalPrediction) else None
         # Reusable: the same model, and either no update since or a model that says where an update changed it.
         reusable = prev is not None and prev.model is self.model and (
             prev.map_version == self._map_version or (prev.versions is not None and changed_since is not None))
@@ -533,7 +527,7 @@ class Mapper:
             else:
                 mean[todo], var[todo] = fresh_mean[todo], fresh_var[todo]
         mean[~want], var[~want] = np.nan, np.nan
-        versions = getattr(self.model, "prediction_versions", None)
+        versions = self.model.prediction_versions if isinstance(self.model, IncrementalPrediction) else None
         self._drawn = _DrawnGrid(self.model, self._map_version, versions() if versions is not None else None, spec,
                                  mean.copy(), var.copy())
         return mean, var

@@ -37,6 +37,7 @@ import torch
 from gp_mapping.config import ConfigError, MapperConfig, config_from_dict, to_dict
 from gp_mapping.gp import recyclable
 from gp_mapping.gp.recyclable import MergeError, MergeResult, RigidTransform, Source, merge, merged_engine
+from gp_mapping.gp.base import Recyclable
 from gp_mapping.gp.tiled import TiledMergeResult, TiledModel, TiledSummary, merge_tiled, parse_tile_key, tile_key
 from gp_mapping.mapping.mapper import Mapper
 
@@ -119,10 +120,9 @@ class MapSource:
         if tiles is not None:  # a map of one tile also merges as its engine: that tile's summary
             summary = next(iter(tiles.tiles.values())) if len(tiles.tiles) == 1 and index is None else None
         else:
-            summarise = getattr(model, "recyclable_summary", None)
-            if summarise is None:
+            if not isinstance(model, Recyclable):
                 raise MergeError(f"{name}: engine {type(model).__name__} cannot be summarised for a merge")
-            summary = summarise()
+            summary = model.recyclable_summary()
         return cls(name=name, summary=summary, tiles=tiles, config=mapper.config, source_id=mapper.source_id,
                    lineage=list(mapper.lineage), coverage_cells=np.asarray(mapper.coverage.cells),
                    coverage_resolution=float(mapper.coverage.resolution),

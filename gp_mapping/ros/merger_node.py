@@ -209,7 +209,7 @@ class MergerNode(Node):
         try:
             mapper, result = merge_maps(sources, steps=self.steps, tiled_steps=self.tiled_steps,
                                         num_inducing=self.num_inducing, tile_cache=self._tile_cache)
-            self._tiles_reused = getattr(result, "reused", 0)
+            self._tiles_reused = result.reused
             grid = mapper.grid(predict_unknown=False)
         except Exception as err:  # a merge that fails leaves the last map published
             self._counts["failed_merges"] += 1

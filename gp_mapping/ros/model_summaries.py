@@ -27,8 +27,9 @@ class ModelSummaries:
 
     def _sends_model_summaries(self) -> bool:
         """Whether ~/model is on: ``node.model_period`` > 0 and a model that has a recyclable summary."""
-        # An engine feature probed by name until gp/base.py declares it (a RecyclableSummary capability).
-        return self.config.node.model_period > 0 and hasattr(self.mapper.model, "recyclable_summary")
+        from gp_mapping.gp import Recyclable
+
+        return self.config.node.model_period > 0 and isinstance(self.mapper.model, Recyclable)
 
     def publish_model(self) -> bool:
         """Send the model summary on ~/model if the map took data since the last one (on the update thread).
