@@ -7,7 +7,7 @@ PACKAGE = "gp_mapping"
 
 setup(
     name=PACKAGE,
-    version="0.1.0",
+    version="0.2.0",
     packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
     data_files=[
         ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
