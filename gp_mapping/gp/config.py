@@ -4,7 +4,7 @@ Every field carries its allowed range or choices in its metadata (:func:`option`
 builds a settings dataclass from a mapping and refuses unknown keys and bad values with a
 :class:`~gp_mapping.gp.errors.ConfigError` naming the key. ``gp_mapping.config`` builds the whole YAML's sections
 with the same rules and re-exports :class:`ModelConfig`. An engine's own settings are fields of
-:class:`ModelConfig` (README "Layout": how to add an engine).
+:class:`ModelConfig` (docs/adding_an_engine.md: how to add an engine).
 """
 from __future__ import annotations
 
@@ -228,7 +228,7 @@ class ModelConfig:
                                      "bound (a uniform weighted sample above it)", low=1, high=1_000_000)
     tile_size: float = option(12.0, doc="local submaps: side of the square tiles, centred on the map origin, that "
                               "each hold their own engine with num_inducing points, so a map grows at constant cost "
-                              "(README 'Large areas'); a room within 5 m of the origin stays in one tile and maps as "
+                              "(docs/large_areas.md); a room within 5 m of the origin stays in one tile and maps as "
                               "one engine. smc_experts and var_gp cover a growing map their own way and are not "
                               "tiled; 0: one global engine [m]", low=0.0, high=1e5)
     tile_overlap: float = option(2.0, doc="tiles: width of the band around a tile border where two tiles share the "

@@ -8,7 +8,7 @@ created when data first fall in the tile. Neighbouring tiles overlap by a band o
 centred on their common border. Tile 0 is centred on the map origin: a map's origin is usually where the robot
 started, so a room mapped from there lies in one tile's core and is mapped as by one engine; tiles come in only
 when the robot leaves it. Below, for brevity, coordinates are taken shifted by s/2 so that tile ``i`` (per axis)
-spans ``[i s - o/2, (i + 1) s + o/2)`` (states saved before 2026-11-26 used that lattice unshifted, and keep it).
+spans ``[i s - o/2, (i + 1) s + o/2)`` (states saved by version 0.1 used that lattice unshifted, and keep it).
 
 Updates. A sample is given to every tile whose span holds it (1 tile in a core, 2 in a band, up to 4 at a
 2-D corner, 8 at a 3-D one); an update touches only those tiles, so its cost depends on M, the engine's memory
@@ -44,9 +44,8 @@ hyperparameters are young, then one per ``hyper_batch`` new samples) is the shar
 it counts the steps of all tiles together (``hyper_steps_t``), and each touched tile's engine is given the
 warm-up (``model.hyper_warmup``) while that count is below it, none after. With each engine's own count every
 new tile restarted the warm-up, so a drive into new ground kept paying up to ``hyper_steps`` steps per tile
-update for hyperparameters already learned (measured over the 30-minute ``large`` drive: 40 steps per update
-early and late, against 2 with the shared count, and 3.6 x the CPU time per update), and an update in a
-tile that had filled up (all M inducing points, a full memory) cost more than one in a young tile.
+update for hyperparameters already learned (the bench section ``large`` shows the steps per update), and an
+update in a tile that had filled up (all M inducing points, a full memory) cost more than one in a young tile.
 
 Target scaling. Shared hyperparameters live in standardised units, so all tiles standardise in one unit
 (``scale_offset``, ``scale_std``), which adapts as a single engine's does (base.Engine._track_targets): the
@@ -85,10 +84,9 @@ log sum_t w_t p_t(y | x).
 
 GPU: every tile lives on the model's device; routing and blending are vectorised tensor operations there;
 tiles are updated and predicted one after another (a batch touches at most 2^D of them). Stacking the tiles
-a grid covers into one batched product per step was measured on the CPU and does not pay there: a tile's
-fixed cost (its calls and the swap of its hyperparameters) is 0.3 ms against 7 ms for its ~1600 cells of a
-32 000-cell grid (20 tiles of M = 64: 6 ms of 139 ms), and the arithmetic is the same either way. On a GPU,
-where the fixed cost is kernel launches, it may; not measured (no GPU here).
+a grid covers into one batched product per step does not pay on a CPU, where a tile's fixed cost (its calls
+and the swap of its hyperparameters) is small against its cells' arithmetic; on a GPU, where the fixed cost
+is kernel launches, it may.
 """
 from __future__ import annotations
 
@@ -146,7 +144,7 @@ class TileLayout:
     overlap: float
     #: tiles centred on the origin (tile 0's core is centred on it) rather than cornered there; see
     #: TiledModel: a map's origin is usually where the robot started, so a room mapped from there stays in
-    #: one tile's core. False: the layout of states saved before 2026-11-26.
+    #: one tile's core. False: the layout of states saved by version 0.1.
     centred: bool = False
 
     def __post_init__(self) -> None:
@@ -853,7 +851,7 @@ class TiledModel(Engine):
                 key = name[len(_TILE_PREFIX):].split(".", 1)[0]
                 if key not in wanted:
                     wanted.append(key)
-        if "lattice_centred" not in state_dict:  # saved before 2026-11-26: tiles cornered on the origin
+        if "lattice_centred" not in state_dict:  # saved by version 0.1: tiles cornered on the origin
             state_dict = {**state_dict, "lattice_centred": torch.tensor(False)}
         self.layout = dataclasses.replace(self.layout, centred=bool(state_dict["lattice_centred"]))
         for key in list(self.tiles.keys()):
@@ -869,11 +867,11 @@ class TiledModel(Engine):
                     raise RuntimeError(f"Error(s) in loading state_dict for TiledModel: tile {key!r} has "
                                        f"{len(index)} indices, this layout tiles {self.layout.dims} axes")
                 self.tiles[key] = self._new_tile(index)
-        recount = "consensus_sum" not in state_dict  # saved before 2026-11-26: the sums come from the tiles
+        recount = "consensus_sum" not in state_dict  # saved by version 0.1: the sums come from the tiles
         if recount:
             state_dict = {**state_dict, "consensus_sum": self.consensus_sum.clone(),
                           "consensus_weight": self.consensus_weight.clone()}
-        if "scale_set" not in state_dict:  # saved before 2026-11-26: each tile kept the scale it was made with
+        if "scale_set" not in state_dict:  # saved by version 0.1: each tile kept the scale it was made with
             offset, std = moments_scale(state_dict["target_count"], state_dict["target_mean"],
                                         state_dict["target_m2"])
             state_dict = {**state_dict, "scale_offset": offset, "scale_std": std,
@@ -1037,8 +1035,8 @@ def merge_tiled(sources: Sequence[tuple[str, TiledSummary, RigidTransform | None
     (held by both neighbouring tiles) are counted once per tile, as in a map that took them all. Each tile
     gets ``num_inducing`` inducing points (default: as many as its largest source tile, or
     ``model_config.num_inducing`` if larger: a tile covers the same ground however many maps it merges, so the
-    merged map keeps the per-tile cost of the maps it came from; on the bench's building two sessions merged
-    with tiles of 256 mapped as well as with up to 423, 0.446 uT both, and kept mapping 1.4x cheaper), its own
+    merged map keeps the per-tile cost of the maps it came from; the bench section ``merge`` compares the
+    two), its own
     hyperparameters from its merge, and the map a consensus as while mapping. The merged tiles are dual SVGPs
     (the form of a merged posterior) in one target unit.
 

@@ -289,8 +289,8 @@ class Coverage:
         return dist[pad:pad + h, pad:pad + w] <= distance * (1 + 1e-12)
 
 
-#: cells per prediction call when ``grid.tile_size`` is 0, by device (measured on a 400x400 grid at M = 256, see
-#: GridConfig.tile_size): on a CPU the tile's kernel matrix must stay in the cache; on a GPU each call is a few
+#: cells per prediction call when ``grid.tile_size`` is 0, by device (bench/grid_tiles.py times a 400x400 grid at
+#: M = 256): on a CPU the tile's kernel matrix must stay in the cache; on a GPU each call is a few
 #: hundred kernel launches and a copy to the host, so fewer, larger tiles win, as large as keeps a (cells, M)
 #: matrix at GPU_TILE_ELEMENTS numbers (64 MiB in float64, which a small GPU still holds: 32768 cells at M = 256).
 CPU_TILE_CELLS = 2048
