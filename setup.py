@@ -43,6 +43,8 @@ setup(
             "mapper = gp_mapping.ros.mapper_node:main",
             "lifecycle_mapper = gp_mapping.ros.mapper_node:lifecycle_main",
             "merger = gp_mapping.ros.merger_node:main",
+            "localizer = gp_mapping.ros.localizer_node:main",
+            "lifecycle_localizer = gp_mapping.ros.localizer_node:lifecycle_main",
         ],
     },
 )

@@ -8,6 +8,7 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,10 +25,9 @@ AREA = ["--area", "-2.5", "-2.5", "2.5", "2.5"]
 SEED = "3"
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    """The map (a lawnmower survey of the world of seed 3 through a Mapper, saved) and the second drive's bag."""
-    root = tmp_path_factory.mktemp("localize")
+def survey_map(root: Path) -> Path:
+    """The map of a lawnmower survey of the world of seed 3 (a Mapper fed at 25 Hz), saved as root/map.safetensors
+    (also the localizer node's test map)."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([str(root / "survey"), "--seed", SEED, "--duration", "70", "--line-spacing", "0.6",
@@ -44,6 +44,14 @@ def demo(tmp_path_factory):
     mapper.flush()
     state = root / "map.safetensors"
     mapper.save(state)
+    return state
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The map (a lawnmower survey of the world of seed 3 through a Mapper, saved) and the second drive's bag."""
+    root = tmp_path_factory.mktemp("localize")
+    state = survey_map(root)
     drive = root / "drive"
     assert cli.main(["demo-bag", str(drive), "--seed", SEED, "--drive-seed", "8", "--duration", "40",
                      "--patterns", "random_walk", "--odometry-drift", "0.04", "1.0", "--spike-rate", "0",

@@ -4,6 +4,10 @@
 ``option`` rules of :mod:`gp_mapping.gp.config`, so a bad value reads like the mapper's: ``config key
 'localizer.num_particles': 0 is too small; allowed: an integer in [10, 1000000]``). It validates itself on
 construction, so ``LocalizerConfig(inflation=-1)`` is refused as a YAML holding it is.
+
+:class:`LocalizerNodeConfig` holds the localizer *node*'s own settings (the map file, frames, where odometry comes
+from, what it publishes, its diagnostics' thresholds): ROS parameters ``localizer.<key>`` beside the filter's, in
+the same YAML section. ``gp-mapping localize`` takes its map and odometry from its arguments and skips them.
 """
 from __future__ import annotations
 
@@ -130,6 +134,66 @@ class LocalizerConfig:
         return values
 
 
+#: Longest frame name the node accepts in its frame settings.
+FRAME_MAX_LENGTH = 256
+
+
+@dataclass
+class LocalizerNodeConfig:
+    """The localizer node's own settings (ROS parameters ``localizer.<key>``; docs/localization.md "The node")."""
+
+    map: str = option("", doc="the map state file (.safetensors: the mapper's ~/save_map, a checkpoint, gp-mapping "
+                      "replay --save-state); required: a missing file or a map of another frame stops the node at "
+                      "start (exit status 2). Live: a new file is loaded and the filter restarts around the last "
+                      "estimate; a file that cannot be used is refused with the reason and the old map stays")
+    global_frame: str = option("map", doc="the map frame (AMCL's global_frame_id): the map file must be of this "
+                               "frame; ~/pose, ~/particles and /initialpose are in it", max_length=FRAME_MAX_LENGTH)
+    odom_frame: str = option("odom", doc="the odometry frame (AMCL's odom_frame_id): odometry messages must be in it; "
+                             "the published transform is global_frame -> odom_frame", max_length=FRAME_MAX_LENGTH)
+    base_frame: str = option("base_link", doc="the robot's body frame (AMCL's base_frame_id): odom_source tf looks "
+                             "up odom_frame -> base_frame", max_length=FRAME_MAX_LENGTH)
+    odom_source: str = option("topic", doc="where odometry comes from: the odom topic (nav_msgs/Odometry in "
+                              "odom_frame) or /tf and /tf_static (odom_frame -> base_frame)", choices=("topic", "tf"))
+    tf_broadcast: bool = option(True, doc="publish global_frame -> odom_frame on /tf (AMCL's tf_broadcast); false "
+                                "where another node publishes it")
+    transform_tolerance: float = option(0.1, doc="the map -> odom transform is stamped this long after the reading "
+                                        "it comes from, so that tf users can look up the present with it (AMCL's "
+                                        "transform_tolerance) [s]", low=0.0, high=60.0)
+    initial_pose: list = option([], doc="x [m], y [m], yaw [rad] in global_frame to start from (a Gaussian of "
+                                "initial_std around it); empty: global_start, else wait for /initialpose",
+                                length=(0, 3))
+    global_start: bool = option(False, doc="without initial_pose: start by global localization (max_particles "
+                                "spread over the map's known cells) instead of waiting for /initialpose")
+    particles_period: float = option(0.5, doc="~/particles at most this often (node clock) [s]; 0: after every "
+                                     "filter update", low=0.0, high=3600.0)
+    queue_depth: int = option(200, doc="subscription queue depth (sensor-data QoS) of mag and odom", low=1,
+                              high=100_000)
+    stale_after: float = option(5.0, doc="diagnostics: WARN when no magnetometer or no odometry message has come for "
+                                "this long, also before the first one [s]; 0: no check", low=0.0, high=1e6)
+    stale_level_after: float = option(30.0, doc="diagnostics: STALE when a stream has been silent this long (taken as "
+                                      "at least stale_after) [s]", low=0.0, high=1e6)
+    max_refused_share: float = option(0.5, doc="diagnostics: WARN when more than this share of the readings of the "
+                                      "last diagnostics_window were refused (judged from 10 readings on); 1: no check",
+                                      low=0.0, high=1.0)
+    diagnostics_window: float = option(10.0, doc="diagnostics: the window of the refused-share check [s]", low=0.0,
+                                       low_open=True, high=3600.0)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, validate_value(f"{SECTION}.{f.name}", getattr(self, f.name), f))
+        for key in ("global_frame", "odom_frame", "base_frame"):
+            name = getattr(self, key)
+            if not name.strip("/") or name != name.strip():
+                raise ConfigError(f"{name!r} is not a frame name", f"{SECTION}.{key}")
+        if self.global_frame.lstrip("/") == self.odom_frame.lstrip("/"):
+            raise ConfigError(f"'{self.odom_frame}' is global_frame too; the transform is global_frame -> odom_frame",
+                              f"{SECTION}.odom_frame")
+
+
+#: The node's keys, which ``gp-mapping localize`` skips in a config file.
+NODE_KEYS = frozenset(f.name for f in dataclasses.fields(LocalizerNodeConfig))
+
+
 def config_from_dict(values: Mapping[str, Any] | None) -> LocalizerConfig:
     """A LocalizerConfig from a mapping of its keys (unknown keys and bad values refused, named
     ``localizer.<key>``)."""
@@ -138,7 +202,8 @@ def config_from_dict(values: Mapping[str, Any] | None) -> LocalizerConfig:
 
 def load_localizer_config(path: str | Path) -> LocalizerConfig:
     """Read a YAML: a mapping of the keys, or one with a ``localizer`` section, either at the top level or under
-    a ROS ``/**: ros__parameters:`` entry (so the node's parameter file serves the CLI too)."""
+    a ROS ``/**: ros__parameters:`` entry (so the node's parameter file serves the CLI too). The node's own keys
+    (:data:`NODE_KEYS`: the map file, frames ...) are skipped: the command takes those from its arguments."""
     try:
         document = yaml.safe_load(Path(path).read_text())
     except OSError as err:
@@ -166,11 +231,11 @@ def load_localizer_config(path: str | Path) -> LocalizerConfig:
             return LocalizerConfig()
         if not isinstance(section, Mapping):
             raise ConfigError(f"must be a mapping of keys, got {section!r}", SECTION)
-        return config_from_dict(section)
+        return config_from_dict({k: v for k, v in section.items() if k not in NODE_KEYS})
     # dotted ROS names (localizer.num_particles) or bare keys
     flat = {(k[len(SECTION) + 1:] if isinstance(k, str) and k.startswith(SECTION + ".") else k): v
             for k, v in document.items() if k not in ("use_sim_time",)}
-    return config_from_dict(flat)
+    return config_from_dict({k: v for k, v in flat.items() if k not in NODE_KEYS})
 
 
 def field_specs() -> dict[str, dataclasses.Field]:
@@ -179,5 +244,41 @@ def field_specs() -> dict[str, dataclasses.Field]:
     return {f"{SECTION}.{f.name}": f for f in dataclasses.fields(LocalizerConfig)}
 
 
-__all__ = ["ConfigError", "LocalizationError", "LocalizerConfig", "MapLoadError", "config_from_dict", "field_specs",
-           "load_localizer_config"]
+def node_field_specs() -> dict[str, dataclasses.Field]:
+    """The node's own settings (:class:`LocalizerNodeConfig`) the same way."""
+    return {f"{SECTION}.{f.name}": f for f in dataclasses.fields(LocalizerNodeConfig)}
+
+
+@dataclass
+class LocalizerSettings:
+    """What the localizer node is configured with: the filter's settings and the node's own."""
+
+    filter: LocalizerConfig = dataclasses.field(default_factory=LocalizerConfig)
+    node: LocalizerNodeConfig = dataclasses.field(default_factory=LocalizerNodeConfig)
+
+
+def settings_from_parameters(values: Mapping[str, Any]) -> LocalizerSettings:
+    """The node's settings from ROS parameter names (``localizer.<key>``) and values; a name outside the section or
+    a key neither the filter nor the node knows is refused naming it, as a bad value is."""
+    ours: dict[str, dict[str, Any]] = {"filter": {}, "node": {}}
+    for name, value in values.items():
+        section, dot, key = str(name).partition(".")
+        if section != SECTION or not dot:
+            raise ConfigError(f"the localizer's parameters are {SECTION}.<key>", str(name)[:100], unknown=True)
+        known = NODE_KEYS | {f.name for f in dataclasses.fields(LocalizerConfig)}
+        if key not in known:
+            raise ConfigError(f"known keys in '{SECTION}': {', '.join(sorted(known))}", str(name)[:100], unknown=True)
+        ours["node" if key in NODE_KEYS else "filter"][key] = value
+    return LocalizerSettings(filter=config_from_dict(ours["filter"]),
+                             node=section_from_dict(LocalizerNodeConfig, ours["node"], SECTION + "."))
+
+
+def settings_to_parameters(settings: LocalizerSettings) -> dict[str, Any]:
+    """ROS parameter name -> value of the node's settings (the filter's keys, then the node's)."""
+    return {f"{SECTION}.{key}": value for part in (settings.filter, settings.node)
+            for key, value in dataclasses.asdict(part).items()}
+
+
+__all__ = ["ConfigError", "LocalizationError", "LocalizerConfig", "LocalizerNodeConfig", "LocalizerSettings",
+           "MapLoadError", "NODE_KEYS", "config_from_dict", "field_specs", "load_localizer_config", "node_field_specs",
+           "settings_from_parameters", "settings_to_parameters"]

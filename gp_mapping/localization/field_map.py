@@ -204,6 +204,16 @@ class MagneticMap:
             var[off] = self.prior_var
         return mean, var, on_map
 
+    def map_grid(self, stamp: float = math.nan):
+        """The lookup grid as a :class:`~gp_mapping.mapping.mapper.MapGrid` (layers as the mapper publishes them,
+        their variance a reading's), for the map topics of the localizer node."""
+        from gp_mapping.mapping.mapper import MapGrid, vector_layers
+
+        layers = ({"magnitude": (self.mean[..., 0], self.var[..., 0])} if self.target == "magnitude"
+                  else vector_layers(self.mean, self.var))
+        return MapGrid(spec=self.spec, frame_id=self.frame_id, field_unit=self.field_unit, layers=layers,
+                       known=self.known.copy(), stamp=stamp, extent="full")
+
     def known_cell_centres(self) -> np.ndarray:
         """``(K, 2)`` centres of the known cells (global initialisation draws from them)."""
         return self.spec.cell_centres()[self.known.ravel()]

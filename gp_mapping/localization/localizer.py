@@ -270,8 +270,13 @@ class Localizer:
         return self.filter.updates
 
     def map_to_odom(self) -> np.ndarray | None:
-        """The ``map -> odom`` transform ``(x, y, yaw)`` of the last estimate (None before one)."""
-        return None if self.last_estimate is None else self.last_estimate.map_to_odom()
+        """The ``map -> odom`` transform ``(x, y, yaw)`` of the last estimate (None before one), into the frame the
+        odometry messages are in: after a bridged jump the filter's odometry is re-anchored (``corrected = fix *
+        raw``), and the transform carries that correction so that it composed with the odometry as received gives
+        the estimate."""
+        if self.last_estimate is None:
+            return None
+        return compose(self.last_estimate.map_to_odom(), self._fix)
 
     def diagnostics(self) -> dict[str, Any]:
         """Counters, health and timing as plain numbers (``rejected`` by reason)."""

@@ -56,11 +56,14 @@ class Health:
 
 class HealthMonitor:
     """Keeps the ticks of the last window and judges each new one (see the module docstring). ``settings`` is the
-    node section of the config (read at every tick, so live changes apply at once)."""
+    node section of the config (read at every tick, so live changes apply at once; a node without rate checks
+    leaves out ``expected_mag_rate`` / ``expected_pose_rate``); ``prefix`` is how the messages name its keys
+    (``node.`` for the mapping node's, ``localizer.`` for the localizer's)."""
 
-    def __init__(self, settings: Any, start: float) -> None:
+    def __init__(self, settings: Any, start: float, prefix: str = "node.") -> None:
         self.settings = settings
         self.start = float(start)
+        self.prefix = prefix
         self._ticks: deque[Tick] = deque()
 
     def observe(self, tick: Tick) -> Health:
@@ -87,14 +90,15 @@ class HealthMonitor:
                 reasons.append((WARN, f"no {stream} message for {silent:.1f} s{since}"))
 
         # Rates (frequency check) over a full window.
-        expected = {"magnetometer": float(s.expected_mag_rate), "pose": float(s.expected_pose_rate)}
+        expected = {"magnetometer": float(getattr(s, "expected_mag_rate", 0.0)),
+                    "pose": float(getattr(s, "expected_pose_rate", 0.0))}
         if full and span > 0:
             for stream, count in tick.messages.items():
                 want = expected.get(stream, 0.0)
                 rate = (count - first.messages.get(stream, 0)) / span
                 if want > 0 and rate < want and not any(stream in r and lvl >= WARN for lvl, r in reasons):
                     reasons.append((WARN, f"{stream} at {rate:.1f} Hz over the last {span:.0f} s, below "
-                                          f"node.expected_{'mag' if stream == 'magnetometer' else 'pose'}_rate "
+                                          f"{self.prefix}expected_{'mag' if stream == 'magnetometer' else 'pose'}_rate "
                                           f"{want:g} Hz"))
 
         # Refused share of the readings of the window.
@@ -107,7 +111,7 @@ class HealthMonitor:
                 and n_refused > share_limit * n_total:
             top = ", ".join(f"{k} {v}" for k, v in sorted(refused.items(), key=lambda kv: -kv[1])[:3])
             reasons.append((WARN, f"{100.0 * n_refused / n_total:.0f} % of the last {n_total} readings refused "
-                                  f"(over node.max_refused_share {share_limit:g}; {top})"))
+                                  f"(over {self.prefix}max_refused_share {share_limit:g}; {top})"))
 
         # Falling behind: pending grew at every tick of a full window, by more than a batch.
         pend = [t.pending for t in self._ticks]

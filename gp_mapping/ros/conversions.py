@@ -7,6 +7,11 @@ Outputs, from a :class:`gp_mapping.mapping.mapper.MapGrid`, in the layout of :mo
 (layers, encodings, topics, scale rows, cloud columns; the map-bag writer renders the same layout):
 ``nav_msgs/OccupancyGrid`` per layer and statistic (:func:`occupancy_msg`), ``sensor_msgs/PointCloud2``
 (:func:`cloud_msg`) and the scale message ``std_msgs/Float64MultiArray`` (:func:`scale_to_msg`).
+
+Planar poses (x, y, yaw) for the localizer: ``PoseWithCovarianceStamped`` both ways (:func:`planar_pose_from_msg`,
+:func:`pose_with_covariance_msg`; the covariance's x, y and yaw rows are 0, 1 and 5 of the 6 x 6),
+``geometry_msgs/PoseArray`` (:func:`pose_array_msg`) and one transform as a ``tf2_msgs/TFMessage``
+(:func:`transform_msg`).
 """
 from __future__ import annotations
 
@@ -15,11 +20,12 @@ from typing import Any
 
 import numpy as np
 from builtin_interfaces.msg import Time
-from geometry_msgs.msg import PoseStamped, PoseWithCovarianceStamped
+from geometry_msgs.msg import Pose, PoseArray, PoseStamped, PoseWithCovarianceStamped, TransformStamped
 from nav_msgs.msg import OccupancyGrid, Odometry
 from sensor_msgs.msg import MagneticField, PointCloud2, PointField
 from std_msgs.msg import Float64MultiArray, MultiArrayDimension
 
+from gp_mapping.mapping.frames import FrameError, normalize_quaternion, yaw_of
 from gp_mapping.mapping.grid import decode_occupancy
 from gp_mapping.mapping.publication import (SCALE_COLUMNS, EncodedLayer, PublicationError, cloud_field_names,  # noqa: F401
                                             cloud_points, encode_layers, parse_scale_labels, publishable_known,
@@ -81,6 +87,65 @@ def field_from_msg(msg: MagneticField) -> tuple[float, np.ndarray, str]:
     """MagneticField -> (stamp, field in tesla (3,), frame_id)."""
     b = msg.magnetic_field
     return stamp_to_seconds(msg.header.stamp), np.array([b.x, b.y, b.z], dtype=np.float64), msg.header.frame_id
+
+
+#: Rows (and columns) of x, y and yaw in a pose message's 6 x 6 covariance (x, y, z, roll, pitch, yaw).
+PLANAR_COVARIANCE_AXES = (0, 1, 5)
+
+
+def planar_pose_from_msg(msg: PoseWithCovarianceStamped) -> tuple[float, np.ndarray, np.ndarray, str]:
+    """PoseWithCovarianceStamped (RViz's "2D Pose Estimate" on /initialpose) -> (stamp, (x, y, yaw), (3,)
+    standard deviations of x, y, yaw from the covariance's diagonal (NaN where not positive and finite),
+    frame_id). ConversionError for a non-finite position or an unusable quaternion."""
+    stamp, position, orientation, frame = pose_from_msg(msg)
+    try:
+        yaw = float(yaw_of(normalize_quaternion(orientation)))
+    except FrameError as err:
+        raise ConversionError(f"the orientation is unusable: {err}") from None
+    if not np.all(np.isfinite(position[:2])):
+        raise ConversionError(f"the position {position[:2].tolist()} is not finite")
+    cov = np.asarray(msg.pose.covariance, dtype=np.float64).reshape(6, 6)
+    diag = np.array([cov[k, k] for k in PLANAR_COVARIANCE_AXES])
+    std = np.where(np.isfinite(diag) & (diag > 0), np.sqrt(np.where(diag > 0, diag, 0.0)), np.nan)
+    return stamp, np.array([position[0], position[1], yaw]), std, frame
+
+
+def _planar_pose(pose: Pose, xyyaw) -> Pose:
+    pose.position.x, pose.position.y = float(xyyaw[0]), float(xyyaw[1])
+    pose.orientation.z, pose.orientation.w = math.sin(0.5 * float(xyyaw[2])), math.cos(0.5 * float(xyyaw[2]))
+    return pose
+
+
+def pose_with_covariance_msg(stamp: Time, frame_id: str, xyyaw, covariance) -> PoseWithCovarianceStamped:
+    """A planar pose (x, y, yaw) and its 3 x 3 covariance as PoseWithCovarianceStamped (z, roll, pitch 0)."""
+    msg = PoseWithCovarianceStamped()
+    msg.header.stamp, msg.header.frame_id = stamp, frame_id
+    _planar_pose(msg.pose.pose, xyyaw)
+    cov = np.zeros((6, 6))
+    cov[np.ix_(PLANAR_COVARIANCE_AXES, PLANAR_COVARIANCE_AXES)] = np.asarray(covariance, dtype=np.float64)
+    msg.pose.covariance = cov.ravel()
+    return msg
+
+
+def pose_array_msg(stamp: Time, frame_id: str, poses: np.ndarray) -> PoseArray:
+    """Planar poses ``(N, 3)`` (x, y, yaw) as a PoseArray (the particles, as AMCL's particle cloud)."""
+    msg = PoseArray()
+    msg.header.stamp, msg.header.frame_id = stamp, frame_id
+    msg.poses = [_planar_pose(Pose(), p) for p in np.asarray(poses, dtype=np.float64)]
+    return msg
+
+
+def transform_msg(stamp: Time, parent: str, child: str, xyyaw) -> Any:
+    """The planar transform ``parent -> child`` (x, y, yaw: the child's origin and heading in the parent) as a
+    tf2_msgs/TFMessage for /tf."""
+    from tf2_msgs.msg import TFMessage
+
+    ts = TransformStamped()
+    ts.header.stamp, ts.header.frame_id, ts.child_frame_id = stamp, parent, child
+    ts.transform.translation.x, ts.transform.translation.y = float(xyyaw[0]), float(xyyaw[1])
+    ts.transform.rotation.z = math.sin(0.5 * float(xyyaw[2]))
+    ts.transform.rotation.w = math.cos(0.5 * float(xyyaw[2]))
+    return TFMessage(transforms=[ts])
 
 
 def transforms_from_msg(msg: Any) -> list[TransformSample]:

@@ -35,17 +35,19 @@ import sys
 import time
 from typing import Any
 
-from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.lifecycle import LifecycleNode
 from rclpy.node import Node
 
 from gp_mapping.gp import warm_up as warm_up_engines
 from gp_mapping.mapping.publication import NODE_NAME
 from gp_mapping.ros.diagnostics import DIAGNOSTICS_PERIOD, MapperDiagnostics
 from gp_mapping.ros.inputs import MapperInputs
+from gp_mapping.ros.lifecycle import LifecycleCallbacks, init_node
 from gp_mapping.ros.model_summaries import ModelSummaries
 from gp_mapping.ros.parameters import ConfigParameters
 from gp_mapping.ros.persistence import Persistence
-from gp_mapping.ros.process import EXIT_BAD_CONFIG, NodeStartError, spin_node, with_config
+from gp_mapping.ros.process import NodeStartError  # noqa: F401  (where the tests and callers import it from)
+from gp_mapping.ros.process import EXIT_BAD_CONFIG, add_config_argument, bring_up, node_command, spin_node, with_config
 from gp_mapping.ros.publishers import MapPublishing
 from gp_mapping.ros.services import MapServices
 from gp_mapping.ros.update_worker import UpdateWorker
@@ -224,59 +226,27 @@ class MapperNode(_MapperCore, Node):
     mapper``)."""
 
     def __init__(self, **node_kwargs: Any) -> None:
-        Node.__init__(self, NODE_NAME, **node_kwargs)
-        try:
-            self._init_core()
-            self._configure()
-        except BaseException:
-            self.destroy_node()
-            raise
-        self._activate()
+        init_node(self, Node, NODE_NAME, node_kwargs, plain=True)
 
 
-class LifecycleMapperNode(_MapperCore, LifecycleNode):
+class LifecycleMapperNode(LifecycleCallbacks, _MapperCore, LifecycleNode):
     """The managed node (``ros2 run gp_mapping lifecycle_mapper``), brought up as nav2's lifecycle manager does:
     ``configure`` reads the parameters and builds the model (a bad parameter or an unreadable initial map fails
     the transition with the reason), ``activate`` subscribes and publishes, ``deactivate`` stops both and keeps
     the map, ``cleanup`` drops it, ``shutdown`` writes the last checkpoint (when they are on)."""
 
+    deactivated_line = "deactivated: not mapping; the map is kept"
+    cleaned_up_line = "cleaned up: the map is dropped"
+
     def __init__(self, **node_kwargs: Any) -> None:
-        LifecycleNode.__init__(self, NODE_NAME, **node_kwargs)
-        try:
-            self._init_core()
-        except BaseException:
-            self.destroy_node()
-            raise
+        init_node(self, LifecycleNode, NODE_NAME, node_kwargs, plain=False)
 
-    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
-        try:
-            self._configure()
-        except NodeStartError as err:
-            self.get_logger().error(f"configure failed: {err}")
-            self.mapper = None
-            return TransitionCallbackReturn.FAILURE
-        self.get_logger().info("configured")
-        return TransitionCallbackReturn.SUCCESS
+    def _configure_failed(self) -> None:
+        self.mapper = None
 
-    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._activate()
+    def _reactivated(self) -> None:
         if self.mapper.diagnostics()["num_seen"]:
             self.mapper.mark_changed()  # the map kept through a deactivate is published again at once
-        return TransitionCallbackReturn.SUCCESS
-
-    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._deactivate()
-        self.get_logger().info("deactivated: not mapping; the map is kept")
-        return TransitionCallbackReturn.SUCCESS
-
-    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._cleanup()
-        self.get_logger().info("cleaned up: the map is dropped")
-        return TransitionCallbackReturn.SUCCESS
-
-    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._stop()
-        return TransitionCallbackReturn.SUCCESS
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -284,8 +254,7 @@ class LifecycleMapperNode(_MapperCore, LifecycleNode):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``gp-mapping node``; everything after ``--ros-args`` goes to ROS."""
-    parser.add_argument("--config", metavar="FILE",
-                        help="parameter file (same as --ros-args --params-file FILE; later --ros-args win)")
+    add_config_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -309,39 +278,23 @@ def spin(argv: list[str], lifecycle: bool = False, autostart: bool = False) -> i
         # Before the executor takes any message (or /clock): the first update must not stall on the imports
         # torch makes on first use.
         warm_up_engines()
-        if lifecycle and autostart:
-            if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
-                return False
-            node.trigger_activate()
-        return True
+        return bring_up(node) if lifecycle and autostart else True
 
     return spin_node(argv, "mapper", NODE_NAME, LifecycleMapperNode if lifecycle else MapperNode, prepare)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``ros2 run gp_mapping mapper [--config FILE] [--ros-args ...]``."""
-    from rclpy.utilities import remove_ros_args
-
-    argv = list(sys.argv if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="mapper", description="Gaussian-process magnetic-field mapping node.")
-    add_arguments(parser)
-    args = parser.parse_args(remove_ros_args(argv)[1:])
-    return spin(with_config(argv[:1], args.config, argv[1:]))
+    ros_argv, _ = node_command(argv, "mapper", "Gaussian-process magnetic-field mapping node.")
+    return spin(ros_argv)
 
 
 def lifecycle_main(argv: list[str] | None = None) -> int:
     """``ros2 run gp_mapping lifecycle_mapper [--config FILE] [--autostart] [--ros-args ...]``: the managed
     node; a lifecycle manager (the launch files, nav2's lifecycle_manager) configures and activates it."""
-    from rclpy.utilities import remove_ros_args
-
-    argv = list(sys.argv if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="lifecycle_mapper",
-                                     description="Gaussian-process magnetic-field mapping node (managed, "
-                                                 "rclpy lifecycle).")
-    add_arguments(parser)
-    parser.add_argument("--autostart", action="store_true", help="configure and activate without a manager")
-    args = parser.parse_args(remove_ros_args(argv)[1:])
-    return spin(with_config(argv[:1], args.config, argv[1:]), lifecycle=True, autostart=args.autostart)
+    ros_argv, autostart = node_command(argv, "lifecycle_mapper", "Gaussian-process magnetic-field mapping node "
+                                       "(managed, rclpy lifecycle).", lifecycle=True)
+    return spin(ros_argv, lifecycle=True, autostart=autostart)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,30 @@
-"""The mapping node's parameters: declared from the config, validated at start and on every live change.
+"""The nodes' parameters: declared from a config schema, validated at start and on every live change.
 
-Every key of ``config/mapper.yaml`` (``model.*``, ``sync.*``, ``batching.*``, ``grid.*``, ``node.*``) is a
-parameter, declared with type, description and range (:func:`parameter_descriptor`) and validated by
-:mod:`gp_mapping.config` at start (a bad value or an unknown key stops the node with a message naming it, exit
-status 2) and on every live change (refused with the reason, the old value stays). Only :data:`LIVE_PARAMETERS`
-can change while the node runs; the others are read-only because the model, the sync, the grid lattice or the
-subscriptions are built from them at start.
+A node's parameters are a :class:`ParameterSchema`: the dataclass fields of its settings by ROS name (type,
+default, description, range), the function that builds the settings from parameter values (refusing unknown keys
+and bad values by name), the one that flattens them back, and the live set. :class:`ConfigParameters` declares
+them with descriptors (:func:`parameter_descriptor`), validates them at start (a bad value or an unknown key
+stops the node with a message naming it, exit status 2) and on every live change (refused with the reason, the
+old value stays).
+
+The mapping node's schema (:data:`MAPPER_SCHEMA`): every key of ``config/mapper.yaml`` (``model.*``, ``sync.*``,
+``batching.*``, ``grid.*``, ``node.*``), validated by :mod:`gp_mapping.config`. Only :data:`LIVE_PARAMETERS` can
+change while it runs; the others are read-only because the model, the sync, the grid lattice or the
+subscriptions are built from them at start. The localizer node's schema is in
+:mod:`gp_mapping.ros.localizer_node`.
 """
 from __future__ import annotations
 
 import array
 import dataclasses
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType,
                                 SetParametersResult)
 
-from gp_mapping.config import (ROS_RESERVED_KEYS, ConfigError, MapperConfig, config_from_dict, describe_allowed,
+from gp_mapping.config import (ROS_RESERVED_KEYS, ConfigError, config_from_dict, describe_allowed,
                                field_specs, shorten, to_flat_parameters, validate_value)
 from gp_mapping.mapping.grid import check_grid_config
 from gp_mapping.ros.process import NodeStartError
@@ -47,13 +54,15 @@ def _type_name(spec: dataclasses.Field) -> str:
     return spec.type if isinstance(spec.type, str) else spec.type.__name__
 
 
-def parameter_descriptor(name: str, spec: dataclasses.Field) -> ParameterDescriptor:
-    """The ROS descriptor of one config field: type, description, allowed values, range, read-only."""
+def parameter_descriptor(name: str, spec: dataclasses.Field,
+                         live: frozenset[str] = LIVE_PARAMETERS) -> ParameterDescriptor:
+    """The ROS descriptor of one config field: type, description, allowed values, range, read-only (unless
+    ``name`` is in ``live``)."""
     ftype = _type_name(spec)
     meta = spec.metadata
     allowed = describe_allowed(meta, ftype)
     descriptor = ParameterDescriptor(name=name, type=_PARAMETER_TYPES[ftype], description=meta["doc"],
-                                     additional_constraints=allowed, read_only=name not in LIVE_PARAMETERS)
+                                     additional_constraints=allowed, read_only=name not in live)
     if ftype == "list" and isinstance(meta.get("length"), tuple) and 0 in meta["length"]:
         # rclpy types an empty list as a byte array and would then refuse numbers; the config validation
         # checks the values instead.
@@ -67,40 +76,73 @@ def parameter_descriptor(name: str, spec: dataclasses.Field) -> ParameterDescrip
     return descriptor
 
 
+def _check_grid_changes(node: Any, changes: Mapping[str, Any]) -> None:
+    """The rules between grid keys (window cells, unknown_distance within the window) for a live change of
+    ``grid.*`` keys, against the values accepted so far (the shared config follows on the update thread)."""
+    grid_changes = {name.split(".", 1)[1]: value for name, value in changes.items() if name.startswith("grid.")}
+    if not grid_changes:
+        return
+    current = {name.split(".", 1)[1]: validate_value(name, plain(node.get_parameter(name).value), node._specs[name])
+               for name in LIVE_PARAMETERS if name.startswith("grid.")}
+    check_grid_config(dataclasses.replace(node.config.grid, **{**current, **grid_changes}))
+
+
+@dataclass(frozen=True)
+class ParameterSchema:
+    """What a node's parameters are: ``specs()`` (ROS name -> dataclass field), ``build(values)`` (the settings
+    from a mapping of ROS names to values; ConfigError naming a bad or unknown key), ``flatten(settings)`` (ROS
+    name -> value), the ``live`` names, and ``check(node, changes)``: rules between keys of one live change
+    (ConfigError), beside each key's own validation."""
+
+    specs: Callable[[], dict[str, dataclasses.Field]]
+    build: Callable[[Mapping[str, Any]], Any]
+    flatten: Callable[[Any], dict[str, Any]]
+    live: frozenset[str] = frozenset()
+    check: Callable[[Any, Mapping[str, Any]], None] | None = None
+
+
+MAPPER_SCHEMA = ParameterSchema(field_specs, config_from_dict, to_flat_parameters, LIVE_PARAMETERS,
+                                _check_grid_changes)
+
+
 class ConfigParameters:
-    """Mixin of an rclpy node whose parameters are a :class:`~gp_mapping.config.MapperConfig`: declares them
-    (:meth:`_declare_parameters`), re-reads them (:meth:`_read_parameters`), and checks every live change before
-    it is accepted. An accepted live value goes to the node's ``_apply_live_parameter(name, value)``."""
+    """Mixin of an rclpy node whose parameters are a :class:`ParameterSchema` (``parameter_schema``, the mapping
+    node's :data:`MAPPER_SCHEMA` unless the node names another): declares them (:meth:`_declare_parameters`),
+    re-reads them (:meth:`_read_parameters`), and checks every live change before it is accepted. An accepted
+    live value goes to the node's ``_apply_live_parameter(name, value)``."""
+
+    parameter_schema: ParameterSchema = MAPPER_SCHEMA
 
     def _setup_parameters(self) -> None:
         """Declare and validate the parameters (a bad one raises NodeStartError) and the live-change hooks."""
-        self._specs = field_specs()
+        self._specs = self.parameter_schema.specs()
         self.config = self._declare_parameters()
         self.add_pre_set_parameters_callback(self._coerce_parameter_types)
         self.add_on_set_parameters_callback(self._validate_parameter_change)
         self.add_post_set_parameters_callback(self._apply_parameter_change)
 
-    def _declare_parameters(self) -> MapperConfig:
-        """Validate the overrides (params file, -p) with the config module, then declare every parameter."""
+    def _declare_parameters(self) -> Any:
+        """Validate the overrides (params file, -p) with the schema, then declare every parameter."""
+        schema = self.parameter_schema
         # rclpy offers no public accessor for the overrides it parsed; they are needed to refuse unknown keys
         # (rclpy would silently ignore them) before anything is declared.
         overrides = {name: plain(p.value) for name, p in self._parameter_overrides.items()
                      if name.split(".")[0] not in ROS_RESERVED_KEYS}
         try:
-            config = config_from_dict(overrides)
+            config = schema.build(overrides)
         except ConfigError as err:
             raise NodeStartError(f"bad parameter: {err}") from err
-        for name, value in to_flat_parameters(config).items():
+        for name, value in schema.flatten(config).items():
             # The validated value (ints written for floats are converted) wins over the raw override.
-            self.declare_parameter(name, value, parameter_descriptor(name, self._specs[name]),
+            self.declare_parameter(name, value, parameter_descriptor(name, self._specs[name], schema.live),
                                    ignore_override=True)
         return config
 
-    def _read_parameters(self) -> MapperConfig:
+    def _read_parameters(self) -> Any:
         """The config of the parameters' current values (a lifecycle node configured again after a cleanup)."""
         values = {name: plain(self.get_parameter(name).value) for name in self._specs}
         try:
-            return config_from_dict(values)
+            return self.parameter_schema.build(values)
         except ConfigError as err:
             raise NodeStartError(f"bad parameter: {err}") from err
 
@@ -126,32 +168,26 @@ class ConfigParameters:
         return out
 
     def _validate_parameter_change(self, params: list) -> SetParametersResult:
-        grid_changes = {}
+        changes = {}
         for param in params:
             spec = self._specs.get(param.name)
             if spec is None:
                 continue
             try:
-                value = validate_value(param.name, plain(param.value), spec)
+                changes[param.name] = validate_value(param.name, plain(param.value), spec)
             except ConfigError as err:
                 return SetParametersResult(successful=False, reason=str(err))
-            section, _, key = param.name.partition(".")
-            if section == "grid":
-                grid_changes[key] = value
-        if grid_changes:  # the rules between grid keys (window cells, unknown_distance within the window)
-            # The parameters hold the values accepted so far (the shared config follows on the update thread).
-            current = {name.split(".", 1)[1]: validate_value(name, plain(self.get_parameter(name).value),
-                                                             self._specs[name])
-                       for name in LIVE_PARAMETERS if name.startswith("grid.")}
+        check = self.parameter_schema.check
+        if changes and check is not None:
             try:
-                check_grid_config(dataclasses.replace(self.config.grid, **{**current, **grid_changes}))
+                check(self, changes)
             except ConfigError as err:
                 return SetParametersResult(successful=False, reason=str(err))
         return SetParametersResult(successful=True)
 
     def _apply_parameter_change(self, params: list) -> None:
         for param in params:
-            if param.name not in LIVE_PARAMETERS:
+            if param.name not in self.parameter_schema.live:
                 continue
             value = validate_value(param.name, plain(param.value), self._specs[param.name])
             self._apply_live_parameter(param.name, value)

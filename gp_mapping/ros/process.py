@@ -72,6 +72,42 @@ def quiet_interrupts_in_finalizers(unraisable: Any) -> None:
     sys.__unraisablehook__(unraisable)
 
 
+def add_config_argument(parser: Any) -> None:
+    """A node command's ``--config FILE`` (an argparse parser)."""
+    parser.add_argument("--config", metavar="FILE",
+                        help="parameter file (same as --ros-args --params-file FILE; later --ros-args win)")
+
+
+def node_command(argv: list[str] | None, program: str, description: str,
+                 lifecycle: bool = False) -> tuple[list[str], bool]:
+    """The command line of a node's console script (``ros2 run gp_mapping <program> [--config FILE] [--autostart]
+    [--ros-args ...]``): its own options parsed (``--help``, ``--config``; ``--autostart`` for a ``lifecycle``
+    node), everything after ``--ros-args`` left to ROS. Returns the ROS argv (the config as a params file first)
+    and whether to bring a lifecycle node up without a manager."""
+    import argparse
+
+    from rclpy.utilities import remove_ros_args
+
+    argv = list(sys.argv if argv is None else argv)
+    parser = argparse.ArgumentParser(prog=program, description=description)
+    add_config_argument(parser)
+    if lifecycle:
+        parser.add_argument("--autostart", action="store_true", help="configure and activate without a manager")
+    args = parser.parse_args(remove_ros_args(argv)[1:])
+    return with_config(argv[:1], args.config, argv[1:]), bool(getattr(args, "autostart", False))
+
+
+def bring_up(node: Any) -> bool:
+    """Configure and activate a lifecycle node without a manager (``--autostart``); False when configure fails
+    (the node said why), which ends the process with :data:`EXIT_BAD_CONFIG`."""
+    from rclpy.lifecycle import TransitionCallbackReturn
+
+    if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
+        return False
+    node.trigger_activate()
+    return True
+
+
 def with_config(program: list[str], config: str | None, rest: list[str]) -> list[str]:
     """ROS argv with ``config`` as a params file placed first, so later ``--ros-args`` override its values."""
     if not config:

@@ -66,12 +66,15 @@ def published_topics(config: MapperConfig) -> dict[str, str]:
     return topics
 
 
-def create_map_publishers(node: Node, config: MapperConfig) -> tuple[dict[str, tuple[Any, Any]], Any, Any]:
+def create_map_publishers(node: Node, config: MapperConfig | None,
+                          layers: tuple[str, ...] | None = None) -> tuple[dict[str, tuple[Any, Any]], Any, Any]:
     """The map topics of ``node`` (latched): layer -> (~/mean..., ~/variance...) publishers, ~/cloud, ~/scale.
-    The mapping node and the merger node publish through these and :func:`publish_map_layout`."""
+    The mapping node and the merger node publish through these and :func:`publish_map_layout`; the localizer
+    node, which has no mapper config, names its map's ``layers``."""
+    topics = map_topics(config) if layers is None else publication.map_topics(layers)
     map_pubs = {layer: (node.create_publisher(OccupancyGrid, mean, MAP_QOS),
                         node.create_publisher(OccupancyGrid, var, MAP_QOS))
-                for layer, (mean, var) in map_topics(config).items()}
+                for layer, (mean, var) in topics.items()}
     return (map_pubs, node.create_publisher(PointCloud2, publication.cloud_topic(), MAP_QOS),
             node.create_publisher(Float64MultiArray, publication.scale_topic(), MAP_QOS))
 
