@@ -50,7 +50,8 @@ def test_installed_commands_run(workspace):
     lib = workspace / "install" / "gp_mapping" / "lib" / "gp_mapping"
     env = _installed_env(workspace)
     for command, expected in (("mapper", "Gaussian-process magnetic-field mapping node"),
-                              ("gp-mapping", "replay")):
+                              ("localizer", "Particle-filter localizer on a saved magnetic-field map"),
+                              ("lifecycle_localizer", "--autostart"), ("gp-mapping", "replay")):
         script = lib / command
         assert script.is_file() and os.access(script, os.X_OK), f"{script} missing or not executable"
         assert script.read_text().startswith("#!/usr/bin/env python3"), "scripts must run in the active Python"

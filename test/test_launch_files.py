@@ -88,7 +88,8 @@ def _parse(path: Path) -> ast.Module:
 
 
 def test_both_launch_files_are_shipped():
-    assert {p.name for p in LAUNCH_FILES} == {"mapper.launch.py", "replay.launch.py", "multi_robot.launch.py"}
+    assert {p.name for p in LAUNCH_FILES} == {"mapper.launch.py", "replay.launch.py", "multi_robot.launch.py",
+                                              "localizer.launch.py"}
     installed = _installed_share_files()
     for path in LAUNCH_FILES:
         assert str(path.relative_to(REPO_ROOT)) in installed, f"{path.name} is not installed by setup.py"
@@ -118,35 +119,51 @@ def _resolve(tree: ast.AST, node: ast.AST | None) -> ast.AST | None:
     return node
 
 
+def _localizer_parameters() -> set[str]:
+    from gp_mapping.localization.config import field_specs as filter_specs, node_field_specs
+
+    return set(filter_specs()) | set(node_field_specs())
+
+
+# executable -> (its entry point, the node name, the parameters it declares, the input topics a launch remaps)
+NODES = {
+    "mapper": ("gp_mapping.ros.mapper_node:main", NODE_NAME, lambda: set(field_specs()), {"mag", "pose"}),
+    "lifecycle_mapper": ("gp_mapping.ros.mapper_node:lifecycle_main", NODE_NAME, lambda: set(field_specs()),
+                         {"mag", "pose"}),
+    "localizer": ("gp_mapping.ros.localizer_node:main", "localizer", _localizer_parameters, {"mag", "odom"}),
+    "lifecycle_localizer": ("gp_mapping.ros.localizer_node:lifecycle_main", "localizer", _localizer_parameters,
+                            {"mag", "odom"}),
+}
+
+
 @pytest.mark.parametrize("path", LAUNCH_FILES, ids=lambda p: p.name)
 def test_launched_nodes_exist_and_take_declared_parameters(path):
     tree = _parse(path)
     scripts = _console_scripts()
-    known_parameters = set(field_specs()) | {"use_sim_time"}
-    entry = {"Node": "gp_mapping.ros.mapper_node:main", "LifecycleNode": "gp_mapping.ros.mapper_node:lifecycle_main"}
-    for kind, target in entry.items():
-        for call in _calls(tree, kind):
-            assert _literal(_kw(call, "package")) == "gp_mapping"
-            executable = _literal(_kw(call, "executable"))
-            assert executable in scripts, f"{path.name} starts '{executable}', not a console script of setup.py"
-            if executable == "merger":  # the merger node (multi_robot.launch.py): its own parameters, no inputs
-                from gp_mapping.ros.merger_node import _PARAMETERS, MERGER_NAME
+    for call in _calls(tree, "Node") + _calls(tree, "LifecycleNode"):
+        assert _literal(_kw(call, "package")) == "gp_mapping"
+        executable = _literal(_kw(call, "executable"))
+        assert executable in scripts, f"{path.name} starts '{executable}', not a console script of setup.py"
+        if executable == "merger":  # the merger node (multi_robot.launch.py): its own parameters, no inputs
+            from gp_mapping.ros.merger_node import _PARAMETERS, MERGER_NAME
 
-                assert scripts[executable] == "gp_mapping.ros.merger_node:main"
-                assert _literal(_kw(call, "name")) == MERGER_NAME
-                for item in _resolve(tree, _kw(call, "parameters")).elts:
-                    names = {_literal(k) for k in item.keys}
-                    assert names <= set(_PARAMETERS) | {"use_sim_time"}, f"undeclared merger parameters {names}"
-                continue
-            assert scripts[executable] == target
-            assert _literal(_kw(call, "name")) == NODE_NAME
+            assert scripts[executable] == "gp_mapping.ros.merger_node:main"
+            assert _literal(_kw(call, "name")) == MERGER_NAME
             for item in _resolve(tree, _kw(call, "parameters")).elts:
-                if isinstance(item, ast.Dict):
-                    names = {_literal(k) for k in item.keys}
-                    assert names <= known_parameters, \
-                        f"{path.name} passes undeclared parameters {names - known_parameters}"
-            remapped = {_literal(pair.elts[0]) for pair in _resolve(tree, _kw(call, "remappings")).elts}
-            assert remapped == {"mag", "pose"}, "the remappings must target the node's input topics"
+                names = {_literal(k) for k in item.keys}
+                assert names <= set(_PARAMETERS) | {"use_sim_time"}, f"undeclared merger parameters {names}"
+            continue
+        target, name, declared, inputs = NODES[executable]
+        assert scripts[executable] == target
+        assert _call_name(call) == "Node" or executable.startswith("lifecycle_")
+        assert _literal(_kw(call, "name")) == name
+        known_parameters = declared() | {"use_sim_time"}
+        for item in _resolve(tree, _kw(call, "parameters")).elts:
+            if isinstance(item, ast.Dict):
+                names = {_literal(k) for k in item.keys}
+                assert names <= known_parameters, f"{path.name} passes undeclared parameters {names - known_parameters}"
+        remapped = {_literal(pair.elts[0]) for pair in _resolve(tree, _kw(call, "remappings")).elts}
+        assert remapped == inputs, "the remappings must target the node's input topics"
 
 
 def test_mapper_launch_brings_the_managed_node_up_like_a_lifecycle_manager():
@@ -228,3 +245,57 @@ def test_rviz_config_matches_the_node():
     poses = [d for d in _displays(document) if d["Class"] in ("rviz_default_plugins/Pose",
                                                                "rviz_default_plugins/Path")]
     assert poses, "the RViz config should show the robot's pose or path"
+
+
+def test_localizer_launch_takes_the_map_and_brings_the_managed_node_up():
+    """localizer.launch.py: `map` is required (no default), the parameter file defaults to config/localizer.yaml,
+    the managed node (default) configures and activates itself with --autostart <autostart>, the plain node
+    otherwise (one of the two)."""
+    tree = _parse(REPO_ROOT / "launch" / "localizer.launch.py")
+    args = {_literal(_arg_or_kw(c, 0, "name")): c for c in _calls(tree, "DeclareLaunchArgument")}
+    assert _kw(args["map"], "default_value") is None
+    assert _literal(_kw(args["use_lifecycle"], "default_value")) == "true"
+    assert _literal(_kw(args["autostart"], "default_value")) == "true"
+    default = _kw(args["params_file"], "default_value")
+    default = _resolve(tree, default)
+    assert _share_paths(ast.Module(body=[ast.Expr(default)], type_ignores=[])) == ["config/localizer.yaml"]
+    nodes = {_literal(_kw(c, "executable")): c for c in _calls(tree, "Node")}
+    assert set(nodes) == {"localizer", "lifecycle_localizer"}
+    assert _call_name(_kw(nodes["lifecycle_localizer"], "condition")) == "IfCondition"
+    assert _call_name(_kw(nodes["localizer"], "condition")) == "UnlessCondition"
+    words = [ast.unparse(w) for w in _kw(nodes["lifecycle_localizer"], "arguments").elts]
+    assert words == ["'--autostart'", "LaunchConfiguration('autostart')"]
+    from gp_mapping.ros.process import node_command
+
+    assert node_command(["lifecycle_localizer", "--autostart", "true"], "x", "", lifecycle=True)[1]
+    assert not node_command(["lifecycle_localizer", "--autostart", "false"], "x", "", lifecycle=True)[1]
+
+
+def test_localizer_rviz_config_shows_the_map_particles_and_pose():
+    from gp_mapping.localization.config import LocalizerNodeConfig
+    from gp_mapping.ros.localizer_node import LOCALIZER_NAME, published_topics
+
+    path = REPO_ROOT / "config" / "localizer.rviz"
+    document = yaml.safe_load(path.read_text())
+    assert str(path.relative_to(REPO_ROOT)) in _installed_share_files()
+    assert document["Visualization Manager"]["Global Options"]["Fixed Frame"] == LocalizerNodeConfig().global_frame
+    published = {t.replace("~", f"/{LOCALIZER_NAME}"): kind for t, kind in published_topics().items()}
+    rviz_types = {"rviz_default_plugins/Map": "nav_msgs/msg/OccupancyGrid",
+                  "rviz_default_plugins/PoseArray": "geometry_msgs/msg/PoseArray",
+                  "rviz_default_plugins/PoseWithCovariance": "geometry_msgs/msg/PoseWithCovarianceStamped"}
+    shown = {}
+    for display in _displays(document):
+        kind = rviz_types.get(display["Class"])
+        if kind is None:
+            continue
+        topic = display["Topic"]
+        assert published.get(topic["Value"]) == kind, f"RViz shows {topic['Value']}, which the node does not publish"
+        assert topic["Reliability Policy"] == "Reliable"
+        shown[display["Class"].split("/")[1]] = topic
+    assert set(shown) == {"Map", "PoseArray", "PoseWithCovariance"}
+    # The map and the pose are latched (a late RViz gets them); the particles are not.
+    assert shown["Map"]["Durability Policy"] == shown["PoseWithCovariance"]["Durability Policy"] == "Transient Local"
+    assert "rviz_default_plugins/TF" in {d["Class"] for d in _displays(document)}
+    tools = {t["Class"]: t for t in document["Visualization Manager"]["Tools"]}
+    assert tools["rviz_default_plugins/SetInitialPose"]["Topic"]["Value"] == "/initialpose"
+

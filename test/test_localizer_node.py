@@ -373,3 +373,18 @@ def test_a_map_or_parameter_that_cannot_be_used_ends_the_node_with_status_2(worl
                 "lifecycle missing map": "absent.safetensors does not exist"}[case]
     assert expected in log and ("localizer.map" in log or case == "bad parameter"), log[-3000:]
     assert "Traceback" not in log
+
+
+def test_the_shipped_parameter_file_holds_every_key_at_its_default():
+    """config/localizer.yaml: every parameter of the node (the filter's and its own) at its default, read by the
+    node's schema and by gp-mapping localize (which skips the node's keys)."""
+    from gp_mapping.localization.config import (LocalizerSettings, field_specs, load_localizer_config,
+                                                node_field_specs, settings_from_parameters, settings_to_parameters)
+
+    path = Path(__file__).resolve().parents[1] / "config" / "localizer.yaml"
+    section = yaml.safe_load(path.read_text())["/**"]["ros__parameters"]["localizer"]
+    names = {f"localizer.{k}" for k in section}
+    assert names == set(field_specs()) | set(node_field_specs())
+    settings = settings_from_parameters({f"localizer.{k}": v for k, v in section.items()})
+    assert settings_to_parameters(settings) == settings_to_parameters(LocalizerSettings())
+    assert load_localizer_config(path) == LocalizerSettings().filter

@@ -89,8 +89,9 @@ def test_console_scripts_point_to_real_functions():
         module = importlib.import_module(module_name)
         assert callable(getattr(module, func)), spec
         names[name] = target
-    # `ros2 run gp_mapping mapper` / `lifecycle_mapper` / `merger` and the `gp-mapping` command
-    assert set(names) == {"gp-mapping", "mapper", "lifecycle_mapper", "merger"}
+    # `ros2 run gp_mapping mapper` / `lifecycle_mapper` / `merger` / `localizer` / `lifecycle_localizer` and the
+    # `gp-mapping` command
+    assert set(names) == {"gp-mapping", "mapper", "lifecycle_mapper", "merger", "localizer", "lifecycle_localizer"}
 
 
 def test_setup_cfg_installs_scripts_where_ros2_run_looks():

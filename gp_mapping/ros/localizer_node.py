@@ -59,7 +59,7 @@ from gp_mapping.localization.config import (ConfigError, LocalizationError, Loca
                                             settings_to_parameters)
 from gp_mapping.localization.field_map import MagneticMap
 from gp_mapping.localization.localizer import Localizer
-from gp_mapping.mapping.publication import publication
+from gp_mapping.mapping import publication
 from gp_mapping.ros import conversions
 from gp_mapping.ros.diagnostics import DIAGNOSTICS_PERIOD, LocalizerDiagnostics
 from gp_mapping.ros.lifecycle import LifecycleCallbacks, init_node
@@ -76,6 +76,14 @@ POSE_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=Reli
                       durability=DurabilityPolicy.TRANSIENT_LOCAL)
 RELIABLE_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
                           durability=DurabilityPolicy.VOLATILE)
+
+
+def published_topics(target: str = "magnitude") -> dict[str, str]:
+    """Every topic the localizer node publishes (node-relative or absolute) -> its message type, for a map of
+    ``target`` (``magnitude`` or ``vector``: the map topics' layers)."""
+    return {"~/pose": "geometry_msgs/msg/PoseWithCovarianceStamped", "~/particles": "geometry_msgs/msg/PoseArray",
+            "/tf": "tf2_msgs/msg/TFMessage", "/diagnostics": "diagnostic_msgs/msg/DiagnosticArray",
+            **publication.map_topic_types(publication.layer_names(target))}
 
 
 def _check_live_change(node: Any, changes: dict[str, Any]) -> None:
@@ -228,7 +236,7 @@ class _LocalizerCore(ConfigParameters, LocalizerInputs, LocalizerDiagnostics):
             self._map_pubs, self._cloud_pub, self._scale_pub = create_map_publishers(self, None, layers)
             self._map_layers = layers
         publish_map_layout(self._map_pubs, self._cloud_pub, self._scale_pub, grid,
-                           publication(grid, self.map.field_unit), self.map.field_unit,
+                           publication.publication(grid, self.map.field_unit), self.map.field_unit,
                            self.get_clock().now().to_msg())
 
     # ------------------------------------------------------------------------------------------ outputs

@@ -91,10 +91,11 @@ def node_command(argv: list[str] | None, program: str, description: str,
     argv = list(sys.argv if argv is None else argv)
     parser = argparse.ArgumentParser(prog=program, description=description)
     add_config_argument(parser)
-    if lifecycle:
-        parser.add_argument("--autostart", action="store_true", help="configure and activate without a manager")
+    if lifecycle:  # "--autostart" alone, or with true / false (what a launch argument gives)
+        parser.add_argument("--autostart", nargs="?", const="true", default="false", choices=("true", "false"),
+                            type=str.lower, help="configure and activate without a manager")
     args = parser.parse_args(remove_ros_args(argv)[1:])
-    return with_config(argv[:1], args.config, argv[1:]), bool(getattr(args, "autostart", False))
+    return with_config(argv[:1], args.config, argv[1:]), getattr(args, "autostart", "false") == "true"
 
 
 def bring_up(node: Any) -> bool:

@@ -125,11 +125,16 @@ def _merger_section() -> list[str]:
 
 def _localizer_section() -> list[str]:
     try:
-        from gp_mapping.localization.config import field_specs as localizer_specs
+        from gp_mapping.localization.config import field_specs as localizer_specs, node_field_specs
+        from gp_mapping.ros.localizer_node import LIVE_PARAMETERS as LOCALIZER_LIVE
     except ImportError:  # pragma: no cover - a checkout without the localizer
         return []
-    specs = localizer_specs()
-    return [HEADER] + [_row(name, spec, "-") for name, spec in specs.items()]
+
+    def rows(specs: dict[str, dataclasses.Field]) -> list[str]:
+        return [HEADER] + [_row(name, spec, "yes" if name in LOCALIZER_LIVE else "no") for name, spec in specs.items()]
+    return (["### The node (`ros2 run gp_mapping localizer`; `gp-mapping localize` skips these)", ""]
+            + rows(node_field_specs())
+            + ["", "### The particle filter (the node and `gp-mapping localize`)", ""] + rows(localizer_specs()))
 
 
 def render() -> str:
@@ -168,11 +173,12 @@ def render() -> str:
     if localizer:
         lines += [
             "",
-            "## The localizer (`gp-mapping localize --config FILE`)",
+            "## The localizer (`config/localizer.yaml`)",
             "",
-            "The `localizer` section of a YAML (or its keys alone, or a ROS parameter file holding the section); "
-            "read at start by `gp-mapping localize` ([localization.md](localization.md)), so none is live (-). Units: metres, "
-            "radians, seconds and the map's field unit.",
+            "The `localizer` section of a ROS parameter file (or of any YAML, or its keys alone), read by the localizer "
+            "node (parameters `localizer.<key>`, `--params-file config/localizer.yaml`) and by `gp-mapping localize "
+            "--config FILE` ([localization.md](localization.md)). **live**: as for the mapping node; the filter's keys "
+            "are read at start (the command reads them once). Units: metres, radians, seconds and the map's field unit.",
             "",
         ]
         lines += localizer
