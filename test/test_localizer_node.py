@@ -388,3 +388,85 @@ def test_the_shipped_parameter_file_holds_every_key_at_its_default():
     settings = settings_from_parameters({f"localizer.{k}": v for k, v in section.items()})
     assert settings_to_parameters(settings) == settings_to_parameters(LocalizerSettings())
     assert load_localizer_config(path) == LocalizerSettings().filter
+
+
+def test_a_live_map_change_bad_messages_and_the_lifecycle_in_process(world, tmp_path):
+    """Through the callbacks, without DDS: localizer.map changed while running is loaded before it is accepted (a
+    missing file or a map of another frame refused with the reason and counted, the old map kept; a good one
+    restarts the filter around the last estimate); odometry of another frame, an unusable /initialpose and an
+    error inside a callback are counted, never raised; the managed node fails configure without a map and comes
+    up once it has one."""
+    import shutil
+
+    import rclpy
+    from nav_msgs.msg import Odometry
+    from rclpy.context import Context
+    from rclpy.lifecycle import TransitionCallbackReturn
+    from rclpy.parameter import Parameter
+    from sensor_msgs.msg import MagneticField
+
+    from gp_mapping.mapping.state import read_state, write_state
+    from gp_mapping.ros.conversions import pose_with_covariance_msg, seconds_to_stamp
+    from gp_mapping.ros.localizer_node import LifecycleLocalizerNode, LocalizerNode
+
+    other_frame = tmp_path / "world.safetensors"
+    state = read_state(world.state)
+    state.config["grid"]["frame_id"] = "world"
+    write_state(other_frame, state)
+    copy = tmp_path / "copy.safetensors"
+    shutil.copy(world.state, copy)
+    context = Context()
+    rclpy.init(context=context)
+    node = LocalizerNode(context=context, parameter_overrides=[
+        Parameter("localizer.map", value=str(world.state)), Parameter("localizer.num_particles", value=300),
+        Parameter("localizer.initial_pose", value=[float(v) for v in world.truth[0]])])
+    managed = LifecycleLocalizerNode(context=context, parameter_overrides=[
+        Parameter("localizer.map", value=str(tmp_path / "absent.safetensors"))])
+    try:
+        for k in range(150):
+            odom = Odometry()
+            odom.header.stamp, odom.header.frame_id = seconds_to_stamp(world.t[k]), "odom"
+            p, q = odom.pose.pose.position, odom.pose.pose.orientation
+            p.x, p.y = (float(v) for v in world.odom_position[k, :2])
+            q.x, q.y, q.z, q.w = (float(v) for v in world.odom_orientation[k])
+            node.on_odom(odom)
+            mag = MagneticField()
+            mag.header.stamp = odom.header.stamp
+            mag.magnetic_field.x, mag.magnetic_field.y, mag.magnetic_field.z = (float(v) for v in world.field_tesla[k])
+            node.on_mag(mag)
+        before = node.localizer.last_estimate
+        assert before is not None and node._counts["poses_published"] == node.localizer.updates > 5
+
+        for path, reason in ((tmp_path / "absent.safetensors", "does not exist"),
+                             (other_frame, "is in frame 'world', not 'map'")):
+            (result,) = node.set_parameters([Parameter("localizer.map", value=str(path))])
+            assert not result.successful and "localizer.map" in result.reason and reason in result.reason
+            assert node.get_parameter("localizer.map").value == str(world.state)
+            assert node.localizer.last_estimate is before  # the old map and filter go on
+        assert node._node_rejected["map_refused"] == 2
+        (result,) = node.set_parameters([Parameter("localizer.map", value=str(copy))])
+        assert result.successful and node.map.source == str(copy) and node._counts["maps_loaded"] == 2
+        assert node.localizer.filter.initialised and node.localizer.last_estimate is None
+        assert np.hypot(*(node.localizer.filter.poses[:, :2].mean(axis=0) - before.pose[:2])) < 0.1
+
+        odom.header.frame_id = "map"
+        node.on_odom(odom)
+        assert node._node_rejected["odometry_frame"] == 1
+        bad = pose_with_covariance_msg(seconds_to_stamp(1.0), "map", [0.0, 0.0, 0.0], np.eye(3))
+        bad.pose.pose.orientation.w = 0.0  # a zero quaternion
+        node.on_initial_pose(bad)
+        assert node._node_rejected["initialpose_invalid"] == 1 and node._counts["initial_poses"] == 0
+        node.on_mag(object())  # a message the conversion cannot read: reported, not raised
+        assert node._counts["errors"] == 1 and "on_mag failed" in node._last_error
+
+        assert managed.trigger_configure() == TransitionCallbackReturn.FAILURE and managed.localizer is None
+        managed.set_parameters([Parameter("localizer.map", value=str(world.state))])
+        assert managed.trigger_configure() == TransitionCallbackReturn.SUCCESS
+        assert managed.trigger_activate() == TransitionCallbackReturn.SUCCESS and managed._active
+        assert managed.trigger_deactivate() == TransitionCallbackReturn.SUCCESS and not managed._active
+        assert managed.trigger_cleanup() == TransitionCallbackReturn.SUCCESS and managed.localizer is None
+        assert managed.trigger_configure() == TransitionCallbackReturn.SUCCESS and managed.localizer is not None
+    finally:
+        node.close()
+        managed.close()
+        context.try_shutdown()
