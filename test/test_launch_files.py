@@ -219,23 +219,33 @@ def _displays(document) -> list[dict]:
     return document["Visualization Manager"]["Displays"]
 
 
-def test_rviz_config_matches_the_node():
-    from gp_mapping.ros.publishers import published_topics
-
-    document = yaml.safe_load(RVIZ_FILE.read_text())
-    assert str(RVIZ_FILE.relative_to(REPO_ROOT)) in _installed_share_files()
-    config = MapperConfig()
-    assert document["Visualization Manager"]["Global Options"]["Fixed Frame"] == config.grid.frame_id
-    published = {t.replace("~", f"/{NODE_NAME}"): kind for t, kind in published_topics(config).items()}
-    rviz_types = {"rviz_default_plugins/Map": "nav_msgs/msg/OccupancyGrid",
-                  "rviz_default_plugins/PointCloud2": "sensor_msgs/msg/PointCloud2"}
-    map_topics = set()
+def _shown_topics(path: Path, fixed_frame: str, published: dict[str, str], rviz_types: dict[str, str]) -> list:
+    """The RViz config at ``path``: installed, with ``fixed_frame``; every display of a class in ``rviz_types``
+    shows a topic the node publishes (``published``: topic -> type) with that type. Returns ``(class, topic)``."""
+    document = yaml.safe_load(path.read_text())
+    assert str(path.relative_to(REPO_ROOT)) in _installed_share_files()
+    assert document["Visualization Manager"]["Global Options"]["Fixed Frame"] == fixed_frame
+    shown = []
     for display in _displays(document):
         kind = rviz_types.get(display["Class"])
         if kind is None:
             continue
         topic = display["Topic"]
         assert published.get(topic["Value"]) == kind, f"RViz shows {topic['Value']}, which the node does not publish"
+        shown.append((display["Class"], topic))
+    return shown
+
+
+def test_rviz_config_matches_the_node():
+    from gp_mapping.ros.publishers import published_topics
+
+    document = yaml.safe_load(RVIZ_FILE.read_text())
+    config = MapperConfig()
+    published = {t.replace("~", f"/{NODE_NAME}"): kind for t, kind in published_topics(config).items()}
+    rviz_types = {"rviz_default_plugins/Map": "nav_msgs/msg/OccupancyGrid",
+                  "rviz_default_plugins/PointCloud2": "sensor_msgs/msg/PointCloud2"}
+    map_topics = set()
+    for _kind, topic in _shown_topics(RVIZ_FILE, config.grid.frame_id, published, rviz_types):
         # Latched maps reach a late RViz only with matching QoS.
         assert topic["Durability Policy"] == "Transient Local" and topic["Reliability Policy"] == "Reliable"
         map_topics.add(topic["Value"])
@@ -277,22 +287,14 @@ def test_localizer_rviz_config_shows_the_map_particles_and_pose():
 
     path = REPO_ROOT / "config" / "localizer.rviz"
     document = yaml.safe_load(path.read_text())
-    assert str(path.relative_to(REPO_ROOT)) in _installed_share_files()
-    assert document["Visualization Manager"]["Global Options"]["Fixed Frame"] == LocalizerNodeConfig().global_frame
     published = {t.replace("~", f"/{LOCALIZER_NAME}"): kind for t, kind in published_topics().items()}
     rviz_types = {"rviz_default_plugins/Map": "nav_msgs/msg/OccupancyGrid",
                   "rviz_default_plugins/PoseArray": "geometry_msgs/msg/PoseArray",
                   "rviz_default_plugins/PoseWithCovariance": "geometry_msgs/msg/PoseWithCovarianceStamped"}
-    shown = {}
-    for display in _displays(document):
-        kind = rviz_types.get(display["Class"])
-        if kind is None:
-            continue
-        topic = display["Topic"]
-        assert published.get(topic["Value"]) == kind, f"RViz shows {topic['Value']}, which the node does not publish"
-        assert topic["Reliability Policy"] == "Reliable"
-        shown[display["Class"].split("/")[1]] = topic
+    shown = {kind.split("/")[1]: topic for kind, topic in _shown_topics(path, LocalizerNodeConfig().global_frame,
+                                                                         published, rviz_types)}
     assert set(shown) == {"Map", "PoseArray", "PoseWithCovariance"}
+    assert all(topic["Reliability Policy"] == "Reliable" for topic in shown.values())
     # The map and the pose are latched (a late RViz gets them); the particles are not.
     assert shown["Map"]["Durability Policy"] == shown["PoseWithCovariance"]["Durability Policy"] == "Transient Local"
     assert "rviz_default_plugins/TF" in {d["Class"] for d in _displays(document)}
