@@ -459,6 +459,21 @@ def test_a_live_map_change_bad_messages_and_the_lifecycle_in_process(world, tmp_
         node.on_mag(object())  # a message the conversion cannot read: reported, not raised
         assert node._counts["errors"] == 1 and "on_mag failed" in node._last_error
 
+        # A vector map publishes its layers as the mapper does (x, y, z, norm; the variance a reading's).
+        from gp_mapping.localization.field_map import MagneticMap
+        from gp_mapping.ros.localizer_node import published_topics
+
+        m = node.map
+        node.map = MagneticMap.from_arrays(m.spec, np.concatenate([m.mean * 0.6, m.mean * 0.8, -m.mean], axis=2),
+                                           np.repeat(m.var, 3, axis=2), m.known, target="vector")
+        grid = node.map.map_grid()
+        assert list(grid.layers) == ["x", "y", "z", "norm"]
+        np.testing.assert_allclose(grid.layers["norm"][0][m.known], np.hypot(1.0, 1.0) * m.mean[..., 0][m.known])
+        node._publish_map()
+        topics = {name for name, _types in node.get_publisher_names_and_types_by_node(node.get_name(),
+                                                                                      node.get_namespace())}
+        assert {t.replace("~", "/localizer") for t in published_topics("vector")} - {"/tf", "/diagnostics"} <= topics
+
         assert managed.trigger_configure() == TransitionCallbackReturn.FAILURE and managed.localizer is None
         managed.set_parameters([Parameter("localizer.map", value=str(world.state))])
         assert managed.trigger_configure() == TransitionCallbackReturn.SUCCESS
