@@ -18,7 +18,7 @@ from conftest import REPO_ROOT, SHARED_DATA, shared_data
 pytest.importorskip("gpytorch")
 pytestmark = pytest.mark.slow
 
-SECTIONS = ("accuracy", "speed", "growth", "cuda", "large", "explore", "merge", "forgetting")
+SECTIONS = ("accuracy", "calibration", "speed", "growth", "cuda", "large", "explore", "merge", "forgetting")
 STREAMING = ("dual_svgp_full", "dual_svgp_fast", "dual_svgp_fast_only", "bui2017_osgpr", "nearest_neighbour",
              "constant_mean")
 OFFLINE = ("offline_svgp", "exact_gp")
@@ -39,7 +39,7 @@ def _ratios(node, path=""):
     """Every value stored under a key that names a ratio, anywhere in the JSON (lists included)."""
     if isinstance(node, dict):
         for k, v in node.items():
-            if "ratio" in k and not isinstance(v, (dict,)):
+            if "ratio" in k.split("_") and not isinstance(v, (dict,)):  # "calibration_*" names no ratio
                 yield f"{path}/{k}", v
             else:
                 yield from _ratios(v, f"{path}/{k}")
@@ -248,3 +248,24 @@ def test_merged_report_says_when_each_section_was_measured(tmp_path):
     again = tmp_path / "merged.json"
     again.write_text(json.dumps(merged))
     assert harness.merge([again, third])["section_dates"]["growth"] == "2026-01-01T10:00"  # kept through a re-merge
+
+
+def test_quick_bench_calibration_section(quick_run):
+    # The calibration section scores a reading's predictive distribution: coverage within +-1 / +-2 SD, z-std,
+    # a reliability curve, the uncalibrated columns and the peers, and the defaults table judged by the worst case.
+    sec = quick_run["json"]["sections"]["calibration"]
+    if "skipped" in sec:
+        pytest.skip(sec["skipped"])
+    row = sec["recordings"]["solin_p1"]
+    s = row["engines"]["dual_svgp"]
+    for key in ("rmse", "nlpd", "within_1sd", "within_2sd", "z_std"):
+        assert math.isfinite(s[key])
+    assert 0.0 <= s["within_1sd"] <= s["within_2sd"] <= 1.0
+    levels = [float(k) for k in s["reliability"]]
+    assert levels == sorted(levels) and len(levels) == 10
+    assert set(row["peers"]) == {"nearest_neighbour", "offline_svgp", "exact_gp"}
+    assert s["nlpd"] < s["uncalibrated"]["nlpd"]  # the calibration helps on protocol 1 (2.5x overconfident raw)
+    d = sec["defaults"]
+    assert set(d) == {"shipped", "no calibration"}
+    assert d["shipped"]["worst_nlpd_gap"] == max(v["nlpd_gap"] for v in d["shipped"]["per_recording"].values())
+    assert (quick_run["out"] / "calibration_solin_p1.png").exists()
