@@ -77,8 +77,7 @@ class Persistence:
             except Exception as err:  # any failure to read the file is a bad parameter value
                 raise NodeStartError(shorten(f"bad parameter: node.initial_map = {shorten(repr(path), 120)}: {err}",
                                              600)) from err
-            session = mapper.start_session()  # this run's readings may read off the saved map's: learned
-            self.get_logger().info(f"started from the map in {shorten(path)} (session {session})")
+            self.get_logger().info(f"started from the map in {shorten(path)}")
             return mapper
         try:
             return Mapper(self.config)

@@ -131,7 +131,6 @@ class MapServices:
             if not path:
                 raise ValueError("node.initial_map is empty; set it to the state file to load")
             mapper = Mapper.load(path, config=self.config)  # raises before anything changes
-            mapper.start_session()  # the readings from now on may read off the loaded map's: learned
             with self._lock:
                 dropped = self._drop_inbox()
                 self.mapper = mapper
