@@ -209,6 +209,13 @@ def load_config(path: str | Path | None = None) -> MapperConfig:
     """Read a ``/**: ros__parameters:`` YAML (or a plain mapping of sections); None gives the defaults."""
     if path is None:
         return MapperConfig()
+    return config_from_dict(read_parameter_file(path))
+
+
+def read_parameter_file(path: str | Path) -> Mapping[str, Any]:
+    """The parameters a YAML file holds: the ``ros__parameters`` of its one node entry (``/**`` or a node
+    name), else the file's own top-level mapping; {} for an empty file. ConfigError with the reason for a file
+    that cannot be read, is not YAML, is hostile or holds no mapping (every command's and node's files)."""
     try:
         document = yaml.safe_load(Path(path).read_text())
     except OSError as err:
@@ -220,12 +227,14 @@ def load_config(path: str | Path | None = None) -> MapperConfig:
     except RecursionError:  # a hostile file of nested brackets
         raise ConfigError(f"config file {path} is nested deeper than any parameter file; refused") from None
     if document is None:
-        return MapperConfig()
+        return {}
     if not isinstance(document, Mapping):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     params = _ros_parameters(document) if any(isinstance(v, Mapping) and "ros__parameters" in v
                                               for v in document.values()) else document
-    return config_from_dict(params)
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"config file {path}: the ros__parameters entry must be a mapping")
+    return params
 
 
 def _ros_parameters(document: Mapping[str, Any]) -> Mapping[str, Any]:

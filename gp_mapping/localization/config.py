@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
+from gp_mapping.config import read_parameter_file
 from gp_mapping.gp.config import option, section_from_dict, validate_value
 from gp_mapping.gp.errors import ConfigError
 
@@ -204,27 +203,7 @@ def load_localizer_config(path: str | Path) -> LocalizerConfig:
     """Read a YAML: a mapping of the keys, or one with a ``localizer`` section, either at the top level or under
     a ROS ``/**: ros__parameters:`` entry (so the node's parameter file serves the CLI too). The node's own keys
     (:data:`NODE_KEYS`: the map file, frames ...) are skipped: the command takes those from its arguments."""
-    try:
-        document = yaml.safe_load(Path(path).read_text())
-    except OSError as err:
-        raise ConfigError(f"cannot read config file {path}: {err}") from err
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"config file {path} is not text (UTF-8): {err}") from err
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {str(err)[:300]}") from err
-    except RecursionError:  # a hostile file of nested brackets
-        raise ConfigError(f"config file {path} is nested deeper than any parameter file; refused") from None
-    if document is None:
-        return LocalizerConfig()
-    if not isinstance(document, Mapping):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    entries = [v["ros__parameters"] for v in document.values() if isinstance(v, Mapping) and "ros__parameters" in v]
-    if len(entries) > 1:
-        raise ConfigError(f"config file {path} holds several node entries; use one '/**: ros__parameters:'")
-    if entries:
-        document = entries[0] or {}
-    if not isinstance(document, Mapping):
-        raise ConfigError(f"config file {path}: the ros__parameters entry must be a mapping")
+    document = read_parameter_file(path)
     if SECTION in document:
         section = document[SECTION]
         if section is None:
