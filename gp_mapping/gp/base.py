@@ -392,26 +392,31 @@ class Engine(nn.Module, abc.ABC):
 
     def _lagged(self) -> "Engine | None":
         """The map as it was between one and two calibration lags of path ago (None until it exists)."""
-        return self.__dict__.get("_lag_copies", (None, None, 0))[0]
+        return (self.__dict__.get("_lag_copies") or (None, None, 0.0))[0]
 
     def _keep_lagged(self, xt: torch.Tensor) -> None:
         """Called before a batch x (N, D) is conditioned on: each time the path driven grows by
         model.calibration_lag, the copy taken the last time becomes the lagged map and a copy of the map as
         it is now is taken. The copies live outside the module's state (not saved, not moved by ``.to()``:
         they are taken again)."""
-        ready, pending, mark = self.__dict__.get("_lag_copies", (None, None, 0.0))
+        ready, pending, mark = self.__dict__.get("_lag_copies") or (None, None, 0.0)
         if pending is None or float(self.calibration.path) - mark >= self.config.calibration_lag:
             self.__dict__["_lag_copies"] = (pending, self._snapshot(), float(self.calibration.path))
         self.calibration.extend_path(xt)
 
+    #: bookkeeping of this engine's own updates that a frozen copy does not take: its lagged copies, the state
+    #: an undo would return to (Engine.begin_update) and the tiled model's journal (a copy of the touched tiles)
+    _UPDATE_BOOKKEEPING = ("_lag_copies", "_undo_state", "_journal")
+
     def _snapshot(self) -> "Engine":
-        """A frozen copy of this engine (its own lagged copies left out)."""
-        copies = self.__dict__.pop("_lag_copies", None)
+        """A frozen copy of this engine, without its update bookkeeping (copied as None where it was set)."""
+        held = {key: self.__dict__.pop(key) for key in self._UPDATE_BOOKKEEPING if key in self.__dict__}
         try:
             snap = copy.deepcopy(self)
         finally:
-            if copies is not None:
-                self.__dict__["_lag_copies"] = copies
+            self.__dict__.update(held)
+        for key in held:
+            snap.__dict__[key] = None
         return snap
 
     def _target_variance(self) -> torch.Tensor:
