@@ -339,8 +339,12 @@ class Engine(nn.Module, abc.ABC):
         measurement model and NLPD need."""
         xt = self._check_x(x)
         with torch.no_grad():
-            mean, var, noise = self._reading_moments(xt)
-            return mean + self.sessions.level(), self._reading_variance(var, noise)
+            return self._reading(xt)
+
+    def _reading(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`predict_reading` at checked inputs."""
+        mean, var, noise = self._reading_moments(xt)
+        return mean + self.sessions.level(), self._reading_variance(var, noise)
 
     def _reading_variance(self, var: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         s2 = self.calibration.reading_variance(var, noise) if self.calibrates else var + noise
@@ -430,9 +434,7 @@ class Engine(nn.Module, abc.ABC):
         yt = self._check_y(y, xt.shape[0])
         with torch.no_grad():
             if self.calibrates or self.sessions.current > 0:
-                mean, var, noise = self._reading_moments(xt)
-                mean = mean + self.sessions.level()
-                s2 = self._reading_variance(var, noise)
+                mean, s2 = self._reading(xt)
                 return -0.5 * (math.log(2.0 * math.pi) + torch.log(s2) + (yt - mean) ** 2 / s2)
             mean, var = self._latent(xt)
             lpd = self.likelihood.log_predictive_density((yt - self.y_mean) / self.y_std, mean, var)
