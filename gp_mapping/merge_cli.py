@@ -43,7 +43,7 @@ def _split(arg: str) -> tuple[Path, str | None]:
 
 def run(args: argparse.Namespace) -> int:
     from gp_mapping.config import ConfigError, load_config
-    from gp_mapping.gp.recyclable import MergeError
+    from gp_mapping.gp.merging import MergeError
     from gp_mapping.mapping.grid import GridError
     from gp_mapping.mapping.mapper import Mapper
     from gp_mapping.mapping.merge import MapSource, merge_maps, parse_transform

@@ -353,9 +353,9 @@ def test_q_star_whitened_by_the_current_factor_skips_the_solves_and_a_stale_one_
 
 
 def test_known_factors_carry_the_gradients_of_the_factorisation_and_the_solve():
-    """A factor or a solve already computed without a graph is reused with gradients: _KnownCholesky and _KnownSolve
+    """A factor or a solve already computed without a graph is reused with gradients: KnownCholesky and KnownSolve
     return it and differentiate as torch's Cholesky and triangular solve do."""
-    from gp_mapping.gp.continual_mogp import _KnownCholesky, _KnownSolve
+    from gp_mapping.gp.linalg import KnownCholesky, KnownSolve
 
     rng = np.random.default_rng(17)
     B = torch.as_tensor(rng.standard_normal((12, 20)))
@@ -371,14 +371,14 @@ def test_known_factors_carry_the_gradients_of_the_factorisation_and_the_solve():
         with torch.no_grad():
             L0 = torch.linalg.cholesky(K)
             X0 = torch.linalg.solve_triangular(L0, R, upper=False)
-        L = _KnownCholesky.apply(K, L0)
-        return (_KnownSolve.apply(L, R, X0) * weights).sum() + (L * L).sum()
+        L = KnownCholesky.apply(K, L0)
+        return (KnownSolve.apply(L, R, X0) * weights).sum() + (L * L).sum()
 
     # the solve alone, against a lower-triangular leaf
     L = (torch.as_tensor(rng.standard_normal((12, 12))).tril() + 4 * torch.eye(12, dtype=torch.float64)).requires_grad_(True)
     expected = torch.autograd.grad((torch.linalg.solve_triangular(L, R, upper=False) * weights).sum(), [L, R])
     known = torch.linalg.solve_triangular(L.detach(), R.detach(), upper=False)
-    got = torch.autograd.grad((_KnownSolve.apply(L, R, known) * weights).sum(), [L, R])
+    got = torch.autograd.grad((KnownSolve.apply(L, R, known) * weights).sum(), [L, R])
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     # and both in a chain
@@ -393,11 +393,11 @@ def test_known_factors_carry_the_gradients_of_the_factorisation_and_the_solve():
 def test_the_m_step_gradient_with_the_update_memo_equals_the_plain_one(monkeypatch):
     """Inside an update the M-step's objective reuses the factors and the whitened q* of the E-step; its value and
     gradient must be those computed from scratch."""
-    from gp_mapping.gp import continual_mogp
+    from gp_mapping.gp import linalg
 
     reused = []
-    monkeypatch.setattr(continual_mogp._KnownSolve, "apply",
-                        lambda *args, apply=continual_mogp._KnownSolve.apply: reused.append(1) or apply(*args))
+    monkeypatch.setattr(linalg.KnownSolve, "apply",
+                        lambda *args, apply=linalg.KnownSolve.apply: reused.append(1) or apply(*args))
     model, xt, ys, mask, priors = _two_updates_and_priors(np.random.default_rng(18))
     with torch.no_grad():
         for p in model.kernels.parameters():

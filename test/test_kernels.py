@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from gp_mapping.config import ModelConfig
-from gp_mapping.gp.kernels import (ConstantKernel, GPNumericalError, Matern12Kernel, Matern32Kernel,
-                                   Matern52Kernel, RBFKernel, SumKernel, _StationaryKernelFunction, build_kernel,
-                                   jittered_cholesky)
+from gp_mapping.gp.errors import GPNumericalError
+from gp_mapping.gp.kernels import (ConstantKernel, Matern12Kernel, Matern32Kernel, Matern52Kernel, RBFKernel,
+                                   SumKernel, _StationaryKernelFunction, build_kernel)
+from gp_mapping.gp.linalg import jittered_cholesky
 
 
 def _scaled_r(x1, x2, ls):

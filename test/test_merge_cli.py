@@ -180,7 +180,7 @@ def test_tiled_maps_merge_tile_by_tile_into_a_tiled_map_a_node_continues(tiled_m
     that does not carry tiles onto tiles, a tiled map with a map of one engine, and a several-tile map's summary
     for ~/model are refused with the reason."""
     from gp_mapping.gp import TiledModel
-    from gp_mapping.gp.recyclable import MergeError
+    from gp_mapping.gp.merging import MergeError
     from gp_mapping.mapping.merge import SummaryError, decode_summary, encode_summary
 
     world, a, b = tiled_maps
@@ -252,7 +252,7 @@ def test_a_tiled_map_too_large_for_one_message_goes_in_parts_the_merger_puts_tog
     the others in turn; the merger's assembly of the parts merges exactly as the whole summary does, refuses to
     merge while a tile is missing, drops what it holds when the parts come from another map, and a part whose
     tile list does not hold its own tiles is refused."""
-    from gp_mapping.gp.recyclable import MergeError
+    from gp_mapping.gp.merging import MergeError
     from gp_mapping.mapping.merge import (SummaryError, TileRotation, assemble_tiles, decode_summary, encode_summary,
                                           tile_summary_bytes)
 

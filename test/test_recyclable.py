@@ -1,4 +1,4 @@
-"""Recyclable GPs (gp/recyclable.py, Moreno-Munoz et al. 2020): the merge against closed forms, the paper's toy
+"""Recyclable GPs (gp/merging/, Moreno-Munoz et al. 2020): the merge against closed forms, the paper's toy
 checks, and two simulated robots mapping the halves of one world."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from gp_mapping import sim
 from gp_mapping.config import ModelConfig
 from gp_mapping.gp import ContinualMOGP, DualSVGP
-from gp_mapping.gp.recyclable import (MergeError, RawData, RigidTransform, Source, dual_sum, merge, merged_engine,
+from gp_mapping.gp.merging import (MergeError, RawData, RigidTransform, Source, dual_sum, merge, merged_engine,
                                       source_from_engine)
 
 
@@ -321,7 +321,7 @@ def test_an_automatic_merge_takes_steps_only_when_its_inducing_points_must_compr
     """steps=None: with room for both robots' points Z* explains them all, and the merge is the closed form (no
     step), as good as one mapper; squeezed into half the points it cannot, and the steps recover the map that
     the closed form of the squeezed Z* loses."""
-    from gp_mapping.gp.recyclable import COMPRESSING_STEPS, explains_sources
+    from gp_mapping.gp.merging import COMPRESSING_STEPS, explains_sources
 
     d = two_robots
     cfg = ModelConfig(device="cpu", num_inducing=64)
@@ -376,7 +376,7 @@ def test_initial_kernel_averages_source_lengthscales_per_axis_then_over_each_sha
     'horizontal'): the global x-y lengthscale is the weighted geometric mean over sources and over x and y, the
     height's over sources only."""
     from gp_mapping.gp.kernels import build_kernel
-    from gp_mapping.gp.recyclable import initial_kernel
+    from gp_mapping.gp.merging import initial_kernel
 
     def source(lengthscales, num_data):
         kernel = build_kernel(ModelConfig(lengthscales="per_axis", constant_kernel=False), 3)

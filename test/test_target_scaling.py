@@ -46,7 +46,7 @@ def _map(engine: str, x, y, xt, yt, tile_size: float = 0.0) -> tuple[float, floa
     ("dual_svgp", "magnitude", 0.0), ("dual_svgp", "vector", 0.0), ("continual_mogp", "magnitude", 0.0),
     ("continual_mogp", "vector", 0.0), ("var_gp", "magnitude", 0.0), ("var_gp", "vector", 0.0),
     # Tiles of 4 m over the 10 m x 10 m drive: the first tile adapts its scale while it is alone and is
-    # re-expressed in the running scale when the second is made (gp/tiled.py, 'Target scaling').
+    # re-expressed in the running scale when the second is made (gp/tiles/shared.py, 'Target scaling').
     ("dual_svgp", "magnitude", 4.0), ("continual_mogp", "vector", 4.0)])
 def test_a_rest_before_the_drive_leaves_the_map_of_the_drive(engine, target, tile_size):
     # One drive's ratio varies by several per cent with the path (dual_svgp |B|, drives 3-6: 1.04, 0.95, 1.11,

@@ -1,4 +1,4 @@
-"""Local submaps (gp/tiled.py): tile geometry, tiles against one global engine, seams, state round trips,
+"""Local submaps (gp/tiles/): tile geometry, tiles against one global engine, seams, state round trips,
 bad input, both engines, 3-D tiles.
 
 Data: a simulated 8 m x 8 m world with 20 dipoles (gp_mapping.sim), a lawnmower 0.8 m between lanes at 1 m/s,
@@ -16,7 +16,7 @@ import torch
 
 from gp_mapping.config import ConfigError, ModelConfig, config_from_dict
 from gp_mapping.gp import GPNumericalError, ModelInputError, TiledModel, build_model
-from gp_mapping.gp.tiled import TileLayout, smootherstep, tile_key
+from gp_mapping.gp.tiles import TileLayout, smootherstep, tile_key
 from gp_mapping.mapping.mapper import Mapper
 from gp_mapping.mapping.state import MapStateError
 from gp_mapping.sim import SensorConfig, TrajectoryConfig, WorldConfig, simulate
@@ -640,10 +640,10 @@ def test_a_tiled_map_on_cuda_goes_in_parts_that_merge_with_a_tile_cache_as_its_w
 
 
 def test_a_map_of_one_tile_summarises_as_its_engine_and_a_map_of_several_has_no_single_summary(drive):
-    """Merging maps (gp/recyclable.py) takes a map of one tile as its engine's summary; overlapping tiles share
+    """Merging maps (gp/merging/) takes a map of one tile as its engine's summary; overlapping tiles share
     their bands' data, so a map of several tiles has no single summary (a MergeError says why): it merges tile
     by tile (the tests below)."""
-    from gp_mapping.gp.recyclable import MergeError
+    from gp_mapping.gp.merging import MergeError
 
     x, y = samples(drive)
     x = (x - 4.0) * 0.5  # inside tile 0's core of 12 m tiles
@@ -665,7 +665,7 @@ def test_tiled_maps_of_two_robots_merge_tile_by_tile_as_well_as_one_map_of_all_t
     the merge of the sources' tiles of one span, so a band's data are counted once per tile), the map of both is
     as good as one tiled map fed all the data and far better than either half. Measured when written: A 3.14, B
     2.23, all data 0.094, merged 0.076 uT."""
-    from gp_mapping.gp.tiled import merge_tiled
+    from gp_mapping.gp.tiles import merge_tiled
 
     x, y = samples(drive)
     test_x, truth = held_out(drive)
@@ -696,8 +696,8 @@ def test_a_tiled_map_moved_onto_its_lattice_merges_to_itself_exactly_and_other_m
     the moved frame, here a quarter turn and a shift by whole tiles, so the merged map at the moved points is
     the source's map to rounding. A move that does not carry tiles onto tiles (their spans, and so their data,
     would straddle tiles), other tile sizes and a mix with a map of one engine are refused by name."""
-    from gp_mapping.gp.recyclable import MergeError, RigidTransform
-    from gp_mapping.gp.tiled import merge_tiled
+    from gp_mapping.gp.merging import MergeError, RigidTransform
+    from gp_mapping.gp.tiles import merge_tiled
 
     source = stream(build_model(model_config(), 2, 1), *samples(drive))
     test_x, _ = held_out(drive)

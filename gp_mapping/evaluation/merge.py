@@ -1,4 +1,4 @@
-"""Bench section ``merge``: recyclable-GP map merging (gp/recyclable.py, seed 001).
+"""Bench section ``merge``: recyclable-GP map merging (gp/merging/, seed 001).
 
 1. Two simulated robots map the west and east halves of one world (|B|, dual SVGP each); their maps are merged
    without their data and compared with one mapper fed both streams (batches interleaved in time) and with each
@@ -8,7 +8,7 @@
    Adam steps on Z* and the kernel, with the merged map's RMSE.
 3. Two sessions of a building (``merge_sessions``): the ``large`` section's 2-D drive (its plan keys) cut into
    its first and second half, each mapped with the shipped model section (tiles as shipped), merged tile by tile
-   (gp/tiled.py ``merge_tiled``) in closed form and with ``merge_steps`` Adam steps per tile; against one map of
+   (gp/tiles/merge.py ``merge_tiled``) in closed form and with ``merge_steps`` Adam steps per tile; against one map of
    the whole drive and each session alone, RMSE of |B| at the large section's test points.
 4. Two sessions of a real room (``merge_solin``): Solin et al.'s sequences 1-2 and 3-4, each mapped with the
    shipped config (one tile each), merged tile by tile (closed form, and ``merge_steps`` per tile) and as one
@@ -27,7 +27,7 @@ import numpy as np
 from gp_mapping import sim
 from gp_mapping.gp import DualSVGP
 from gp_mapping.gp.config import ModelConfig
-from gp_mapping.gp.recyclable import merge, merged_engine, source_from_engine
+from gp_mapping.gp.merging import merge, merged_engine, source_from_engine
 
 AREA = (-5.0, -5.0, 5.0, 5.0)
 
@@ -154,8 +154,8 @@ def _mapped_sessions(cfg, batch: int, rmse: Callable[[Any], float], parts: dict[
 def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[str, Any]:
     """Part 4 (module docstring): two sessions of a real room merged, tile by tile and as one engine."""
     from gp_mapping.evaluation.datasets import load_solin2018
-    from gp_mapping.gp.recyclable import Source
-    from gp_mapping.gp.tiled import merge_tiled
+    from gp_mapping.gp.merging import Source
+    from gp_mapping.gp.tiles import merge_tiled
 
     cut = plan.get("merge_solin_seconds")
 
@@ -197,7 +197,7 @@ def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[st
 def sessions(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     """Part 3 (module docstring): a building mapped in two sessions with the shipped tiles, merged tile by tile."""
     from gp_mapping.evaluation import large
-    from gp_mapping.gp.tiled import merge_tiled
+    from gp_mapping.gp.tiles import merge_tiled
 
     rec = large._world_and_drive(plan, 2, seed=int(plan["large_seed"]))
     test_x, truth = large._test_points(rec, plan, 2, np.random.default_rng(1))

@@ -17,7 +17,7 @@ from .dual_svgp import DualSVGP
 from .errors import ConfigError, GPNumericalError, ModelInputError
 from .likelihoods import BernoulliLikelihood, GaussianLikelihood, StudentTLikelihood
 from .smc_experts import SMCExperts
-from .tiled import TiledModel, can_tile
+from .tiles import TiledModel, can_tile
 from .var_gp import VARGP
 
 EngineFactory = Callable[[ModelConfig, int, int], Any]
@@ -56,7 +56,7 @@ def build_model(model_config: ModelConfig | Mapping[str, Any], input_dims: int, 
     except KeyError:
         raise ConfigError(f"unknown engine {model_config.engine!r}; registered: {', '.join(sorted(ENGINES))}",
                           "engine") from None
-    # Local submaps: tiles of this engine (gp/tiled.py) over the plane. Engines that cover a growing map their
+    # Local submaps: tiles of this engine (gp/tiles/) over the plane. Engines that cover a growing map their
     # own way (smc_experts, var_gp) and 1-D inputs (a series, not a map) are not tiled.
     if model_config.tile_size > 0 and can_tile(factory) and int(input_dims) >= 2:
         return TiledModel(model_config, int(input_dims), int(output_dims), factory)

@@ -1,4 +1,4 @@
-"""Covariance functions and the jittered Cholesky factorisation of kernel matrices.
+"""Covariance functions (the jittered Cholesky factorisation of kernel matrices is :mod:`gp_mapping.gp.linalg`'s).
 
 Stationary kernels (Matern-1/2, 3/2, 5/2 and RBF) whose input axes share lengthscales as
 :func:`lengthscale_groups` says (one for all, one for the horizontal plane and one for height, or one per axis),
@@ -13,13 +13,8 @@ import torch
 from torch import nn
 
 from .config import LENGTHSCALE_CHOICES
-from .errors import GPNumericalError
-
-# The largest diagonal jitter, relative to the mean of the matrix diagonal, tried before giving up.
-MAX_RELATIVE_JITTER = 1e-1
-# A factor whose smallest squared pivot is below this (relative to the mean diagonal) is rounding noise of
-# a singular matrix (LAPACK accepts any positive pivot): treated as a failure, so the jitter escalates.
-MIN_RELATIVE_PIVOT = 1e-13
+# dual_svgp.py still imports jittered_cholesky from here; its home is linalg.py.
+from .linalg import jittered_cholesky  # noqa: F401
 
 
 class PositiveParameter(nn.Module):
@@ -320,47 +315,17 @@ def build_kernel(model_config, input_dims: int) -> Kernel:
     return main
 
 
-def jittered_cholesky(matrix: torch.Tensor, jitter: float, max_jitter: float | None = None
-                      ) -> tuple[torch.Tensor, float]:
-    """Lower Cholesky factor of ``matrix + jitter I`` and the jitter that was needed.
+def stationary_part(kernel: Kernel) -> StationaryKernel | None:
+    """The stationary kernel of ``kernel`` (itself, or the first stationary part of a sum), or None."""
+    if isinstance(kernel, StationaryKernel):
+        return kernel
+    if isinstance(kernel, SumKernel):
+        return next((p for p in kernel.parts if isinstance(p, StationaryKernel)), None)
+    return None
 
-    Starts at ``jitter`` and multiplies it by 10 until the factorisation succeeds, up to ``max_jitter``
-    (default MAX_RELATIVE_JITTER times the mean diagonal). Works on a batch (..., M, M) with one shared
-    jitter. Raises GPNumericalError if even the largest jitter fails or the matrix is not finite.
-    """
-    m = matrix.shape[-1]
-    if m == 0:
-        return matrix.clone(), float(jitter)
-    # A finite sum means finite entries (a NaN or an Inf entry makes it NaN or infinite): one reduction instead
-    # of the four elementwise passes of isfinite, which cost as much as the factorisation at M = 256; the
-    # entrywise test only confirms a sum that overflowed.
-    if not bool(torch.isfinite(matrix.detach().sum())) and not bool(torch.isfinite(matrix).all()):
-        raise GPNumericalError("cannot factorise a matrix with NaN or Inf entries")
-    scale = float(matrix.diagonal(dim1=-2, dim2=-1).abs().mean().detach().clamp_min(1e-300))
-    cap = MAX_RELATIVE_JITTER * scale if max_jitter is None else float(max_jitter)
-    floor = MIN_RELATIVE_PIVOT * scale
 
-    def attempt(a: torch.Tensor) -> torch.Tensor | None:
-        factor, info = torch.linalg.cholesky_ex(a)
-        if bool((info != 0).any()):
-            return None
-        pivots = factor.diagonal(dim1=-2, dim2=-1).detach()
-        return factor if bool(((pivots * pivots) > floor).all()) else None
-
-    current = float(jitter)
-    if current <= 0.0:
-        # Try the matrix as it is first, then escalate from a tiny relative jitter.
-        factor = attempt(matrix)
-        if factor is not None:
-            return factor, 0.0
-        current = 1e-12 * scale
-    while True:
-        jittered = matrix.clone()  # matrix + current I, the diagonal added in place (no dense identity)
-        jittered.diagonal(dim1=-2, dim2=-1).add_(current)
-        factor = attempt(jittered)
-        if factor is not None:
-            return factor, current
-        if current >= cap:
-            raise GPNumericalError(f"Cholesky factorisation failed even with jitter {current:.3g} "
-                                   f"(matrix size {m}, mean diagonal {scale:.3g})")
-        current = min(current * 10.0, cap)
+def constant_part(kernel: Kernel) -> ConstantKernel | None:
+    """The constant kernel of a sum, or None."""
+    if isinstance(kernel, SumKernel):
+        return next((p for p in kernel.parts if isinstance(p, ConstantKernel)), None)
+    return None

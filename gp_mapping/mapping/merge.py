@@ -1,4 +1,4 @@
-"""Merging maps (state files or live mappers) into one map without their data (recyclable GPs, gp/recyclable.py).
+"""Merging maps (state files or live mappers) into one map without their data (recyclable GPs, gp/merging/).
 
 A source is a :class:`~gp_mapping.mapping.mapper.Mapper` (loaded from a state file, or rebuilt from a model
 summary received over DDS) with an optional rigid transform into the merged frame. The merged map is a Mapper
@@ -7,7 +7,7 @@ whose model is a dual SVGP holding the merged posterior, whose visited cells and
 (``node.initial_map``), publishes and keeps mapping like any map, and a later merge refuses to count its data
 twice.
 
-Tiled maps (``model.tile_size`` > 0, the shipped setting) merge tile by tile (gp/tiled.py, ``merge_tiled``) when
+Tiled maps (``model.tile_size`` > 0, the shipped setting) merge tile by tile (gp/tiles/merge.py, ``merge_tiled``) when
 every source is tiled alike: the merged map is then tiled the same way, each of its tiles the merge of the
 sources' tiles of that place. A map of several tiles has no single summary (its tiles share their bands' data),
 so it merges only with tiled maps; its summary over DDS carries every tile (:func:`encode_summary`). A building's
@@ -17,7 +17,7 @@ naming every tile the map has), and the merger puts the parts together (:func:`a
 holds every tile; a tile merges as of its last part, which is what tile-by-tile merging allows, since each
 merged tile depends only on the sources' tiles of that place.
 
-Merging, from the math up: ``gp/recyclable.py`` and ``gp/tiled.py`` (posteriors), this module (maps), its two
+Merging, from the math up: ``gp/merging/`` and ``gp/tiles/`` (posteriors), this module (maps), its two
 drivers ``gp_mapping/merge_cli.py`` (``gp-mapping merge``: state files) and ``gp_mapping/ros/merger_node.py``
 (model summaries over DDS), and the benchmark ``gp_mapping/evaluation/merge.py``.
 """
@@ -35,10 +35,10 @@ import numpy as np
 import torch
 
 from gp_mapping.config import ConfigError, MapperConfig, config_from_dict, to_dict
-from gp_mapping.gp import recyclable
-from gp_mapping.gp.recyclable import MergeError, MergeResult, RigidTransform, Source, merge, merged_engine
+from gp_mapping.gp import merging
+from gp_mapping.gp.merging import MergeError, MergeResult, RigidTransform, Source, merge, merged_engine
 from gp_mapping.gp.base import Recyclable
-from gp_mapping.gp.tiled import TiledMergeResult, TiledModel, TiledSummary, merge_tiled, parse_tile_key, tile_key
+from gp_mapping.gp.tiles import TiledMergeResult, TiledModel, TiledSummary, merge_tiled, parse_tile_key, tile_key
 from gp_mapping.mapping.mapper import Mapper
 
 DEFAULT_MAX_INDUCING = 1024
@@ -48,7 +48,7 @@ DEFAULT_MAX_INDUCING = 1024
 # default: the steps fit the summaries better and predict no better (the bench's merge section,
 # docs/benchmarks.md: a real room's two sessions 2.138 uT in closed form against 3.410 with the steps; tile by
 # tile, where the default is always the closed form, a building's two sessions 0.446 against 0.448).
-DEFAULT_STEPS = recyclable.COMPRESSING_STEPS
+DEFAULT_STEPS = merging.COMPRESSING_STEPS
 DEFAULT_TILED_STEPS = 0
 SUMMARY_FORMAT = "gp_mapping.model_summary"
 SUMMARY_VERSION = "1"
@@ -371,7 +371,7 @@ def _decoded_model(tensors: dict, prefix: str, num_seen: int, config: MapperConf
 def _decoded_tiles(tensors: dict, tiled: dict, tile_keys: list[str], num_seen: int, config: MapperConfig,
                    name: str) -> TiledSummary:
     """A tiled map's summary from its tensors and the "tiled" metadata (:func:`encode_summary`)."""
-    from gp_mapping.gp.tiled import TileLayout
+    from gp_mapping.gp.tiles import TileLayout
 
     try:
         layout = TileLayout(tuple(float(v) for v in tiled["sizes"]), float(tiled["overlap"]),
@@ -459,11 +459,11 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
     """Merge ``sources`` into a new Mapper (see the module docstring): tile by tile when every source is a tiled
     map (the merged map is tiled alike; ``tiled_steps`` Adam steps per tile), else as one engine (``steps``; None:
     the closed form when the merged inducing points explain every source's, else DEFAULT_STEPS, see
-    recyclable.explains_sources). ``tile_cache``: a dict kept between merges of tiled maps, so that a merge
-    recomputes only the tiles whose inputs changed (gp/tiled.py ``merge_tiled``).
+    merging.explains_sources). ``tile_cache``: a dict kept between merges of tiled maps, so that a merge
+    recomputes only the tiles whose inputs changed (gp/tiles/merge.py ``merge_tiled``).
     ``num_inducing`` defaults to the sum of the sources' inducing points, capped at DEFAULT_MAX_INDUCING (or
     ``model.num_inducing`` if larger); per tile when tiled to the largest source tile's (or
-    ``model.num_inducing`` if larger: gp/tiled.py ``merge_tiled``).
+    ``model.num_inducing`` if larger: gp/tiles/merge.py ``merge_tiled``).
     Raises MergeError (DuplicateSourceError) with the reason when the sources cannot be merged."""
     sources = list(sources)
     if not sources:

@@ -44,7 +44,7 @@ from rclpy.parameter import Parameter
 from rclpy.node import Node
 from std_msgs.msg import UInt8MultiArray
 
-from gp_mapping.gp.recyclable import MergeError
+from gp_mapping.gp.merging import MergeError
 from gp_mapping.mapping import publication
 from gp_mapping.mapping.health import OK, WARN
 from gp_mapping.mapping.merge import (DuplicateSourceError, MapSource, SummaryError, assemble_tiles, check_compatible,

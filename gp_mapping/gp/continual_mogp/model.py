@@ -19,31 +19,8 @@ directions of the batch's standardised channels and each latent's variance at th
 Variational posterior, per latent: q(u_q) = N(m_q, S_q) on u_q = u_q(Z_q), S_q = L_q L_q^T with L_q lower
 triangular and a softplus on its diagonal (unwhitened, so q does not move when the hyperparameters do).
 
-First update: the standard (Hensman et al. 2015) bound
-    L = sum_{d, n observed} E_q[log p(y_dn | f_dn)] - sum_q KL[q(u_q) || p(u_q | psi)].
-Every later update: the continual bound (paper eq. 24), with phi_old = (Z_old, m_old, S_old) and psi_old the
-kernel hyperparameters at the start of the update,
-    L_C = sum E_q[log p(y|f)] - sum_q KL[q(u_q) || p(u_q | psi_new)] + sum_q KL[q(u_q) || p(u_q | psi_old)]
-          - sum_q KL[q(u_q) || q~(u_q | phi_old)],
-    q~(u_new) = N(K_no K_oo^-1 m_old, K_nn + K_no K_oo^-1 (S_old - K_oo) K_oo^-1 K_on)   (eqs. 5-7, 22)
-where every K in q~ and in p(u | psi_old) uses the OLD hyperparameters. q~ is evaluated whitened by
-chol(K_nn^old) = L_n: with W = L_n^-1 K_no L_o^-T and S^_old = L_o^-1 S_old L_o^-T,
-    L_n^-1 q~ = N(W L_o^-1 m_old, I - W (I - S^_old) W^T),
-which stays well conditioned however close the inducing points are. Inducing points kept from Z_old are
-exact copies and their cross-covariance carries the same jitter as K_oo, so q~ restricted to them is exactly
-q_old (no information is lost by keeping a point).
-
-Inducing inputs (per latent, under the latent's current kernel): while model.num_inducing allows, every old
-point is kept and batch points are added greedily (pivoted Cholesky on the residual kernel given Z_old) while
-a candidate's residual prior variance exceeds 1e-4 of the largest prior variance: the set grows as new ground
-is covered and nothing of q_old is lost. When more points are needed than the budget holds, the set moves:
-pivoted Cholesky over [Z_old; X_batch] re-covers the union, dropping old points where the cover is densest.
-A new point never coincides with a kept one (its residual variance would be zero), so K_nn and q~ stay
-positive definite. Z is chosen again (from Z_old and the batch, q~ rebuilt there) after every M-step, under the
-kernel just learned, with its lengthscales capped at model.lengthscale for the choice only: a set chosen under
-a lengthscale that one batch has stretched is too sparse for any shorter one, and the sparse bound then keeps
-the lengthscale long in every later update, the channel's noise inflating update after update (what was
-measured on a real recording is in bench/README.md, "Inducing placement of the continual multi-output GP").
+The bounds (first and continual) and their closed-form E-step are in :mod:`.bound`; the choice of inducing inputs in
+:mod:`.placement`; the memo that serves an update's repeated factorisations in :mod:`.memo`.
 
 Variational EM per update (paper: "several steps of variational EM within each sequential update"):
   * E-step over q(u). Gaussian likelihood: closed form. The bound is E_q of a quadratic in u plus the entropy,
@@ -68,19 +45,20 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .base import (Engine, difference_noise_estimate, merge_moments, moments_scale, resolve_device, spans_space,
-                   symmetrise)
-from .config import MIXING_LEARNING_CHOICES, ModelConfig
-from .errors import GPNumericalError, ModelInputError
-from .inducing import DEFAULT_REL_TOL, pivoted_cholesky
-from .kernels import Kernel, StationaryKernel, SumKernel, build_kernel, jittered_cholesky
-from .likelihoods import GaussianLikelihood, Likelihood, build_likelihood
+from ..base import Engine, difference_noise_estimate, merge_moments, moments_scale, resolve_device, spans_space
+from ..config import MIXING_LEARNING_CHOICES, ModelConfig
+from ..errors import GPNumericalError, ModelInputError
+from ..inducing import DEFAULT_REL_TOL
+from ..kernels import Kernel, build_kernel, stationary_part
+from ..likelihoods import GaussianLikelihood, Likelihood, build_likelihood
+from ..linalg import jittered_cholesky, symmetrise, tril_solve
+from .bound import ContinualBound, LatentPosterior
+from .memo import UpdateMemo
+from .placement import InducingPlacement
 
 # The engine's own settings are the model section's num_latents, latent_lengthscale_ratio, vem_iterations,
 # mixing_learning, variational_steps and variational_lr (config.py documents them); keyword arguments of
@@ -98,117 +76,7 @@ def _softplus_inverse(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 20.0, x + torch.log(-torch.expm1(-x)), torch.log(torch.expm1(x)))
 
 
-def _stationary_part(kernel: Kernel) -> StationaryKernel | None:
-    if isinstance(kernel, StationaryKernel):
-        return kernel
-    if isinstance(kernel, SumKernel):
-        for part in kernel.parts:
-            if isinstance(part, StationaryKernel):
-                return part
-    return None
-
-
-def _tril_solve(L: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.solve_triangular(L, B, upper=False)
-
-
-def _chol_inverse_factor(precision: torch.Tensor) -> torch.Tensor:
-    """Lower L with L L^T = precision^-1, from the Cholesky factor of the flipped precision (no explicit
-    inverse is ever factorised)."""
-    flipped = torch.flip(precision, (0, 1))
-    U, _ = jittered_cholesky(symmetrise(flipped), 0.0)
-    eye = torch.eye(U.shape[0], dtype=U.dtype, device=U.device)
-    return torch.flip(torch.linalg.solve_triangular(U, eye, upper=False).T, (0, 1))
-
-
-def _kl_standard(mean_w: torch.Tensor, chol_w: torch.Tensor) -> torch.Tensor:
-    """KL[N(mean_w, chol_w chol_w^T) || N(0, I)] (both whitened by the same factor)."""
-    m = mean_w.shape[0]
-    logdet = torch.log(torch.diagonal(chol_w).abs()).sum()
-    return 0.5 * ((chol_w * chol_w).sum() + (mean_w * mean_w).sum() - m) - logdet
-
-
-def _kl_gaussian(mean_w: torch.Tensor, chol_w: torch.Tensor, prior_mean_w: torch.Tensor,
-                 prior_chol_w: torch.Tensor) -> torch.Tensor:
-    """KL[N(mean_w, chol_w chol_w^T) || N(prior_mean_w, prior_chol_w prior_chol_w^T)]."""
-    m = mean_w.shape[0]
-    a = _tril_solve(prior_chol_w, chol_w)
-    b = _tril_solve(prior_chol_w, (prior_mean_w - mean_w)[:, None])[:, 0]
-    logdet_q = torch.log(torch.diagonal(chol_w).abs()).sum()
-    logdet_p = torch.log(torch.diagonal(prior_chol_w).abs()).sum()
-    return 0.5 * ((a * a).sum() + (b * b).sum() - m) + logdet_p - logdet_q
-
-
-class _KnownCholesky(torch.autograd.Function):
-    """L = chol(K) where L is already known (computed earlier, without a graph, from the same K): the forward
-    returns it instead of factorising again; the backward is the Cholesky's, K_bar = sym(L^-T Phi(L^T L_bar) L^-1)
-    with Phi the lower triangle, its diagonal halved."""
-
-    @staticmethod
-    def forward(ctx, K: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(L)
-        return L
-
-    @staticmethod
-    def backward(ctx, L_bar: torch.Tensor):
-        (L,) = ctx.saved_tensors
-        phi = (L.mT @ L_bar).tril()
-        phi.diagonal().mul_(0.5)
-        K_bar = torch.linalg.solve_triangular(L.mT, torch.linalg.solve_triangular(L.mT, phi.mT, upper=True).mT,
-                                              upper=True)  # L^-T phi L^-1
-        return symmetrise(K_bar), None
-
-
-class _KnownSolve(torch.autograd.Function):
-    """X = L^-1 B (L lower) where X is already known: the forward returns it instead of solving again; the
-    backward is the triangular solve's, B_bar = L^-T X_bar and L_bar = -tril(B_bar X^T)."""
-
-    @staticmethod
-    def forward(ctx, L: torch.Tensor, B: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(L, X)
-        return X
-
-    @staticmethod
-    def backward(ctx, X_bar: torch.Tensor):
-        L, X = ctx.saved_tensors
-        B_bar = torch.linalg.solve_triangular(L.mT, X_bar, upper=True)
-        return -(B_bar @ X.mT).tril(), B_bar, None
-
-
-@dataclass
-class LatentPosterior:
-    """q(u_q) = N(mean, chol chol^T) at inducing inputs z under a kernel (a frozen copy for old posteriors)."""
-
-    z: torch.Tensor
-    mean: torch.Tensor
-    chol: torch.Tensor
-    kernel: Kernel
-
-
-class OptimalQ(NamedTuple):
-    """The E-step's q*(u_q) = N(mean, chol chol^T), and the same whitened by ``factor`` = chol(K_q) of the kernel it
-    was solved under: mean = factor mean_w, chol = factor chol_w."""
-
-    mean: torch.Tensor
-    chol: torch.Tensor
-    mean_w: torch.Tensor
-    chol_w: torch.Tensor
-    factor: torch.Tensor
-
-
-@dataclass
-class ContinualPrior:
-    """q~(u_new | phi_old) and p(u_new | psi_old) for one latent at its new inducing inputs, whitened by
-    chol_old = chol(K_nn under psi_old): q~ = N(chol_old mean_w, chol_old C C^T chol_old^T)."""
-
-    chol_old: torch.Tensor     # (M, M) chol(K_old(Z_new, Z_new) + jitter I)
-    mean_w: torch.Tensor       # (M,)   W L_o^-1 m_old
-    cov_chol_w: torch.Tensor   # (M, M) chol(I - W (I - S^_old) W^T)
-    precision_w: torch.Tensor  # (M, M) Sigma~_w^-1 - I: natural precision of the pseudo-likelihood q~ / p_old
-    shift_w: torch.Tensor      # (M,)   Sigma~_w^-1 mean_w: its natural location
-
-
-class ContinualMOGP(Engine):
+class ContinualMOGP(ContinualBound, InducingPlacement, UpdateMemo, Engine):
     """Continual multi-output sparse GP with an LMC prior. See the module docstring for the method."""
 
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int, *, num_latents: int | None = None,
@@ -246,7 +114,7 @@ class ContinualMOGP(Engine):
         self.kernels = nn.ModuleList()
         for q in range(qn):
             kernel = build_kernel(config, d)
-            main = _stationary_part(kernel)
+            main = stationary_part(kernel)
             if main is not None and qn > 1:
                 main.lengthscale_param.set(config.lengthscale * ratio ** (q - (qn - 1) / 2))
             self.kernels.append(kernel)
@@ -318,7 +186,7 @@ class ContinualMOGP(Engine):
         with torch.no_grad():
             var = []
             for k in self.kernels:
-                main = _stationary_part(k)
+                main = stationary_part(k)
                 var.append(main.variance if main is not None else k.diag(torch.zeros(1, self.input_dims,
                            dtype=torch.float64, device=self.device))[0])
             A = self.mixing
@@ -411,8 +279,8 @@ class ContinualMOGP(Engine):
         if z.shape[0] == 0:
             return
         L = self._chol_K(self.kernels[q], z)
-        m_w = _tril_solve(L, self._q_mean(q).detach()[:, None])[:, 0]
-        L_w = _tril_solve(L, self._chol_S(q, detach=True))
+        m_w = tril_solve(L, self._q_mean(q).detach()[:, None])[:, 0]
+        L_w = tril_solve(L, self._chol_S(q, detach=True))
         precision = torch.cholesky_inverse(L_w)
         eta = precision @ m_w
         eye = torch.eye(z.shape[0], dtype=L.dtype, device=L.device)
@@ -474,257 +342,6 @@ class ContinualMOGP(Engine):
             raise ModelInputError("mean and cov must be finite")
         chol, _ = jittered_cholesky(symmetrise(ct), 0.0)
         self._set_q(int(q), zt, mt, chol)
-
-    # ------------------------------------------------------------------ linear algebra
-    def _cross(self, kernel: Kernel, z_new: torch.Tensor, z_old: torch.Tensor) -> torch.Tensor:
-        """Cov(u(z_new), u(z_old)); identical points carry the jitter of K_oo, so a kept point keeps q_old."""
-        same = (z_new[:, None, :] == z_old[None, :, :]).all(-1)
-        return kernel(z_new, z_old) + self.jitter * same.to(z_new.dtype)
-
-    def _memoised(self, name: str, refs: tuple, versions: tuple, compute):
-        """compute(), or its value from earlier in this update when computed without a gradient from the same
-        objects (``refs``, held by the entry so that their ids stay theirs) in the same state (``versions``:
-        their in-place modification counters). An update asks for the same factors many times: every E-step,
-        placement and continual prior of every latent."""
-        memo = self._memo
-        if memo is None or torch.is_grad_enabled():
-            return compute()
-        hit = self._memo_lookup(name, refs, versions)
-        if hit is not None:
-            return hit
-        value = compute()
-        self._memo_store(name, refs, versions, value)
-        return value
-
-    def _memo_lookup(self, name: str, refs: tuple, versions: tuple):
-        """The memo's value for these objects in this state, or None."""
-        if self._memo is None:
-            return None
-        hit = self._memo.get((name, tuple(id(r) for r in refs), versions))
-        return hit[1] if hit is not None and all(a is b for a, b in zip(hit[0], refs)) else None
-
-    def _memo_store(self, name: str, refs: tuple, versions: tuple, value) -> None:
-        memo = self._memo
-        while len(memo) >= 64:  # bounded; the oldest go first (factors of hyperparameters the M-step has left)
-            del memo[next(iter(memo))]
-        memo[(name, tuple(id(r) for r in refs), versions)] = (refs, value)
-
-    def _parameters_of(self, module: nn.Module) -> list[nn.Parameter]:
-        """module.parameters(), listed once per update: the memo's keys ask for them thousands of times, and
-        walking the module tree each time cost ~5 % of an update."""
-        params = self._memo_lookup("parameters", (module,), ())
-        if params is None:
-            params = list(module.parameters())
-            if self._memo is not None:  # (with gradients too: a list of parameters holds no graph)
-                self._memo_store("parameters", (module,), (), params)
-        return params
-
-    def _chol_K(self, kernel: Kernel, z: torch.Tensor) -> torch.Tensor:
-        """chol(K(z, z) + jitter I)."""
-        return self._prior_factor(kernel, z)[0]
-
-    def _prior_factor(self, kernel: Kernel, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(chol(K(z, z) + jitter I), the memo's factor of that state or None). With gradients, a factor this
-        update has already computed without them (the E-step's, the M-step's closing check) is not computed
-        again: _KnownCholesky gives it its graph."""
-        versions = (z._version, self.jitter, *(p._version for p in self._parameters_of(kernel)))
-
-        def factorise() -> torch.Tensor:
-            return jittered_cholesky(kernel(z, z), self.jitter)[0]
-
-        if torch.is_grad_enabled():
-            known = self._memo_lookup("chol", (kernel, z), versions)
-            if known is None:
-                return factorise(), None
-            return _KnownCholesky.apply(kernel(z, z), known), known
-        factor = self._memoised("chol", (kernel, z), versions, factorise)
-        return factor, factor if self._memo is not None else None
-
-    def _continual_prior(self, old: LatentPosterior, z_new: torch.Tensor) -> ContinualPrior:
-        """q~(u_new | phi_old) at z_new with the old kernel, whitened by chol(K_old(z_new, z_new))."""
-        with torch.no_grad():
-            k_old = old.kernel
-            L_n = self._chol_K(k_old, z_new)
-            m = z_new.shape[0]
-            eye = torch.eye(m, dtype=z_new.dtype, device=z_new.device)
-            if old.z.shape[0] == 0:
-                mean_w = z_new.new_zeros(m)
-                cov_w = eye
-            else:
-                L_o = self._chol_K(k_old, old.z)
-                W = _tril_solve(L_n, _tril_solve(L_o, self._cross(k_old, z_new, old.z).T).T)
-                mean_w = W @ _tril_solve(L_o, old.mean[:, None])[:, 0]
-                R = W @ _tril_solve(L_o, old.chol)  # W S^_old^{1/2}
-                cov_w = eye - W @ W.T + R @ R.T
-            C, _ = jittered_cholesky(symmetrise(cov_w), 0.0)
-            Ci = _tril_solve(C, eye)
-            inv = Ci.T @ Ci
-            return ContinualPrior(L_n, mean_w, C, symmetrise(inv) - eye, inv @ mean_w)
-
-    # ------------------------------------------------------------------ bound
-    def _latent_terms(self, q: int, x: torch.Tensor, given: tuple[torch.Tensor, torch.Tensor] | OptimalQ | None,
-                      detach_q: bool = False):
-        """(mean (N,), var (N,), KL[q||p_new], m, L_S) of latent q at x under the current kernel; q(u_q) is the
-        stored one, or ``given`` = (m, L_S) or an OptimalQ."""
-        kernel = self.kernels[q]
-        z = self.z(q)
-        kxx = kernel.diag(x)
-        if given is not None:
-            mean_u, L_S = given[0], given[1]
-        else:
-            mean_u = self._q_mean(q).detach() if detach_q else self._q_mean(q)
-            L_S = self._chol_S(q, detach=detach_q)
-        if z.shape[0] == 0:
-            return x.new_zeros(x.shape[0]), kxx, x.new_zeros(()), mean_u, L_S
-        L_K, known = self._prior_factor(kernel, z)
-        if isinstance(given, OptimalQ) and known is not None and given.factor is known:
-            # q* whitened by this very factor (the memo's: the same kernel and Z), so no solves to whiten it again;
-            # with gradients _KnownSolve gives the whitened q* its graph through L_K
-            if torch.is_grad_enabled():
-                m_w = _KnownSolve.apply(L_K, mean_u[:, None], given.mean_w[:, None])[:, 0]
-                L_w = _KnownSolve.apply(L_K, L_S, given.chol_w)
-            else:
-                m_w, L_w = given.mean_w, given.chol_w
-        else:
-            m_w = _tril_solve(L_K, mean_u[:, None])[:, 0]
-            L_w = _tril_solve(L_K, L_S)
-        V = _tril_solve(L_K, kernel(z, x))
-        mean = V.T @ m_w
-        LtV = L_w.T @ V
-        var = kxx - (V * V).sum(0) + (LtV * LtV).sum(0)
-        return mean, var.clamp_min(0.0), _kl_standard(m_w, L_w), mean_u, L_S
-
-    def _continual_kls(self, prior: ContinualPrior, mean_u: torch.Tensor, L_S: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """KL[q(u_q) || p(u_q | psi_old)] and KL[q(u_q) || q~(u_q | phi_old)] (two M^3 solves). Neither depends on
-        the current hyperparameters, so while the M-step holds q at q* they are computed once per q* (memoised)
-        rather than at every evaluation of its objective."""
-        def compute() -> tuple[torch.Tensor, torch.Tensor]:
-            m_w = _tril_solve(prior.chol_old, mean_u[:, None])[:, 0]
-            L_w = _tril_solve(prior.chol_old, L_S)
-            return _kl_standard(m_w, L_w), _kl_gaussian(m_w, L_w, prior.mean_w, prior.cov_chol_w)
-
-        if mean_u.requires_grad or L_S.requires_grad:
-            return compute()
-        with torch.no_grad():
-            return self._memoised("continual_kls", (prior, mean_u, L_S), (mean_u._version, L_S._version), compute)
-
-    def _bound(self, x: torch.Tensor, ys: torch.Tensor, mask: torch.Tensor,
-               priors: list[ContinualPrior | None] | None,
-               given: list[tuple[torch.Tensor, torch.Tensor]] | list[OptimalQ] | None = None,
-               detach_q: bool = False) -> tuple[torch.Tensor, dict]:
-        """The standard bound (priors None) or the continual bound, standardised units; also its terms.
-        ``given``: evaluate at these q(u_q) = (m, L_S) instead of the stored ones. ``detach_q``: the stored q is
-        held fixed and the two terms that then depend only on q and phi_old are left out (the M-step objective
-        with q fixed, equal to the bound up to a constant)."""
-        means, variances = [], []
-        kl_new, kl_old, kl_tilde = [], [], []
-        for q in range(self.num_latents):
-            mean, var, kl, mean_u, L_S = self._latent_terms(q, x, None if given is None else given[q], detach_q)
-            means.append(mean)
-            variances.append(var)
-            kl_new.append(kl)
-            prior = priors[q] if priors is not None else None
-            if prior is not None and not detach_q:
-                old, tilde = self._continual_kls(prior, mean_u, L_S)
-                kl_old.append(old)
-                kl_tilde.append(tilde)
-        A = self.mixing
-        mu = torch.stack(means, 1) @ A.T
-        var = torch.stack(variances, 1) @ (A * A).T
-        ell = (self.likelihood.expected_log_lik(ys, mu, var) * mask).sum()
-        zero = x.new_zeros(())
-        terms = {"ell": ell, "kl_new": sum(kl_new, zero), "kl_old": sum(kl_old, zero),
-                 "kl_tilde": sum(kl_tilde, zero)}
-        return ell - terms["kl_new"] + terms["kl_old"] - terms["kl_tilde"], terms
-
-    def _jacobian(self, mask: torch.Tensor) -> torch.Tensor:
-        if not self.likelihood.standardise_targets:
-            return mask.new_zeros((), dtype=torch.float64)
-        return (mask * torch.log(self.y_std)).sum()
-
-    def elbo(self, x, y, old: list[LatentPosterior] | None = None) -> torch.Tensor:
-        """The bound on log p(y) (original units) at the current q and hyperparameters: the standard bound, or,
-        with ``old`` (a list of latent_posterior(q) taken before), the continual bound against that posterior.
-        NaN targets are missing. Uses the current inducing inputs; the old posterior is carried onto them."""
-        xt = self._check_x(x)
-        yt, mask = self._check_targets(y, xt.shape[0], allow_missing=True)
-        with torch.no_grad():
-            priors = None if old is None else [self._continual_prior(o, self.z(q)) for q, o in enumerate(old)]
-            value, _ = self._bound(xt, self._standardise(yt, mask), mask, priors)
-            return value - self._jacobian(mask)
-
-    def bound_terms(self, x, y, old: list[LatentPosterior] | None = None) -> dict[str, float]:
-        """The bound's terms (standardised units): ell, kl_new, kl_old, kl_tilde and the total."""
-        xt = self._check_x(x)
-        yt, mask = self._check_targets(y, xt.shape[0], allow_missing=True)
-        with torch.no_grad():
-            priors = None if old is None else [self._continual_prior(o, self.z(q)) for q, o in enumerate(old)]
-            value, terms = self._bound(xt, self._standardise(yt, mask), mask, priors)
-        out = {k: float(v) for k, v in terms.items()}
-        out["bound"] = float(value)
-        return out
-
-    # ------------------------------------------------------------------ E-step
-    def _optimal_q(self, x: torch.Tensor, ys: torch.Tensor, mask: torch.Tensor,
-                   priors: list[ContinualPrior | None]) -> list[OptimalQ]:
-        """Exact maximiser (m_q, L_q) of the bound over prod_q q(u_q) for a Gaussian likelihood (see the module
-        docstring), as a differentiable function of the hyperparameters, the mixing and the noise."""
-        zs = [self.z(q) for q in range(self.num_latents)]
-        params = [*self._parameters_of(self.kernels), self.mixing_raw, *self._parameters_of(self.likelihood)]
-        return self._memoised("optimal_q", (x, ys, mask, *priors, *zs), tuple(t._version for t in zs + params),
-                              lambda: self._solve_optimal_q(x, ys, mask, priors))
-
-    def _solve_optimal_q(self, x: torch.Tensor, ys: torch.Tensor, mask: torch.Tensor,
-                         priors: list[ContinualPrior | None]) -> list[OptimalQ]:
-        A = self.mixing
-        w = mask / self.likelihood.noise_variance            # (N, P) precision of each observed entry
-        wy = w * ys
-        Ls, Vs, sizes = [], [], []
-        for q in range(self.num_latents):
-            z = self.z(q)
-            L_K = self._chol_K(self.kernels[q], z)
-            Ls.append(L_K)
-            Vs.append(_tril_solve(L_K, self.kernels[q](z, x)))
-            sizes.append(z.shape[0])
-        nq = self.num_latents
-        blocks: list[list[torch.Tensor | None]] = [[None] * nq for _ in range(nq)]
-        etas = []
-        for q in range(nq):
-            eye = torch.eye(sizes[q], dtype=x.dtype, device=x.device)
-            eta = Vs[q] @ (wy @ A[:, q])
-            prior_block = eye
-            prior = priors[q]
-            if prior is not None:
-                G = _tril_solve(prior.chol_old, Ls[q])  # new-whitened -> old-whitened coordinates
-                prior_block = eye + G.T @ prior.precision_w @ G
-                eta = eta + G.T @ prior.shift_w
-            etas.append(eta)
-            for r in range(q, nq):
-                c = w @ (A[:, q] * A[:, r])                  # (N,) data weight coupling latents q and r
-                block = (Vs[q] * c) @ Vs[r].T
-                if r == q:
-                    block = block + prior_block
-                    blocks[q][q] = symmetrise(block)
-                else:
-                    blocks[q][r] = block
-                    blocks[r][q] = block.T
-        Lam = torch.cat([torch.cat(row, 1) for row in blocks], 0)
-        R, _ = jittered_cholesky(Lam, 0.0)                  # Lam >= I: never needs jitter in practice
-        v = torch.cholesky_solve(torch.cat(etas)[:, None], R)[:, 0]
-        out, offset = [], 0
-        for q in range(nq):
-            L_v = _chol_inverse_factor(blocks[q][q])
-            v_q = v[offset:offset + sizes[q]]
-            out.append(OptimalQ(Ls[q] @ v_q, Ls[q] @ L_v, v_q, L_v, Ls[q]))
-            offset += sizes[q]
-        return out
-
-    def _analytic_e_step(self, x: torch.Tensor, ys: torch.Tensor, mask: torch.Tensor,
-                         priors: list[ContinualPrior | None]) -> None:
-        with torch.no_grad():
-            for q, best in enumerate(self._optimal_q(x, ys, mask, priors)):
-                self._set_q(q, None, best.mean, best.chol)
 
     def _adam(self, params: list[nn.Parameter], objective, steps: int, lr: float,
               grad_masks: dict[int, torch.Tensor] | None = None, persistent: bool = False,
@@ -812,61 +429,6 @@ class ContinualMOGP(Engine):
         params += [p for p in self.likelihood.parameters() if p.requires_grad]
         return params, masks
 
-    # ------------------------------------------------------------------ inducing inputs
-    def _placement_kernel(self, q: int) -> Kernel:
-        """Latent q's kernel with its lengthscales capped at model.lengthscale, for choosing Z only. Placed under
-        a lengthscale that one batch has stretched, Z would be too sparse for any shorter one, and the sparse
-        bound (its trace term) would then keep the lengthscale long in every later update: a trap."""
-        kernel = self.kernels[q]
-        main = _stationary_part(kernel)
-        cap = float(self.config.lengthscale)
-        if main is None or bool((main.lengthscale <= cap).all()):
-            return kernel
-        # One copy per latent, kept and refreshed from the kernel (a deep copy per placement cost ~1 ms).
-        capped = self._capped_kernels.get(q)
-        if capped is None or _stationary_part(capped).lengthscale_param.raw.device != main.lengthscale_param.raw.device:
-            capped = copy.deepcopy(kernel)
-            self._capped_kernels[q] = capped
-        with torch.no_grad():
-            for mine, theirs in zip(capped.parameters(), kernel.parameters()):
-                mine.copy_(theirs)
-        _stationary_part(capped).lengthscale_param.set(main.lengthscale_param.value.detach().clamp_max(cap))
-        return capped
-
-    def _select_inducing(self, q: int, x: torch.Tensor, z_old: torch.Tensor) -> torch.Tensor:
-        """New Z_q under latent q's current kernel. While the budget allows, every old point is kept (first, in
-        order: nothing of q_old is lost) and batch points are added greedily by their residual variance given
-        Z_old; when more are needed than the budget holds, the set moves: pivoted Cholesky over [Z_old; X] (old
-        points listed first keep ties)."""
-        kernel = self._placement_kernel(q)
-        budget = int(self.config.num_inducing)
-        with torch.no_grad():
-            prior_diag = kernel.diag(x)
-            if z_old.shape[0] == 0:
-                idx, _ = pivoted_cholesky(kernel, prior_diag, x, budget, self.inducing_rel_tol)
-                return x[torch.sort(idx).values]
-            L = self._chol_K(kernel, z_old)
-            V = _tril_solve(L, kernel(z_old, x))
-            residual = (prior_diag - (V * V).sum(0)).clamp_min(0.0)
-            scale = float(prior_diag.max().clamp_min(1e-300))
-            room = budget - z_old.shape[0]
-            if not float(residual.max()) > self.inducing_rel_tol * scale:
-                return z_old.clone()  # the batch is covered
-            if room > 0:
-                def conditional(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-                    va = _tril_solve(L, kernel(z_old, a))
-                    vb = _tril_solve(L, kernel(z_old, b))
-                    return kernel(a, b) - va.T @ vb
-                # Same absolute threshold as the plain selection: rel_tol times the largest prior variance.
-                rel = self.inducing_rel_tol * scale / float(residual.max())
-                idx, _ = pivoted_cholesky(conditional, residual, x, room + 1, rel)
-                if idx.numel() <= room:
-                    return torch.cat([z_old, x[torch.sort(idx).values]])
-            # More points are needed than the budget holds (a full set: any one), so the set moves.
-            cand = torch.cat([z_old, x])
-            idx, _ = pivoted_cholesky(kernel, kernel.diag(cand), cand, budget, self.inducing_rel_tol)
-            return cand[torch.sort(idx).values]
-
     def _initialise_mixing(self, ys: torch.Tensor, mask: torch.Tensor) -> None:
         """Start A at the principal directions of the first batch's (standardised) channels and each latent's
         variance at its eigenvalue, so that B starts at the best rank-Q fit of the empirical channel covariance
@@ -881,30 +443,9 @@ class ContinualMOGP(Engine):
             order = torch.argsort(evals, descending=True)[:k]
             self.mixing_raw[:, :k] = evecs[:, order]
             for q in range(k):
-                main = _stationary_part(self.kernels[q])
+                main = stationary_part(self.kernels[q])
                 if main is not None:
                     main.variance_param.set(evals[order[q]].clamp_min(1e-3 * float(evals.max())))
-
-    def _place_inducing(self, x: torch.Tensor, z_old: list[torch.Tensor], old: list[LatentPosterior] | None,
-                        current: list[ContinualPrior | None] | None = None) -> list[ContinualPrior | None]:
-        """Choose every latent's Z_new from its Z_old and the batch, build q~ there (continual updates) and
-        warm-start q(u) at the prior (first update) or at q~; returns the continual priors (None: first).
-        ``current``: the priors of the placement before in this update; a latent whose Z does not move keeps its
-        prior and q(u)."""
-        priors: list[ContinualPrior | None] = []
-        for q in range(self.num_latents):
-            z_new = self._select_inducing(q, x, z_old[q])
-            if current is not None and torch.equal(z_new, self.z(q)):
-                priors.append(current[q])  # Z_q stays: q~ is the same, and q(u_q) is kept as it is
-                continue
-            if old is None:
-                priors.append(None)
-                self._set_q(q, z_new, z_new.new_zeros(z_new.shape[0]), self._chol_K(self.kernels[q], z_new))
-            else:
-                prior = self._continual_prior(old[q], z_new)
-                priors.append(prior)
-                self._set_q(q, z_new, prior.chol_old @ prior.mean_w, prior.chol_old @ prior.cov_chol_w)
-        return priors
 
     # ------------------------------------------------------------------ update
     def update(self, x, y, mode: str | None = None) -> dict:
@@ -1007,8 +548,8 @@ class ContinualMOGP(Engine):
                     cache.append(None)
                     continue
                 L_K = self._chol_K(self.kernels[q], z)
-                m_w = _tril_solve(L_K, self._q_mean(q).detach()[:, None])[:, 0]
-                L_w = _tril_solve(L_K, self._chol_S(q, detach=True))
+                m_w = tril_solve(L_K, self._q_mean(q).detach()[:, None])[:, 0]
+                L_w = tril_solve(L_K, self._chol_S(q, detach=True))
                 cache.append((L_K, m_w, L_w))
             self._cache = cache
 
@@ -1026,7 +567,7 @@ class ContinualMOGP(Engine):
                 variances.append(kxx)
                 continue
             L_K, m_w, L_w = entry
-            V = _tril_solve(L_K, kernel(self.z(q), x))
+            V = tril_solve(L_K, kernel(self.z(q), x))
             LtV = L_w.T @ V
             means.append(V.T @ m_w)
             variances.append((kxx - (V * V).sum(0) + (LtV * LtV).sum(0)).clamp_min(0.0))
@@ -1037,7 +578,7 @@ class ContinualMOGP(Engine):
         return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, num_latents={self.num_latents}, "
                 f"num_inducing={self.num_inducing}/{self.config.num_inducing}")
 
-    # ------------------------------------------------------------------ recyclable merge (gp/recyclable.py)
+    # ------------------------------------------------------------------ recyclable merge (gp/merging/)
     def recyclable_summary(self) -> dict:
         """q of each output channel at the union Z of the latents' inducing inputs, in the original units, for
         merging maps without data (per channel: the cross-channel correlations of q are dropped).
@@ -1065,9 +606,9 @@ class ContinualMOGP(Engine):
                     cov = cov + w2 * kzz
                     continue
                 L_K = self._chol_K(kernel, self.z(q))
-                V = _tril_solve(L_K, self._cross(kernel, self.z(q), z))          # L_q^-1 K_q(Z_q, Z)
-                m_w = _tril_solve(L_K, self._q_mean(q).detach()[:, None])[:, 0]
-                LtV = _tril_solve(L_K, self._chol_S(q, detach=True)).T @ V
+                V = tril_solve(L_K, self._cross(kernel, self.z(q), z))          # L_q^-1 K_q(Z_q, Z)
+                m_w = tril_solve(L_K, self._q_mean(q).detach()[:, None])[:, 0]
+                LtV = tril_solve(L_K, self._chol_S(q, detach=True)).T @ V
                 mean = mean + A[:, q, None] * (V.T @ m_w)[None, :]
                 cov = cov + w2 * (kzz - V.T @ V + LtV.T @ LtV)
             s = self.y_std
