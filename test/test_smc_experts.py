@@ -1,4 +1,4 @@
-"""The SMC mixture of GP experts (gp/smc_experts.py) and its building blocks (gp/dp_mixture.py).
+"""The SMC mixture of GP experts (gp/smc_experts/) and its building blocks (gp/smc_experts/dp_mixture.py).
 
 Closed forms: the NIW Student-t predictive against the NIW evidence and scipy's multivariate t; the
 Escobar-West chain against the conditional density of alpha it must leave invariant; elliptical slice sampling
@@ -15,9 +15,9 @@ import torch
 from scipy import integrate, special, stats
 
 from gp_mapping.gp import build_model
-from gp_mapping.gp.dp_mixture import (beta_sample, effective_sample_size, elliptical_slice, escobar_west,
-                                      gamma_sample, niw_add, niw_log_evidence, niw_predictive, resample_indices,
-                                      student_t_logpdf)
+from gp_mapping.gp.smc_experts.dp_mixture import (beta_sample, effective_sample_size, elliptical_slice, escobar_west,
+                                                   gamma_sample, niw_add, niw_log_evidence, niw_predictive,
+                                                   resample_indices, student_t_logpdf)
 from gp_mapping.gp.errors import ConfigError
 
 torch.set_num_threads(1)
@@ -595,7 +595,7 @@ def test_time_moves_gate_mass_between_experts_and_never_removes_it():
     experts' ratio at a place both cover is the time-free ratio times r_a / r_b (closed form below). The NIW
     gate's recency is the expert's, c_k(t) / n_k; the kernel gate's is where x is: sum_i c_i e^(-(t - t_i) / tau)
     N(x; x_i, h_k^2) / sum_i c_i N(x; x_i, h_k^2) over the expert's entries."""
-    from gp_mapping.gp.smc_experts import GATE_NEGLIGIBLE
+    from gp_mapping.gp.smc_experts.gating import GATE_NEGLIGIBLE
 
     rng = np.random.default_rng(6)
     x1 = rng.uniform([0.0, 0.0], [3.0, 1.0], (40, 2))
