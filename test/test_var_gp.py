@@ -1,4 +1,4 @@
-"""VAR-GP engine (gp/var_gp.py; Kapoor et al. 2021): the closed-form D_t, the App. C.3 joint, the reduction to one
+"""VAR-GP engine (gp/var_gp/; Kapoor et al. 2021): the closed-form D_t, the App. C.3 joint, the reduction to one
 SVGP, block placement, state round trips, hyperparameters at rest, the two-task classification check and bad
 input."""
 from __future__ import annotations
@@ -350,7 +350,7 @@ def test_robot_at_rest_leaves_the_hyperparameters_and_the_map(monkeypatch):
     ls, shift, _ = _rest_experiment("var_gp")
     assert ls < 0.10 and shift < 0.5, (ls, shift)
     import gp_mapping.gp.dual_svgp as dual_module
-    import gp_mapping.gp.var_gp as var_module
+    import gp_mapping.gp.var_gp.model as var_module
     monkeypatch.setattr(var_module, "spans_space", lambda x, lengthscale: True)
     monkeypatch.setattr(dual_module, "spans_space", lambda x, lengthscale: True)
     ls_v, shift_v, abs_v = _rest_experiment("var_gp", vargp_beta=10.0)

@@ -219,7 +219,7 @@ def growing_ratios(r: dict, first_pass: int, warmup: float) -> dict[str, float]:
 
 
 def region_blocks(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
-    """Tiles against VAR-GP's region blocks (gp/var_gp.py: blocks of inducing points conditioned on their nearest
+    """Tiles against VAR-GP's region blocks (gp/var_gp/: blocks of inducing points conditioned on their nearest
     earlier blocks, the other submap mechanism here) on the first ``large_vargp_seconds`` of the same 2-D drive:
     RMSE beside the path, update CPU time (median; last/first decile after ``large_warmup_seconds``)."""
     sub = {**plan, "large_seconds": float(plan["large_vargp_seconds"])}

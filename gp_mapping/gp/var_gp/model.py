@@ -8,12 +8,12 @@ parents P(j) (earlier blocks) and a variational conditional, per output p,
     A_j = K_{j,P} K_{P,P}^{-1},   C_j = K_{j,j} - K_{j,P} K_{P,P}^{-1} K_{P,j}     (eq. 6-7; the typo of C_t fixed)
 
 with (m_j, S_j = L_j L_j^T) free parameters that do not depend on theta. Every block but the last (the current
-one) is frozen. The running joint q(u_<=t | theta) is the App. C.3 recursion (:func:`ar_joint`). Because the
+one) is frozen. The running joint q(u_<=t | theta) is the App. C.3 recursion (:func:`.factors.ar_joint`). Because the
 prior conditional has the same A_j, the KL of block t,
 
     D_t = KL[q(u_t | u_<t, theta) || p(u_t | u_<t, theta)] = KL[N(m_t, S_t) || N(0, C_t)],
 
-does not depend on u_<t (:func:`block_kl`); only theta is sampled. Numerically everything is done in whitened
+does not depend on u_<t (:func:`.factors.block_kl`); only theta is sampled. Numerically everything is done in whitened
 coordinates: with L = (I - A)^{-1} blockdiag(chol C_j) the Cholesky factor of the blocks' prior covariance,
 v = L^{-1} u is block-diagonal under q: v_j ~ N(chol(C_j)^{-1} m_j, chol(C_j)^{-1} S_j chol(C_j)^{-T}). The latent
 at x is then f(x) | v ~ N(a_x^T v, k(x,x) - |a_x|^2) with a_x = L^{-1} k_x (the usual SVGP marginal over all
@@ -28,18 +28,7 @@ q on the kernel only). Prediction averages the latent over vargp_predict_samples
 its mean, and its variance by the law of total variance). No hyperparameter is learned from a batch that does not
 span space (``spans_space``: a robot at rest), as in every engine here.
 
-Blocks (the rule that opens one). For each batch, at the q(theta) mean, the residual prior variance of every batch
-input given all blocks' inducing inputs is measured, relative to its prior variance. While the current block has
-room, batch points are added to it by pivoted Cholesky on that residual (greedy largest residual, none below
-1e-4 of the prior variance: ``inducing.DEFAULT_REL_TOL``); its q is extended by the prior conditional of the new
-points (exact at the mean theta, so the map does not move). If after that some batch input still keeps more than
-vargp_new_block of its prior variance, the region is not covered: the current block is frozen and a new block is
-opened there with points placed the same way. A robot that returns to a mapped region opens nothing. Its
-readings teach theta; the frozen blocks stay exactly as they were (``vargp_revisits: freeze``, the paper's). With
-``refine`` (Gaussian likelihood) the readings where the current block has almost no say (below REVISIT_SAY of the
-prior variance) also refine the frozen blocks there by streaming Bayes: q_new(v_j) is proportional to q_old(v_j)
-times the readings' likelihood, the other blocks at their means, in the whitened coordinates at the mean theta,
-one block after the other. That only adds information (no block's variance grows).
+Where a block's points go and when a block opens (and the revisits of frozen blocks): :mod:`.blocks`.
 
 Updates of the current block follow the bound of eq. 8 on the data seen since the block was opened (a uniform
 weighted sample of at most vargp_block_memory of them, each standing for its share):
@@ -56,18 +45,8 @@ weighted sample of at most vargp_block_memory of them, each standing for its sha
   so the bound is deterministic within it), each step's data term on at most hyper_points samples of the block's
   data; it stops early once F per datum rose by less than hyper_tol.
 
-Bounded cost. (a) ``vargp_neighbours`` > 0: a block is conditioned only on the K blocks nearest to it (closest
-inducing inputs) instead of all earlier ones: A_j and C_j use those K blocks (a block-Vecchia prior; 0 = all, the
-paper's full conditioning), so the factors of a block cost O(K^3 vargp_block_size^3) instead of growing with its
-age. A block that overlaps more than K earlier blocks then counts some of their information twice (measured in
-the bench: K must cover the overlapping blocks). (b) Distillation: when the blocks hold more than num_inducing
-points in all, the two oldest blocks are compressed into one: their joint q at the mean theta, pivoted Cholesky
-(prior kernel) keeps as many of their inputs as bring the total back to num_inducing (the most redundant are
-dropped), and the new block's q is the exact marginal of the joint at those inputs (later blocks conditioned on
-either now condition on it; a block conditioned on either is re-expressed on the new one, its marginal mean kept
-exactly). The blocks hold at most num_inducing + vargp_block_size points (the current block grows past the cap
-until the next block opens), so memory and the cost of an update or a prediction stay bounded (O(M^2) per batch
-input, O(M^3) per theta draw); the oldest regions lose resolution first.
+Bounded cost (the neighbours a block is conditioned on, distillation of the oldest blocks): :mod:`.blocks`. The
+factors of a set of blocks and the latent's marginals through them: :mod:`.factors`.
 
 Vector targets: the outputs are independent latent GPs that share the blocks' Z, q(theta) and the parent
 structure, each with its own (m_j, S_j) and noise. Targets are standardised by running statistics (re-expressed
@@ -82,76 +61,24 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .base import Engine, difference_noise_estimate, resolve_device, spans_space, symmetrise
-from .config import ModelConfig
-from .errors import ConfigError, GPNumericalError
-from .inducing import DEFAULT_REL_TOL, pivoted_cholesky
-from .kernels import build_kernel, jittered_cholesky
-from .likelihoods import GaussianLikelihood, build_likelihood
+from ..base import Engine, difference_noise_estimate, resolve_device, spans_space
+from ..config import ModelConfig
+from ..errors import ConfigError, GPNumericalError
+from ..kernels import build_kernel
+from ..likelihoods import GaussianLikelihood, build_likelihood
+from ..linalg import jittered_cholesky, symmetrise
+from .blocks import RegionBlocks
+from .factors import BlockFactors, block_kl
 
 #: Standard deviation q(theta) starts with (the prior's is vargp_hyper_prior_std): a broad q makes the frozen blocks'
 #: conditionals, which depend on theta through A_j, useless until many steps have narrowed it; the data narrow or
 #: widen it from here, and the KL to the prior is what it is.
 INITIAL_Q_STD = 0.05
-#: A reading refines the frozen blocks (vargp_revisits: refine) where the current block explains less than this
-#: fraction of the prior variance.
-REVISIT_SAY = 0.01
 #: Largest |log hyperparameter| step a reparameterised draw may take (keeps exp() finite on wild draws).
 THETA_CLAMP = 30.0
 
 
-def _tri_inv(L: torch.Tensor) -> torch.Tensor:
-    eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device)
-    return torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False)
-
-
-def block_kl(m: torch.Tensor, S_chol: torch.Tensor, C_chol: torch.Tensor) -> torch.Tensor:
-    """D_t = KL[N(m_p, S_p) || N(0, C)] per output (P,), for m (M, P), S_p = S_chol[p] S_chol[p]^T (P, M, M) lower
-    factors and C = C_chol C_chol^T: 1/2 [tr(C^{-1} S) + m^T C^{-1} m - M + log|C| - log|S|], computed whitened
-    (chol(C)^{-1} S_chol is lower triangular, so its log-determinant is the sum of its diagonal's logs)."""
-    c = m.shape[0]
-    if c == 0:
-        return m.new_zeros(m.shape[1])
-    wm = torch.linalg.solve_triangular(C_chol, m, upper=False)
-    wr = torch.linalg.solve_triangular(C_chol, S_chol, upper=False)
-    logdet = torch.log(torch.diagonal(wr, dim1=-2, dim2=-1).abs()).sum(-1)
-    return 0.5 * ((wr * wr).sum((-2, -1)) + (wm * wm).sum(0) - c) - logdet
-
-
-def ar_joint(means: list[torch.Tensor], S_chols: list[torch.Tensor], A: list[torch.Tensor | None]
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The joint q(u_<=t | theta) of App. C.3 (eq. 22), applied recursively: block j has mean m_j (M_j, P),
-    covariance factors S_chols[j] (P, M_j, M_j) and A[j] (M_j, M_<j) (None or 0 columns for the first block);
-
-        mean_j = A_j mean_<j + m_j,   Cov(u_<j, u_j) = Sigma_<j A_j^T,   Cov(u_j) = S_j + A_j Sigma_<j A_j^T.
-
-    Returns (mean (M, P), covariance (P, M, M))."""
-    p = means[0].shape[1]
-    mean = means[0].new_zeros(0, p)
-    cov = means[0].new_zeros(p, 0, 0)
-    for m, L, a in zip(means, S_chols, A):
-        S = L @ L.transpose(-1, -2)
-        if a is None or a.shape[1] == 0:
-            a = m.new_zeros(m.shape[0], mean.shape[0])
-        mj = a @ mean + m
-        cross = cov @ a.T                                   # (P, M_<j, M_j)
-        cjj = S + a @ cross
-        cov = torch.cat([torch.cat([cov, cross], 2), torch.cat([cross.transpose(-1, -2), cjj], 2)], 1)
-        mean = torch.cat([mean, mj])
-    return mean, symmetrise(cov)
-
-
-class _Factors:
-    """Theta-dependent factors of an ordered set of blocks (each conditioned on its parents within the set):
-    Z (M, D) stacked, per block its slice, chol(K_PP) and G = chol(K_PP)^{-1} K_Pj of its parents, chol(C_j),
-    and T = L^{-1} (M, M), the whitening of the set's prior (block rows chol(C_j)^{-1} [-A_j, I])."""
-
-    def __init__(self, Z, slices, parents, LP, G, LC, T, kern, kdiag):
-        self.Z, self.slices, self.parents, self.LP, self.G, self.LC, self.T = Z, slices, parents, LP, G, LC, T
-        self.kern, self.kdiag = kern, kdiag
-
-
-class VARGP(Engine):
+class VARGP(BlockFactors, RegionBlocks, Engine):
     """Online VAR-GP with region blocks; see the module docstring. Interface as every engine in ``gp``."""
 
     #: buffers whose size follows the data (resized on load_state_dict)
@@ -291,75 +218,6 @@ class VARGP(Engine):
 
         return kern, kdiag
 
-    # ------------------------------------------------------------------ factors of a set of blocks
-    def _factors(self, theta: torch.Tensor, blocks: list[int], extra: tuple[int, torch.Tensor] | None = None
-                 ) -> _Factors:
-        """Factors of the ordered blocks ``blocks`` at theta, each conditioned on its parents among them.
-        ``extra`` = (block, Z): use these inputs for that block instead of its stored ones."""
-        kern, kdiag = self._kernel_at(theta)
-        zs, slices, off = [], [], 0
-        for j in blocks:
-            z = extra[1] if extra is not None and extra[0] == j else self.Z[j, :int(self.counts[j])]
-            zs.append(z)
-            slices.append(slice(off, off + z.shape[0]))
-            off += z.shape[0]
-        Z = torch.cat(zs) if zs else self.Z.new_zeros(0, self.input_dims)
-        K = kern(Z, Z)
-        jit = self.jitter * float(kdiag(Z[:1])[0].detach()) if Z.shape[0] else 0.0
-        pos = {j: i for i, j in enumerate(blocks)}
-        parents, LPs, Gs, LCs, rows = [], [], [], [], []
-        for i, j in enumerate(blocks):
-            sj = slices[i]
-            par = [pos[k] for k in blocks[:i] if bool(self.parent_mask[j, k])]
-            kjj = K[sj, sj]
-            row = K.new_zeros(kjj.shape[0], off)
-            if par:
-                pidx = torch.cat([torch.arange(slices[k].start, slices[k].stop, device=K.device) for k in par])
-                LP, _ = jittered_cholesky(K[pidx][:, pidx], jit)
-                G = torch.linalg.solve_triangular(LP, K[pidx][:, sj], upper=False)
-                LC, used = jittered_cholesky(symmetrise(kjj - G.T @ G), jit)
-                LCi = _tri_inv(LC)
-                row[:, pidx] = -(LCi @ G.T) @ _tri_inv(LP)
-            else:
-                LP, G = None, None
-                LC, used = jittered_cholesky(kjj, jit)
-                LCi = _tri_inv(LC)
-            row[:, sj] = LCi
-            if used > jit and jit > 0:
-                self.jitter_t.fill_(self.jitter * used / jit)
-            parents.append(par)
-            LPs.append(LP)
-            Gs.append(G)
-            LCs.append(LC)
-            rows.append(row)
-        T = torch.cat(rows) if rows else K.new_zeros(0, 0)
-        return _Factors(Z, slices, parents, LPs, Gs, LCs, T, kern, kdiag)
-
-    def _whitened(self, fac: _Factors, blocks: list[int], current: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whitened q of the set: means (M, P) and the block-diagonal factor R (P, M, M) with Cov = R R^T;
-        ``current`` = (m, L) replaces the stored q of the last block (the one being optimised)."""
-        ws, Rs = [], []
-        for i, j in enumerate(blocks):
-            c = fac.slices[i].stop - fac.slices[i].start
-            if current is not None and i == len(blocks) - 1:
-                m, L = current
-            else:
-                m, L = self.m[j, :c], self.S_chol[j, :, :c, :c]
-            ws.append(torch.linalg.solve_triangular(fac.LC[i], m, upper=False))
-            Rs.append(torch.linalg.solve_triangular(fac.LC[i], L, upper=False))
-        return torch.cat(ws), torch.stack([torch.block_diag(*[r[p] for r in Rs]) for p in range(self.output_dims)])
-
-    @staticmethod
-    def _marginals(fac: _Factors, w: torch.Tensor, R: torch.Tensor, x: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent mean and variance (N, P) at x given the set's factors and whitened q."""
-        A = fac.T @ fac.kern(fac.Z, x)                              # (M, N): a_x = L^{-1} k_x
-        mean = A.T @ w
-        V = R.transpose(-1, -2) @ A                                 # (P, M, N)
-        var = fac.kdiag(x)[:, None] - (A * A).sum(0)[:, None] + (V * V).sum(1).T
-        return mean, var.clamp_min(1e-12)
-
     # ------------------------------------------------------------------ prediction
     def _prediction_cache(self):
         """Per fixed draw of q(theta): (kernel, alpha (M, P), Q (P, M, M)) with mean = K_xZ alpha and
@@ -426,245 +284,6 @@ class VARGP(Engine):
             self.likelihood.rescale_targets(alpha)
         self.y_mean.copy_(mean)
         self.y_std.copy_(std)
-        self._drop_caches()
-
-    # ------------------------------------------------------------------ blocks
-    def _nearest_blocks(self, z: torch.Tensor, candidates: list[int]) -> list[int]:
-        """The vargp_neighbours blocks among ``candidates`` whose inducing inputs come closest to z (all if 0)."""
-        k = int(self.config.vargp_neighbours)
-        if k == 0 or len(candidates) <= k or z.shape[0] == 0:
-            return list(candidates)
-        dist = torch.stack([torch.cdist(z, self.Z[j, :int(self.counts[j])]).min() for j in candidates])
-        keep = torch.topk(-dist, k).indices.tolist()
-        return sorted(candidates[i] for i in keep)
-
-    def _append_block(self) -> None:
-        mb, d, p = self.Z.shape[1], self.input_dims, self.output_dims
-        nb = self.num_blocks
-        self.Z = torch.cat([self.Z, self.Z.new_zeros(1, mb, d)])
-        self.m = torch.cat([self.m, self.m.new_zeros(1, mb, p)])
-        eye = torch.eye(mb, dtype=torch.float64, device=self.device).expand(1, p, mb, mb)
-        self.S_chol = torch.cat([self.S_chol, eye.clone()])
-        self.counts = torch.cat([self.counts, self.counts.new_zeros(1)])
-        mask = torch.zeros(nb + 1, nb + 1, dtype=torch.bool, device=self.device)
-        mask[:nb, :nb] = self.parent_mask
-        self.parent_mask = mask
-        self.blocks_opened_t += 1
-
-    def _grow_current(self, z_new: torch.Tensor) -> None:
-        """Add inputs to the current (last) block; its q is extended by the prior conditional of the new points
-        given the block's old points (and its parents) at the q(theta) mean: rows [B L, chol(C_new|old)] of the
-        new factor, B = C_no C_oo^{-1}, m_new = B m_old. The parents are re-chosen for the grown block."""
-        t = self.num_blocks - 1
-        c = int(self.counts[t])
-        z = torch.cat([self.Z[t, :c], z_new])
-        self.parent_mask[t, :] = False
-        for j in self._nearest_blocks(z, list(range(t))):
-            self.parent_mask[t, j] = True
-        blocks = [j for j in range(t) if bool(self.parent_mask[t, j])] + [t]
-        fac = self._factors(self.q_mu.detach(), blocks, extra=(t, z))
-        LC = fac.LC[-1]                                           # chol of C over [old; new]
-        L_old = self.S_chol[t, :, :c, :c]
-        # With C = LC LC^T, B = C_no C_oo^{-1} = LC_no LC_oo^{-1} and C_nn|o = LC_nn LC_nn^T.
-        LC_oo, LC_no, LC_nn = LC[:c, :c], LC[c:, :c], LC[c:, c:]
-        B = torch.linalg.solve_triangular(LC_oo, LC_no, upper=False, left=False) if c else LC_no[:, :0]
-        n = z.shape[0]
-        self.Z[t, :n] = z
-        self.m[t, c:n] = B @ self.m[t, :c]
-        self.S_chol[t, :, c:n, :c] = B @ L_old
-        self.S_chol[t, :, c:n, c:n] = LC_nn
-        self.counts[t] = n
-
-    def _residual_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(G (N, N), prior variances (N,)): the prior covariance of the batch given all blocks' inputs (the
-        blocks' own prior: exact with full conditioning), at the q(theta) mean."""
-        theta = self.q_mu.detach()
-        kern, kdiag = self._kernel_at(theta)
-        G = kern(x, x)
-        if self.num_blocks:
-            blocks = list(range(self.num_blocks))
-            fac = self._factors(theta, blocks)
-            A = fac.T @ kern(fac.Z, x)
-            G = G - A.T @ A
-        return symmetrise(G), kdiag(x)
-
-    def _pick(self, G: torch.Tensor, prior: torch.Tensor, most: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pivoted Cholesky on a residual Gram matrix: (picked indices, the residual Gram after them)."""
-        n = G.shape[0]
-        diag = torch.diagonal(G).clamp_min(0.0)
-        top = float(diag.max()) if n else 0.0
-        if most <= 0 or n == 0 or not top > DEFAULT_REL_TOL * float(prior.max()):
-            return torch.zeros(0, dtype=torch.long, device=G.device), G
-        index = torch.arange(n, dtype=torch.float64, device=G.device)[:, None]
-
-        def gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            return G[a[:, 0].long()][:, b[:, 0].long()]
-
-        idx, rows = pivoted_cholesky(gram, diag, index, most, DEFAULT_REL_TOL * float(prior.max()) / top)
-        return idx, symmetrise(G - rows.T @ rows)
-
-    def _place(self, x: torch.Tensor) -> dict:
-        """Grow the current block, or open a new one where the batch is not covered (module docstring); then
-        distil while the blocks hold more than num_inducing points. The current block grows only in an update
-        that opens no block: points added to a block that is frozen at once would never be fitted to data."""
-        cfg = self.config
-        mb = self.block_size
-        opened, grown = 0, 0
-        G, prior = self._residual_gram(x)
-        grow = None
-        if self.num_blocks:
-            idx, G_after = self._pick(G, prior, mb - int(self.counts[-1]))
-            rel = torch.diagonal(G_after).clamp_min(0.0) / prior
-            if not bool((rel > cfg.vargp_new_block).any()):
-                grow = idx
-        if grow is not None:
-            if grow.numel():
-                self._grow_current(x[grow])
-                grown = int(grow.numel())
-        else:
-            idx, _ = self._pick(G, prior, mb)
-            if idx.numel():
-                if self.num_blocks:  # the current block is frozen: its q(theta) anchors the next block's KL
-                    self.prev_mu.copy_(self.q_mu.detach())
-                    self.prev_logsd.copy_(self.q_logsd.detach())
-                self._append_block()
-                self._grow_current(x[idx])
-                self._clear_buffer()
-                opened = 1
-        distilled = 0
-        while self.num_inducing > cfg.num_inducing and self.num_blocks >= 3:
-            self._distil_oldest()
-            distilled += 1
-        if opened or grown or distilled:
-            self._drop_caches()
-        return {"blocks_opened": opened, "points_added": grown + (int(self.counts[-1]) if opened else 0),
-                "distilled": distilled}
-
-    def _widen(self, width: int) -> None:
-        """Pad the block storage to ``width`` points per block (unused entries: Z = 0, m = 0, S = I)."""
-        nb, w, p = self.num_blocks, self.Z.shape[1], self.output_dims
-        if width <= w:
-            return
-        self.Z = torch.cat([self.Z, self.Z.new_zeros(nb, width - w, self.input_dims)], 1)
-        self.m = torch.cat([self.m, self.m.new_zeros(nb, width - w, p)], 1)
-        S = torch.eye(width, dtype=torch.float64, device=self.device).expand(nb, p, width, width).clone()
-        S[:, :, :w, :w] = self.S_chol
-        self.S_chol = S
-
-    def _dense_conditionals(self, fac: _Factors) -> list[torch.Tensor]:
-        """A_j over all earlier points of the set (zeros outside its parents), from the factors."""
-        out = []
-        for i, sl in enumerate(fac.slices):
-            a = fac.Z.new_zeros(sl.stop - sl.start, sl.start)
-            if fac.parents[i]:
-                cols = torch.cat([torch.arange(fac.slices[k].start, fac.slices[k].stop, device=a.device)
-                                  for k in fac.parents[i]])
-                a[:, cols] = fac.G[i].T @ _tri_inv(fac.LP[i])  # A_j = K_jP K_PP^{-1} = G^T chol(K_PP)^{-1}
-            out.append(a)
-        return out
-
-    def _distil_oldest(self) -> None:
-        """Compress blocks 0 and 1 into one block (module docstring, bounded cost (b)): pivoted Cholesky keeps as
-        many of their points as bring the total back to num_inducing (the least redundant first), with q the
-        marginal of the joint there. A later block that was conditioned on either is re-expressed on the new
-        block: m_j = E[u_j] - A'_j E[u_P'] and S_j = Cov[u_j - A'_j u_P'] under the joint (all at the q(theta)
-        mean), so its mean is kept exactly and its covariance stays positive."""
-        theta = self.q_mu.detach()
-        nb = self.num_blocks
-        fac = self._factors(theta, list(range(nb)))
-        c = [int(v) for v in self.counts]
-        mean, cov = ar_joint([self.m[j, :c[j]] for j in range(nb)],
-                             [self.S_chol[j, :, :c[j], :c[j]] for j in range(nb)], self._dense_conditionals(fac))
-        kern, kdiag = fac.kern, fac.kdiag
-        old01 = torch.arange(c[0] + c[1], device=self.device)
-        keep_points = max(1, c[0] + c[1] - (self.num_inducing - int(self.config.num_inducing)))
-        z01 = fac.Z[old01]
-        idx, _ = self._pick(symmetrise(kern(z01, z01)), kdiag(z01), keep_points)
-        idx = torch.sort(idx).values
-        n = idx.numel()
-        touched = [j for j in range(2, nb) if bool(self.parent_mask[j, 0] | self.parent_mask[j, 1])]
-        self._widen(n)
-        mb = self.Z.shape[1]
-        jit = self.jitter * float(kdiag(fac.Z[:1])[0])
-        L, _ = jittered_cholesky(symmetrise(cov[:, idx][:, :, idx]), jit)
-        keep = [0] + list(range(2, nb))
-        self.Z, self.m, self.S_chol = self.Z[keep].clone(), self.m[keep].clone(), self.S_chol[keep].clone()
-        self.Z[0].zero_()
-        self.Z[0, :n] = z01[idx]
-        self.m[0].zero_()
-        self.m[0, :n] = mean[idx]
-        self.S_chol[0] = torch.eye(mb, dtype=torch.float64, device=self.device)
-        self.S_chol[0, :, :n, :n] = L
-        counts = self.counts[keep].clone()
-        counts[0] = n
-        mask = self.parent_mask.clone()
-        mask[:, 0] = mask[:, 0] | mask[:, 1]
-        mask = mask[keep][:, keep]
-        mask[0, :] = False
-        self.counts, self.parent_mask = counts, mask
-        self.distillations_t += 1
-        if not touched:
-            return
-        # where each new block's points sit in the old joint
-        old_index = [idx] + [fac.slices[j].start + torch.arange(c[j], device=self.device) for j in range(2, nb)]
-        new_fac = self._factors(theta, list(range(self.num_blocks)))
-        A_new = self._dense_conditionals(new_fac)
-        for j_old in touched:
-            j = j_old - 1
-            pos = torch.cat(old_index[:j])               # the earlier new blocks' points, in the old joint
-            own = old_index[j]
-            a = A_new[j]                                   # (c_j, points of blocks < j)
-            sub = torch.cat([own, pos])
-            B = torch.cat([torch.eye(own.numel(), dtype=torch.float64, device=self.device), -a], 1)
-            S = symmetrise(B @ cov[:, sub][:, :, sub] @ B.T)
-            Lj, _ = jittered_cholesky(S, jit)
-            self.m[j, :own.numel()] = mean[own] - a @ mean[pos]
-            self.S_chol[j, :, :own.numel(), :own.numel()] = Lj
-
-    # ------------------------------------------------------------------ revisits
-    def _revisits(self, x: torch.Tensor) -> torch.Tensor:
-        """Which batch inputs (N,) lie in frozen regions: where the current block carries less than
-        REVISIT_SAY of the latent's prior variance (its whitened features |a_{x,t}|^2 / k(x, x)), so the
-        reading is about what the frozen blocks hold, not about the current block's region or its border."""
-        if self.num_blocks < 2:
-            return torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-        fac = self._factors(self.q_mu.detach(), list(range(self.num_blocks)))
-        A = fac.T @ fac.kern(fac.Z, x)
-        current = A[fac.slices[-1]]
-        return (current * current).sum(0) < REVISIT_SAY * fac.kdiag(x)
-
-    def _refine_frozen(self, x: torch.Tensor, ys: torch.Tensor) -> None:
-        """Streaming Bayes for readings in frozen regions (``vargp_revisits: refine``, Gaussian likelihood): each
-        frozen block with a say at x, in turn, takes q_new(v_j) proportional to q_old(v_j) p(y | v_j, the other
-        blocks at their means), exact in the whitened coordinates at the q(theta) mean (one sweep of coordinate
-        ascent in the family's block-diagonal whitened q). Information is only added: the block keeps what it
-        knew, its variance can only shrink and its mean moves by the new readings' weight against its own."""
-        blocks = list(range(self.num_blocks))
-        fac = self._factors(self.q_mu.detach(), blocks)
-        A = fac.T @ fac.kern(fac.Z, x)
-        w_all, _ = self._whitened(fac, blocks)
-        mean = A.T @ w_all                                                            # (N, P)
-        s2 = self.likelihood.noise_variance.detach()
-        for j in blocks[:-1]:
-            sl = fac.slices[j]
-            Aj = A[sl]
-            if not float((Aj * Aj).sum(0).max()) > 1e-6:
-                continue
-            c, LC = Aj.shape[0], fac.LC[j]
-            for p in range(self.output_dims):
-                w_old = w_all[sl, p]
-                R_inv = _tri_inv(torch.linalg.solve_triangular(LC, self.S_chol[j, p, :c, :c], upper=False))
-                lam_old = R_inv.T @ R_inv
-                other = mean[:, p] - Aj.T @ w_old
-                lam = symmetrise(lam_old + (Aj / s2[p]) @ Aj.T)
-                eta = lam_old @ w_old + Aj @ (ys[:, p] - other) / s2[p]
-                U, _ = jittered_cholesky(lam, 0.0)
-                w_new = torch.cholesky_solve(eta[:, None], U)[:, 0]
-                R_new, _ = jittered_cholesky(symmetrise(torch.cholesky_inverse(U)), 0.0)
-                mean[:, p] = other + Aj.T @ w_new
-                w_all[sl, p] = w_new
-                self.m[j, :c, p] = LC @ w_new
-                self.S_chol[j, p, :c, :c] = LC @ R_new
         self._drop_caches()
 
     # ------------------------------------------------------------------ the current block's data
