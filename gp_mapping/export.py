@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gp_mapping.mapping.map_files import (NPZ_NAME, PNG_NAME, MapFileError, draw_map, read_map_npz, write_map_npz,
-                                          write_nav2_maps)
+from gp_mapping.mapping.map_files import (NAV2_THRESHOLDS, NPZ_NAME, PNG_NAME, MapFileError, draw_map, read_map_npz,
+                                          write_map_npz, write_nav2_maps)
 
 
 class ExportError(Exception):
@@ -62,12 +62,16 @@ def read_input(path: str | Path):
 
 
 def export_map(grid, out_dir: str | Path, trajectory=None, mean_range=None, variance_range=None,
-               title: str = "map") -> dict[str, Path]:
-    """Write the nav2 map pairs of every layer, map.npz and map.png into ``out_dir``; returns name -> path."""
+               title: str = "map", image_format: str = "pgm",
+               thresholds: tuple[float, float] = NAV2_THRESHOLDS) -> dict[str, Path]:
+    """Write the nav2 map pairs of every layer, map.npz and map.png into ``out_dir``; returns name -> path.
+    ``image_format`` (``pgm`` or ``png``) and ``thresholds`` (the YAMLs' free and occupied thresholds): as
+    :func:`~gp_mapping.mapping.map_files.write_nav2_maps` takes them (the node's nav2 ``SaveMap`` passes its
+    request's)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     trajectory = np.zeros((0, 2)) if trajectory is None else trajectory
-    files = write_nav2_maps(out, grid, mean_range, variance_range)
+    files = write_nav2_maps(out, grid, mean_range, variance_range, image_format, thresholds)
     files[NPZ_NAME] = write_map_npz(out / NPZ_NAME, grid, trajectory)
     files[PNG_NAME] = draw_map(out / PNG_NAME, grid, trajectory, title)
     return files

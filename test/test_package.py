@@ -163,3 +163,15 @@ def test_setup_has_python_requires_and_no_deprecated_options():
     # the rosdep file travels with the package
     installed = {dest: files for dest, files in setup["data_files"]}
     assert installed[f"share/gp_mapping/rosdep"] == ["rosdep/gp_mapping.yaml"]
+
+
+def test_nav2_msgs_is_an_optional_dependency_behind_a_condition():
+    """nav2_msgs (the nav2 map services) is declared with a REP 149 condition that holds only where
+    GP_MAPPING_WITH_NAV2=1 is set, so rosdep installs it on request and never by default; the node runs without it
+    (test_nav2_services.py)."""
+    package = pytest.importorskip("catkin_pkg.package", reason="catkin_pkg comes with colcon-ros")
+    for environment, expected in (({}, False), ({"GP_MAPPING_WITH_NAV2": "1"}, True)):
+        parsed = package.parse_package(str(REPO_ROOT / "package.xml"))
+        parsed.evaluate_conditions(environment)
+        conditional = {d.name: d.evaluated_condition for d in parsed.exec_depends if d.condition}
+        assert conditional == {"nav2_msgs": expected}

@@ -5,7 +5,7 @@ and the tests read them).
 - ``map.npz`` (:func:`write_map_npz`, :func:`read_map_npz`): the map as plain arrays, no pickles;
 - ``map.png`` (:func:`draw_map`): every layer's mean, its opacity from the variance, the trajectory;
 - nav2 ``map_server`` maps (:func:`write_nav2_maps`, :func:`decode_nav2_map`): per layer and statistic an 8-bit
-  binary PGM and its YAML, the grid the node publishes (0..100, 255 unknown);
+  binary PGM (or PNG) and its YAML, the grid the node publishes (0..100, 255 unknown; :func:`nav2_cells`);
 - ``maps.mcap`` (:data:`MCAP_NAME`), the published maps as a ROS 2 bag, is written by
   :class:`gp_mapping.bag.MapBagWriter`: it renders the same publication in ROS messages through rosbags, so it lives
   in the bag adapter, above this layer.
@@ -16,7 +16,9 @@ The map state (``.safetensors``: the model itself, which a node, export and merg
 from __future__ import annotations
 
 import math
+import struct
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -207,42 +209,125 @@ def read_pgm(path: str | Path) -> np.ndarray:
     return np.frombuffer(data[pos + 1:pos + 1 + width * height], dtype=np.uint8).reshape(height, width)
 
 
-def write_nav2_maps(out: Path, grid, mean_range=None, variance_range=None) -> dict[str, Path]:
-    """Per layer and statistic, ``<layer>_<statistic>.pgm`` and its ``.yaml`` in ``out``; returns name -> path.
+NAV2_IMAGE_FORMATS = ("pgm", "png")  # 8-bit grey images that map_server reads, and :func:`read_image` too
+NAV2_THRESHOLDS = (0.25, 0.65)  # free_thresh, occupied_thresh written into the YAML (map_saver's defaults)
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def write_png(path: Path, pixels: np.ndarray) -> None:
+    """8-bit greyscale PNG of ``pixels`` (H, W) uint8, row 0 first (zlib only: filter type 0 on every row)."""
+    pixels = np.ascontiguousarray(pixels, dtype=np.uint8)
+    height, width = pixels.shape
+    rows = np.hstack([np.zeros((height, 1), dtype=np.uint8), pixels])  # each row: filter byte 0, then the pixels
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8 bits, greyscale, deflate, no interlace
+    with open(path, "wb") as fh:
+        fh.write(PNG_SIGNATURE + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", zlib.compress(rows.tobytes(), 9))
+                 + _png_chunk(b"IEND", b""))
+
+
+def read_png(path: str | Path) -> np.ndarray:
+    """An 8-bit greyscale, non-interlaced PNG whose rows all use filter type 0 (as :func:`write_png` writes)
+    -> (H, W) uint8; MapFileError for any other PNG."""
+    data = Path(path).read_bytes()
+    if not data.startswith(PNG_SIGNATURE):
+        raise MapFileError(f"{path} is not a PNG")
+    pos, header, idat = len(PNG_SIGNATURE), None, []
+    try:
+        while pos < len(data):
+            (length,) = struct.unpack(">I", data[pos:pos + 4])
+            kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+            pos += 12 + length
+            if kind == b"IHDR":
+                header = struct.unpack(">IIBBBBB", body)
+            elif kind == b"IDAT":
+                idat.append(body)
+            elif kind == b"IEND":
+                break
+        if header is None or header[2:] != (8, 0, 0, 0, 0):
+            raise MapFileError(f"{path} is not an 8-bit greyscale, non-interlaced PNG")
+        width, height = header[:2]
+        rows = np.frombuffer(zlib.decompress(b"".join(idat)), dtype=np.uint8).reshape(height, width + 1)
+    except (struct.error, zlib.error, ValueError) as err:
+        raise MapFileError(f"{path} is not a readable PNG: {err}") from err
+    if np.any(rows[:, 0] != 0):
+        raise MapFileError(f"{path} uses PNG row filters; only unfiltered rows (as gp_mapping writes) are read")
+    return rows[:, 1:].copy()
+
+
+def write_image(path: Path, pixels: np.ndarray) -> None:
+    """An 8-bit grey image of ``pixels`` (H, W) uint8, row 0 first: PNG for a ``.png`` path, else PGM."""
+    (write_png if Path(path).suffix.lower() == ".png" else write_pgm)(path, pixels)
+
+
+def read_image(path: str | Path) -> np.ndarray:
+    """An 8-bit grey image (:func:`write_image`'s PGM or PNG) -> (H, W) uint8."""
+    return (read_png if Path(path).suffix.lower() == ".png" else read_pgm)(path)
+
+
+def nav2_cells(grid, values: np.ndarray, value_range=None, known: np.ndarray | None = None
+               ) -> tuple[np.ndarray, float, float]:
+    """One statistic of one layer as a nav2 map's cells: (H, W) int8 in 0..100 and -1 where unknown (the
+    published map's rule, :func:`gp_mapping.mapping.publication.publishable_known`), row 0 at the grid origin,
+    and the ``offset``, ``scale`` that decode a cell ``c`` as ``offset + scale * c``. ``value_range``: the
+    colour range (empty or None: the values' own min..max)."""
+    from gp_mapping.mapping.publication import publishable_known
+
+    known = publishable_known(grid) if known is None else known
+    data, offset, scale = encode_occupancy(np.asarray(values, dtype=np.float64), known, value_range)
+    return np.asarray(data, dtype=np.int8).reshape(grid.spec.shape), float(offset), float(scale)
+
+
+def write_nav2_maps(out: Path, grid, mean_range=None, variance_range=None, image_format: str = "pgm",
+                    thresholds: tuple[float, float] = NAV2_THRESHOLDS) -> dict[str, Path]:
+    """Per layer and statistic, ``<layer>_<statistic>.<image_format>`` and its ``.yaml`` in ``out``; returns name
+    -> path.
 
     The YAML has map_server's keys (:data:`NAV2_KEYS`) with ``mode: raw``: map_server then publishes each pixel
     value as the OccupancyGrid cell value, so the grid it serves is the one the node publishes: 0..100, and 255
-    (-1 as int8) where the cell is unknown (the published map's rule,
-    :func:`gp_mapping.mapping.publication.publishable_known`). Extra keys say how to read the values:
+    (-1 as int8) where the cell is unknown (:func:`nav2_cells`). Extra keys say how to read the values:
     ``field_unit``, ``value_offset`` and ``value_scale`` (a pixel ``p`` in 0..100 is ``offset + scale * p``),
     ``value_range``, ``layer``, ``statistic``, ``frame_id``, ``unknown_value``. ``mean_range`` /
     ``variance_range``: the colour range (``grid.mean_range`` / ``grid.variance_range``; empty or None: each
-    image's own min..max). Image row 0 is the top of the map (largest y), as map_server expects.
+    image's own min..max). ``image_format``: one of :data:`NAV2_IMAGE_FORMATS`. ``thresholds``: the YAML's
+    ``free_thresh`` and ``occupied_thresh`` (map_server requires them; raw mode does not use them). Image row 0
+    is the top of the map (largest y), as map_server expects.
     """
     from gp_mapping.mapping.publication import publishable_known
 
+    if image_format not in NAV2_IMAGE_FORMATS:
+        raise MapFileError(f"image format {image_format!r} is not one of {', '.join(NAV2_IMAGE_FORMATS)}")
+    free, occupied = (float(t) for t in thresholds)
+    if not 0.0 <= free < occupied <= 1.0:
+        raise MapFileError(f"thresholds must satisfy 0 <= free_thresh < occupied_thresh <= 1, got {free} and "
+                           f"{occupied}")
     known = publishable_known(grid)
     spec = grid.spec
     files: dict[str, Path] = {}
     for name, (mean, var) in grid.layers.items():
         for statistic, values, value_range in (("mean", mean, mean_range), ("variance", var, variance_range)):
-            data, offset, scale = encode_occupancy(np.asarray(values, dtype=np.float64), known, value_range)
-            cells = data.reshape(spec.shape)
+            cells, offset, scale = nav2_cells(grid, values, value_range, known)
             pixels = np.where(cells < 0, UNKNOWN_PIXEL, cells).astype(np.uint8)[::-1]  # row 0 = top (largest y)
             stem = f"{name}_{statistic}"
-            write_pgm(out / f"{stem}.pgm", pixels)
+            image = f"{stem}.{image_format}"
+            write_image(out / image, pixels)
             unit = grid.field_unit if statistic == "mean" else f"{grid.field_unit}^2"
             meta: dict[str, Any] = {
-                "image": f"{stem}.pgm", "mode": "raw", "resolution": float(spec.resolution),
+                "image": image, "mode": "raw", "resolution": float(spec.resolution),
                 "origin": [float(spec.origin_x), float(spec.origin_y), 0.0], "negate": 0,
-                "occupied_thresh": 0.65, "free_thresh": 0.25,
+                "occupied_thresh": occupied, "free_thresh": free,
                 "layer": name, "statistic": statistic, "frame_id": grid.frame_id, "field_unit": unit,
-                "value_offset": float(offset), "value_scale": float(scale),
-                "value_range": [float(offset), float(offset + scale * OCCUPANCY_MAX)],
+                "value_offset": offset, "value_scale": scale,
+                "value_range": [offset, float(offset + scale * OCCUPANCY_MAX)],
                 "unknown_value": UNKNOWN_PIXEL,
             }
             (out / f"{stem}.yaml").write_text(yaml.safe_dump(meta, sort_keys=False))
-            files[f"{stem}.pgm"], files[f"{stem}.yaml"] = out / f"{stem}.pgm", out / f"{stem}.yaml"
+            files[image], files[f"{stem}.yaml"] = out / image, out / f"{stem}.yaml"
     return files
 
 
@@ -250,7 +335,7 @@ def decode_nav2_map(yaml_path: str | Path) -> np.ndarray:
     """Read a nav2 map back: (H, W) values in its ``field_unit``, row 0 at the grid origin, NaN unknown."""
     yaml_path = Path(yaml_path)
     meta = yaml.safe_load(yaml_path.read_text())
-    pixels = read_pgm(yaml_path.parent / meta["image"])[::-1].astype(np.float64)
+    pixels = read_image(yaml_path.parent / meta["image"])[::-1].astype(np.float64)
     values = meta["value_offset"] + meta["value_scale"] * pixels
     values[pixels == meta.get("unknown_value", UNKNOWN_PIXEL)] = math.nan
     return values

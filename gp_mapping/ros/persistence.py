@@ -29,11 +29,16 @@ def default_map_path(node_name: str = NODE_NAME, kind: str = "map") -> Path:
     return Path(ros_home) / "gp_mapping" / f"{node_name}_{kind}.safetensors"
 
 
+def saved_maps_folder(directory: str, node_name: str) -> Path:
+    """The folder of saved maps: ``directory`` (``node.map_directory``), or ``$ROS_HOME/gp_mapping`` when empty."""
+    return Path(directory).expanduser() if directory else default_map_path(node_name).parent
+
+
 def saved_map_path(directory: str, node_name: str, now: float | None = None) -> Path:
     """Where ``~/save_map`` writes: ``<directory>/<node name>_<UTC time>.safetensors`` (``directory`` empty:
     ``$ROS_HOME/gp_mapping``); the time has milliseconds, and a name already taken gets a counter, so a save
     never overwrites an earlier one."""
-    folder = Path(directory).expanduser() if directory else default_map_path(node_name).parent
+    folder = saved_maps_folder(directory, node_name)
     now = time.time() if now is None else now
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
     path = folder / f"{node_name}_{stamp}.safetensors"
