@@ -47,6 +47,13 @@ class SyncConfig:
     sensor_translation: list = _opt([0.0, 0.0, 0.0], doc="sensor position in the body frame [m]", length=3)
     sensor_rotation: list = _opt([0.0, 0.0, 0.0, 1.0], doc="sensor-to-body rotation quaternion [x, y, z, w]",
                                  length=4)
+    hard_iron: list = _opt([0.0, 0.0, 0.0], doc="magnetometer calibration: the hard-iron offset h, the robot's own "
+                           "constant field in the sensor frame [field_unit]; every reading (mapper, replay, localizer) "
+                           "is corrected to soft_iron @ (raw - h) before anything else (docs/magnetometer.md; "
+                           "gp-mapping calibrate fits it)", length=3, low=-1e9, high=1e9)
+    soft_iron: list = _opt([1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0], doc="magnetometer calibration: the "
+                           "soft-iron matrix S, 3x3 row-major, in corrected = S @ (raw - hard_iron); identity: none. "
+                           "Must be invertible", length=9, low=-1e3, high=1e3)
     target: str = _opt("magnitude", doc="what is mapped: |B| or the map-frame vector",
                        choices=("magnitude", "vector"))
     input_dims: int = _opt(2, doc="map inputs: 2 (x, y) or 3 (x, y, z)", low=2, high=3)
@@ -201,8 +208,32 @@ def config_from_dict(values: Mapping[str, Any] | None) -> MapperConfig:
         else:
             raise ConfigError(f"config key '{shorten(key, 100)}' must be a section (a mapping of keys), got "
                               f"{shorten(repr(value), 100)}")
-    return MapperConfig(**{name: section_from_dict(cls, nested.get(name, {}), name + ".")
-                           for name, cls in _SECTION_CLASSES.items()})
+    config = MapperConfig(**{name: section_from_dict(cls, nested.get(name, {}), name + ".")
+                             for name, cls in _SECTION_CLASSES.items()})
+    check_iron_calibration(config.sync)
+    return config
+
+
+#: Largest condition number of sync.soft_iron: beyond it the matrix is taken as singular (it would flatten the
+#: readings onto a plane or a line, and its inverse, the sensor's distortion, would be absurd).
+SOFT_IRON_MAX_CONDITION = 1e6
+
+
+def check_iron_calibration(sync: SyncConfig) -> None:
+    """Refuse a ``sync.soft_iron`` that is singular or nearly so (ConfigError naming the key); the entries' own
+    rules (9 finite numbers, 3 finite numbers for ``sync.hard_iron``) are checked with the other keys."""
+    import numpy as np
+
+    matrix = np.asarray(sync.soft_iron, dtype=np.float64)
+    if matrix.shape != (9,) or not np.all(np.isfinite(matrix)):
+        raise ConfigError(f"{shorten(sync.soft_iron, 200)} is not 9 finite numbers (a 3x3 matrix, row-major)",
+                          "sync.soft_iron")
+    condition = float(np.linalg.cond(matrix.reshape(3, 3)))
+    if not condition <= SOFT_IRON_MAX_CONDITION:
+        raise ConfigError(f"{sync.soft_iron} is a singular matrix (condition number {condition:.3g}, at most "
+                          f"{SOFT_IRON_MAX_CONDITION:g} allowed): corrected = soft_iron @ (raw - hard_iron) would "
+                          "flatten the readings; identity [1, 0, 0, 0, 1, 0, 0, 0, 1] means no soft-iron correction",
+                          "sync.soft_iron")
 
 
 def load_config(path: str | Path | None = None) -> MapperConfig:

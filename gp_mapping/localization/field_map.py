@@ -97,6 +97,8 @@ class MagneticMap:
     source: str = ""
     sensor_translation: tuple = (0.0, 0.0, 0.0)  # the map's sync.sensor_translation (the robot that made it)
     sensor_rotation: tuple = (0.0, 0.0, 0.0, 1.0)  # and its sync.sensor_rotation [x, y, z, w]
+    hard_iron: tuple = (0.0, 0.0, 0.0)  # and its magnetometer calibration: sync.hard_iron [field_unit]
+    soft_iron: tuple = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0)  # and sync.soft_iron (3x3 row-major)
     _mean_flat: np.ndarray = field(init=False, repr=False)
     _var_flat: np.ndarray = field(init=False, repr=False)
     _known_flat: np.ndarray = field(init=False, repr=False)
@@ -259,7 +261,8 @@ class MagneticMap:
                                  input_dims=input_dims, only=known)
         return cls(spec=spec, mean=mean, var=var, known=known, frame_id=g.frame_id, field_unit=cfg.sync.field_unit,
                    target=cfg.sync.target, source=source, sensor_translation=tuple(cfg.sync.sensor_translation),
-                   sensor_rotation=tuple(cfg.sync.sensor_rotation))
+                   sensor_rotation=tuple(cfg.sync.sensor_rotation), hard_iron=tuple(cfg.sync.hard_iron),
+                   soft_iron=tuple(cfg.sync.soft_iron))
 
     @classmethod
     def load(cls, path: str | Path, resolution: float = 0.0, frame_id: str | None = None) -> "MagneticMap":

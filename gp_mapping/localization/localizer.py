@@ -16,7 +16,9 @@ filter, for the ROS node and ``gp-mapping localize`` alike:
   by the reading (the measurement model). The first reading after an initialisation is always an update.
 
 Frames. The sensor sits at ``sensor_translation`` in the body frame (x, y used) and ``sensor_rotation`` turns its
-readings into the body frame. A magnitude map needs |B| only. A vector map needs the reading in a levelled body
+readings into the body frame. Each reading is first corrected for the robot's own magnetism with the map's
+``sync.hard_iron`` / ``sync.soft_iron`` (the robot that made the map; ``iron`` overrides them), by the mapper's own
+:class:`~gp_mapping.mapping.magnetometer.IronCorrection`. A magnitude map needs |B| only. A vector map needs the reading in a levelled body
 frame: with ``orientation: level`` the body is taken as level; with ``orientation: orientation`` the roll and
 pitch of the odometry's orientation level it (the filter adds the heading per particle).
 
@@ -40,6 +42,7 @@ from gp_mapping.localization.filter import ParticleFilter, PoseEstimate
 from gp_mapping.localization.motion import compose, inverse, wrap_angle
 from gp_mapping.mapping.frames import (FrameError, normalize_quaternion, quaternion_from_rpy, quaternion_multiply,
                                        rotate_vectors, slerp, yaw_of)
+from gp_mapping.mapping.magnetometer import IronCorrection
 from gp_mapping.mapping.sync import UNIT_PER_TESLA
 
 REJECTION_REASONS: dict[str, str] = {
@@ -65,7 +68,8 @@ class Localizer:
     """Odometry and magnetometer streams through a particle filter (see the module docstring)."""
 
     def __init__(self, field_map: MagneticMap, config: LocalizerConfig | None = None,
-                 sensor_translation=(0.0, 0.0, 0.0), sensor_rotation=(0.0, 0.0, 0.0, 1.0)) -> None:
+                 sensor_translation=(0.0, 0.0, 0.0), sensor_rotation=(0.0, 0.0, 0.0, 1.0),
+                 iron: IronCorrection | None = None) -> None:
         self.config = config if config is not None else LocalizerConfig()
         self.map = field_map
         t = np.asarray(sensor_translation, dtype=np.float64).reshape(-1)
@@ -80,6 +84,12 @@ class Localizer:
             raise LocalizationError(f"the map's field unit {field_map.field_unit!r} is not one of "
                                     f"{', '.join(UNIT_PER_TESLA)}")
         self._scale = UNIT_PER_TESLA[field_map.field_unit]
+        if iron is None:
+            try:
+                iron = IronCorrection(field_map.hard_iron, field_map.soft_iron, self._scale)
+            except ValueError as err:
+                raise LocalizationError(f"the map's magnetometer calibration: {err}") from None
+        self._iron = iron
         self.filter = ParticleFilter(field_map, self.config, sensor_offset=t[:2])
         self.rejected = {reason: 0 for reason in REJECTION_REASONS}
         self.readings = 0          # readings given
@@ -253,7 +263,7 @@ class Localizer:
 
     def _reading_in_map_units(self, b: np.ndarray, q: np.ndarray) -> np.ndarray:
         """The reading as the filter takes it: |B|, or the levelled body-frame vector, in the map's unit."""
-        b = b * self._scale
+        b = self._iron.apply(b) * self._scale
         if self.map.target == "magnitude":
             return np.array([float(np.linalg.norm(b))])
         if not self._identity_rotation:

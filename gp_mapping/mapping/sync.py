@@ -10,6 +10,11 @@ Frames. ``sync.sensor_translation`` and ``sync.sensor_rotation`` place the senso
 sensor sits at ``p + R(q) t_s`` in the map frame and a reading ``b`` (sensor frame) is ``R(q) R_s b`` in the
 map frame. The model input ``x`` is the sensor position's first ``sync.input_dims`` coordinates.
 
+Magnetometer calibration. ``sync.hard_iron`` (h) and ``sync.soft_iron`` (S) correct each reading to
+``S (b - h)`` before it is rotated or its magnitude taken (:class:`~gp_mapping.mapping.magnetometer.IronCorrection`,
+which the localizer uses too); at the defaults nothing is computed. The bad-input guards below look at the reading
+as the sensor sent it (a zero or saturated message is the sensor's).
+
 Every sample or pose that is not used is counted under a named reason (:data:`REJECTION_REASONS`).
 
 Cost. A sample's bracket is fixed once a pose at or after it has arrived (poses only move forward), so samples
@@ -55,6 +60,7 @@ import numpy as np
 from gp_mapping.config import FRAME_ID_MAX_LENGTH, SyncConfig
 from gp_mapping.mapping.frames import (MIN_QUATERNION_NORM, normalize_quaternion, quaternion_multiply, rotate_vectors,
                                        slerp)
+from gp_mapping.mapping.magnetometer import IronCorrection
 
 # Multiply a value in tesla by this to get the named unit (the one table of field units).
 UNIT_PER_TESLA: dict[str, float] = {
@@ -292,6 +298,10 @@ class MeasurementSync:
             self._q_sensor = normalize_quaternion(self.config.sensor_rotation)
         except ValueError as err:
             raise SyncError(f"sync.sensor_rotation: {err}") from err
+        try:
+            self._iron = IronCorrection.from_sync(self.config, self._scale)
+        except ValueError as err:
+            raise SyncError(f"sync.hard_iron / sync.soft_iron: {err}") from err
         self._rejected: dict[str, int] = {reason: 0 for reason in REJECTION_REASONS}
         self._accepted = 0
         self.poses_accepted = 0
@@ -647,6 +657,7 @@ class MeasurementSync:
         if not np.any(ok):
             return
         t, b, pos, quat = t[ok], b[ok], pos[ok], quat[ok]
+        b = self._iron.apply(b)  # the hard- and soft-iron correction (the input itself at the defaults)
         sensor_pos = pos + rotate_vectors(quat, self._t_sensor)
         if self.output_dims == 1:
             y = np.linalg.norm(b, axis=1, keepdims=True) * self._scale  # |B| does not depend on the frame

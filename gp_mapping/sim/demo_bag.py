@@ -359,6 +359,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 0.1)")
     parser.add_argument("--bias", type=float, nargs=3, default=[0.4, -0.3, 0.2], metavar=("BX", "BY", "BZ"),
                         help="constant sensor-frame bias [uT] (default 0.4 -0.3 0.2)")
+    parser.add_argument("--soft-iron", type=float, nargs=9, default=None, metavar="D",
+                        help="the robot's soft iron: the sensor reads D @ field + bias, D 3x3 row-major (the "
+                        "calibration that undoes it: sync.soft_iron = D^-1, sync.hard_iron = --bias); with --bias of "
+                        "tens of uT, a robot whose own magnetism the map must be calibrated for (docs/magnetometer.md) "
+                        "(default: identity)")
     parser.add_argument("--spike-rate", type=float, default=0.002, help="probability of a spike per sample "
                         "(default 0.002)")
     parser.add_argument("--dropout-rate", type=float, default=0.005, help="probability of a missing sample "
@@ -407,7 +412,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[WorldConfig, Trajectory
         raise SimulationError(f"--sensor-rotation must be a non-zero quaternion, got {args.sensor_rotation}")
     sensor = SensorConfig(
         noise_std=args.noise_std / UT, bias=tuple(b / UT for b in args.bias), spike_rate=args.spike_rate,
-        dropout_rate=args.dropout_rate, translation=translation, rotation=tuple((rotation / norm).tolist()))
+        dropout_rate=args.dropout_rate, translation=translation, rotation=tuple((rotation / norm).tolist()),
+        **({"distortion": tuple(float(v) for v in soft_iron)} if (soft_iron := getattr(args, "soft_iron", None))
+           is not None else {}))
     return world, trajectory, sensor
 
 

@@ -13,7 +13,9 @@ Frames and units
   (body x forward, z up). The sensor (``magnetometer``) frame is fixed in the body by an extrinsic
   (translation, rotation sensor-to-body), so ``R_sensor_to_map = R(q_body) R(q_ext)`` and the sensor sits
   at ``p_body + R(q_body) t_ext``.
-- A magnetometer reading is ``R_sensor_to_map^T B_map(p_sensor) + bias + noise (+ spike)``, in the sensor frame.
+- A magnetometer reading is ``D R_sensor_to_map^T B_map(p_sensor) + bias + noise (+ spike)``, in the sensor frame:
+  ``bias`` is the robot's hard iron and ``D`` (``SensorConfig.distortion``, identity by default) its soft iron, so
+  the calibration that undoes them is ``sync.hard_iron = bias``, ``sync.soft_iron = D^-1``.
 
 The trajectory is sampled on one timeline ``t_k = k / rate`` (k = 0..N-1); the magnetometer reads at those
 same instants except the dropped ones. Three independent random streams (world, trajectory, sensor) are
@@ -446,7 +448,8 @@ class SensorConfig:
     spikes (each sample independently with probability ``spike_rate``, adding a vector of random direction
     and magnitude uniform in ``spike_magnitude_range`` [T]) and dropouts (each sample independently missing
     with probability ``dropout_rate``). The extrinsic places the sensor in the body: ``translation`` [m] and
-    ``rotation`` (sensor-to-body quaternion [x, y, z, w])."""
+    ``rotation`` (sensor-to-body quaternion [x, y, z, w]). ``distortion`` (3x3 row-major, invertible) is the robot's
+    soft iron: the reading is ``distortion @ field + bias``."""
 
     noise_std: float = 0.1e-6
     bias: tuple = (0.0, 0.0, 0.0)
@@ -455,8 +458,12 @@ class SensorConfig:
     dropout_rate: float = 0.0
     translation: tuple = (0.0, 0.0, 0.0)
     rotation: tuple = (0.0, 0.0, 0.0, 1.0)
+    distortion: tuple = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
 
     def __post_init__(self) -> None:
+        d = _finite(self.distortion, "distortion", 9).reshape(3, 3)
+        _require(np.linalg.cond(d) < 1e3 and np.all(np.abs(d) <= 10.0), f"distortion must be an invertible 3x3 "
+                 f"matrix (row-major, entries within +-10, condition number below 1000), got {self.distortion!r}")
         _require(math.isfinite(self.noise_std) and 0.0 <= self.noise_std <= 1e-3,
                  f"noise_std must be in [0, 1e-3] T, got {self.noise_std!r}")
         b = _finite(self.bias, "bias", 3)
@@ -535,7 +542,10 @@ def simulate(world: World | WorldConfig, trajectory: TrajectoryConfig, sensor: S
     spike_dir /= np.linalg.norm(spike_dir, axis=1, keepdims=True)
     spike_mag = rng.uniform(*sensor.spike_magnitude_range, size=n)
     spikes = np.where(is_spike[:, None], spike_dir * spike_mag[:, None], 0.0)
-    reading = b_sensor_true + np.asarray(sensor.bias, dtype=float)[None, :] + noise + spikes
+    distorted = b_sensor_true
+    if tuple(sensor.distortion) != (1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0):  # soft iron (skipped: bit for bit)
+        distorted = b_sensor_true @ np.asarray(sensor.distortion, dtype=float).reshape(3, 3).T
+    reading = distorted + np.asarray(sensor.bias, dtype=float)[None, :] + noise + spikes
     return SimRecording(t=t, position=pos, orientation_xyzw=q_body, sensor_position=sensor_pos,
                         sensor_orientation_xyzw=q_sensor, field_map_tesla_true=b_map,
                         field_sensor_tesla_true=b_sensor_true, field_sensor_tesla=reading, is_spike=is_spike,
