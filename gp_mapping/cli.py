@@ -23,6 +23,8 @@ SUBCOMMANDS = {
     "merge-node": ("gp_mapping.ros.merger_node", "run the merger node: merges the maps of mapping nodes from their "
                    "~/model summaries (same as `ros2 run gp_mapping merger`)"),
     "bench": ("gp_mapping.bench_cli", "benchmarks: engines vs baselines (accuracy, latency, growth)"),
+    "calibrate": ("gp_mapping.magnetometer_cli", "fit the magnetometer's hard- and soft-iron calibration to a "
+                  "calibration drive; writes sync.hard_iron and sync.soft_iron as a parameter file"),
     "localize": ("gp_mapping.localization.cli", "localize a recorded drive on a saved map (particle filter); writes "
                  "poses.csv, summary.json, localization.png"),
 }
