@@ -13,7 +13,7 @@ import sys
 # subcommand -> (module, one-line help). Each module exposes add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
     "demo-bag": ("gp_mapping.sim.demo_bag", "write a simulated ROS 2 bag (MCAP) with ground truth"),
-    "replay": ("gp_mapping.replay", "map a recorded bag offline and write map.npz, map.png, maps.mcap "
+    "replay": ("gp_mapping.replay", "map a recorded bag offline and write map.npz, map.png, the map bag maps/ "
                "(--save-state: the state the node starts from)"),
     "export": ("gp_mapping.export", "write a map state or map.npz as nav2 map_server files (PGM + YAML per layer), "
                "map.npz and map.png"),

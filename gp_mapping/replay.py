@@ -4,7 +4,9 @@
 
 The bag's magnetometer and pose messages are fed to the Mapper in bag-time order, as fast as the machine goes.
 Every ``node.publish_period`` seconds of bag time the current map is recorded, as the node would publish it;
-the recordings go to ``DIR/maps.mcap`` (a ROS 2 bag for ``ros2 bag play`` and RViz). At the end of the bag
+the recordings go to the map bag ``DIR/maps/``, a rosbag2 folder (``metadata.yaml`` and ``maps.mcap``) that
+``ros2 bag play DIR/maps`` plays to RViz with no flags (``--bare-mcap``: the one file ``DIR/maps.mcap`` instead, as
+before; Humble's ``ros2 bag play`` needs ``-s mcap`` for it). At the end of the bag
 the final map is written to ``DIR/map.npz`` (arrays only, no pickles) and drawn in ``DIR/map.png``
 (:mod:`gp_mapping.mapping.map_files`).
 
@@ -34,7 +36,8 @@ from gp_mapping.bag import (Bag, BagError, CorruptBagError, MapBagWriter, PoseSo
                             choose_pose_source, decode_magnetic_field, decode_pose, is_identity_extrinsic)
 from gp_mapping.config import ConfigError, MapperConfig, load_config
 from gp_mapping.gp import warm_up
-from gp_mapping.mapping.map_files import MCAP_NAME, NPZ_NAME, PNG_NAME, draw_map, unwritable_folder, write_map_npz
+from gp_mapping.mapping.map_files import (MAP_BAG_NAME, MCAP_NAME, NPZ_NAME, PNG_NAME, draw_map, unwritable_folder,
+                                          write_map_npz)
 from gp_mapping.mapping.transforms import TransformError, body_pose_from_tf  # a lookup's (the bag's own: a subclass)
 
 
@@ -102,14 +105,16 @@ def _tf_config(config: MapperConfig, source: PoseSource, mag_frame: str, notes: 
 
 def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = None, out_dir: str | Path | None = None,
                mag_topic: str | None = None, pose_topic: str | None = None,
-               tf_frames: tuple[str, str] | list[str] | None = None, progress: bool = False) -> ReplayResult:
+               tf_frames: tuple[str, str] | list[str] | None = None, progress: bool = False,
+               bare_mcap: bool = False) -> ReplayResult:
     """Map the bag at ``bag_path`` with ``config`` (a MapperConfig, a YAML path, or None for the defaults).
 
     Messages go to the Mapper in bag-time order; ``Mapper.process`` runs after each one, so batches close in
     data time exactly as in the node. Every ``node.publish_period`` seconds of bag time, if the model changed
     since the last snapshot (the node's rule), the map is predicted and recorded; the final map is recorded
-    after the last message and ``Mapper.flush``. With ``out_dir`` the snapshots go to ``out_dir/maps.mcap``
-    and the final map to ``out_dir/map.npz`` and ``out_dir/map.png`` (files of those names are replaced);
+    after the last message and ``Mapper.flush``. With ``out_dir`` the snapshots go to the map bag
+    ``out_dir/maps/`` (a rosbag2 folder; ``bare_mcap``: the file ``out_dir/maps.mcap``) and the final map to
+    ``out_dir/map.npz`` and ``out_dir/map.png`` (files of those names, and an earlier map bag, are replaced);
     without it no snapshot is predicted, only the final map.
 
     Raises :class:`gp_mapping.bag.BagError` (bag, topic or pose-source problems), ConfigError, or
@@ -139,9 +144,9 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
         writer = None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            writer = MapBagWriter(out / MCAP_NAME, config.sync.field_unit, overwrite=True,
-                                         mean_range=config.grid.mean_range,
-                                         variance_range=config.grid.variance_range)
+            writer = MapBagWriter(out / (MCAP_NAME if bare_mcap else MAP_BAG_NAME), config.sync.field_unit,
+                                  overwrite=True, mean_range=config.grid.mean_range,
+                                  variance_range=config.grid.variance_range)
         warm_up()  # torch's lazy imports (seconds) belong to start-up, as in the node, not to mapping
         started = time.perf_counter()
         broken: list[CorruptBagError] = []
@@ -181,7 +186,7 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
             counts["updates"] += len(mapper.flush())
             counts["pose_frame_mismatch"] = mapper.pose_frame_mismatch
             # map.npz holds the whole map (the visited area plus margin) when it fits grid.max_cells, else the
-            # window around the newest position (grid.extent says which); maps.mcap gets what the node publishes.
+            # window around the newest position (grid.extent says which); the map bag gets what the node publishes.
             grid = mapper.export_grid()
             if grid is not None and grid.extent == "window" and mapper.config.grid.mode == "grow":
                 notes.append(f"the whole map is larger than grid.max_cells = {mapper.config.grid.max_cells}: map.npz "
@@ -217,7 +222,7 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
                           counts=counts, processing_seconds=processing, bag_duration=bag_duration, files=files,
                           notes=notes, error=str(broken[0]) if broken else "")
     if out is not None:
-        files["mcap"] = writer.close()
+        files["bag"] = writer.close()
         files["npz"] = write_map_npz(out / NPZ_NAME, grid, mapper.trajectory,
                                      {"bag": str(bag_path), "mag_topic": mag_topic, "pose_source": source.describe()})
         files["png"] = draw_map(out / PNG_NAME, grid, mapper.trajectory, bag_path.name)
@@ -276,7 +281,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=None,
                         help="parameter YAML (config/mapper.yaml form); default: the built-in defaults")
     parser.add_argument("--out", type=Path, default=Path("out"),
-                        help="output folder for map.npz, map.png, maps.mcap (default: out)")
+                        help="output folder for map.npz, map.png and the map bag maps/ (default: out)")
     parser.add_argument("--mag-topic", default=None, help="sensor_msgs/MagneticField topic (default: the only one)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--pose-topic", default=None,
@@ -287,6 +292,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-state", type=Path, default=None, metavar="FILE",
                         help="also write the mapper's whole state (safetensors) to FILE; the node starts from it "
                              "with node.initial_map, `gp-mapping export FILE` turns it into nav2 map files")
+    parser.add_argument("--bare-mcap", action="store_true",
+                        help="write the map bag as the one file maps.mcap (rosbag2 metadata inside it) instead of "
+                             "the rosbag2 folder maps/ (metadata.yaml + maps.mcap) that `ros2 bag play` takes with no "
+                             "flags; Humble's `ros2 bag play` needs `-s mcap` for the bare file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -309,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = replay_bag(args.bag, load_config(args.config) if args.config else None, out_dir=args.out,
                             mag_topic=args.mag_topic, pose_topic=args.pose_topic, tf_frames=args.tf,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, bare_mcap=args.bare_mcap)
     except IncompleteReplayError as err:
         print(f"gp-mapping replay: error: {err}", file=sys.stderr)
         try:
@@ -317,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, MapStateError) as save_err:
             print(f"gp-mapping replay: error: cannot write the state file {args.save_state}: {save_err}",
                   file=sys.stderr)
-        for kind in ("npz", "png", "mcap", "state"):
+        for kind in ("npz", "png", "bag", "state"):
             if kind in err.result.files:
                 print(f"wrote {err.result.files[kind].resolve()} (partial)")
         return 1
@@ -337,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, MapStateError) as err:
         print(f"gp-mapping replay: error: cannot write the state file {args.save_state}: {err}", file=sys.stderr)
         return 1
-    for kind in ("npz", "png", "mcap", "state"):
+    for kind in ("npz", "png", "bag", "state"):
         if kind in result.files:
             print(f"wrote {result.files[kind].resolve()}")
     return 0

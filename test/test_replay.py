@@ -230,8 +230,8 @@ def demo(tmp_path_factory):
 
 def test_demo_replay_writes_the_three_files_with_the_right_shapes(demo):
     result, out, npz = demo
-    assert {k: p.name for k, p in result.files.items()} == {"npz": "map.npz", "png": "map.png", "mcap": "maps.mcap"}
-    assert all((out / name).is_file() for name in ("map.npz", "map.png", "maps.mcap"))
+    assert {k: p.name for k, p in result.files.items()} == {"npz": "map.npz", "png": "map.png", "bag": "maps"}
+    assert all((out / name).is_file() for name in ("map.npz", "map.png", "maps/metadata.yaml", "maps/maps.mcap"))
     assert not list(out.glob(".maps-*"))  # the temporary rosbag2 folder is gone
     assert (out / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The auto-detected sources: the single MagneticField topic, PoseStamped preferred over Odometry and /tf.
@@ -291,8 +291,8 @@ def test_demo_map_matches_the_ground_truth(demo):
     assert rmse_known < 0.5 * spread
 
 
-def test_maps_mcap_reads_back_as_the_node_publishes(demo):
-    """maps.mcap holds the node's topics; decoded with the node's own parsers it gives the npz map."""
+def test_map_bag_reads_back_as_the_node_publishes(demo):
+    """The map bag maps/ holds the node's topics; decoded with the node's own parsers it gives the npz map."""
     from rosbags.highlevel import AnyReader
     from rosbags.interfaces import QosDurability
 
@@ -300,7 +300,7 @@ def test_maps_mcap_reads_back_as_the_node_publishes(demo):
 
     result, out, npz = demo
     by_topic: dict[str, list] = {}
-    with AnyReader([out / "maps.mcap"]) as reader:
+    with AnyReader([out / "maps"]) as reader:
         types = {c.topic: c.msgtype for c in reader.connections}
         assert types == {"/mapper/mean": "nav_msgs/msg/OccupancyGrid", "/mapper/variance": "nav_msgs/msg/OccupancyGrid",
                          "/mapper/cloud": "sensor_msgs/msg/PointCloud2",
@@ -424,7 +424,7 @@ def test_cli_replays_a_bag_and_prints_the_files(short_bag, tmp_path):
     proc = _cli("replay", str(short_bag), "--config", str(config), "--out", str(out), "--pose-topic", "/odom",
                 "--no-progress")
     assert proc.returncode == 0, proc.stderr
-    for name in ("map.npz", "map.png", "maps.mcap"):
+    for name in ("map.npz", "map.png", "maps"):
         assert f"wrote {(out / name).resolve()}" in proc.stdout
     assert "/odom (nav_msgs/msg/Odometry)" in proc.stdout and "real time" in proc.stdout
     with np.load(out / "map.npz", allow_pickle=False) as npz:
@@ -591,7 +591,7 @@ def test_poses_in_another_frame_are_refused_like_the_node_does(short_bag, tmp_pa
     config = _fast_config(grid={"frame_id": "odom"})
     with pytest.raises(ReplayError, match=r"no magnetometer sample .* poses not in grid.frame_id 400"):
         replay_bag(short_bag, config, out_dir=tmp_path / "out")
-    assert not (tmp_path / "out" / "maps.mcap").exists() and not list((tmp_path / "out").glob(".maps-*"))
+    assert not (tmp_path / "out" / "maps").exists() and not list((tmp_path / "out").glob(".maps-*"))
     result = replay_bag(short_bag, config)
     assert result.grid is None and result.counts["pose_frame_mismatch"] == 400
     assert any("refused as the node refuses them" in note for note in result.notes)

@@ -74,8 +74,9 @@ def test_corrupt_bag_writes_the_map_read_so_far_and_exits_non_zero(bags, tmp_pat
     assert "Traceback" not in proc.stderr
     assert "corrupt" in proc.stderr or "cannot decode" in proc.stderr, proc.stderr
     assert "magnetometer messages read before it was written" in proc.stderr
-    for name in ("map.npz", "map.png", "maps.mcap"):
-        assert (out / name).is_file() and f"wrote {(out / name).resolve()} (partial)" in proc.stdout
+    for name in ("map.npz", "map.png", "maps"):
+        assert (out / name).exists() and f"wrote {(out / name).resolve()} (partial)" in proc.stdout
+    assert (out / "maps" / "metadata.yaml").is_file()
     with np.load(out / "map.npz", allow_pickle=False) as npz:
         stamp, mean, known = float(npz["stamp"]), npz["magnitude_mean"], npz["known"]
     # The map ends where the bag broke: later than the start, well before the end of the recording.

@@ -5,7 +5,8 @@ the ``rosbags`` library and no ROS installation.
   pose source (:func:`choose_pose_source`: a pose topic or the tf tree);
 - :mod:`~gp_mapping.bag.decode`: messages as numpy samples in SI units;
 - :mod:`~gp_mapping.bag.tf`: the bag's tf tree (:class:`TransformBuffer`);
-- :mod:`~gp_mapping.bag.writer`: :class:`MapBagWriter`, the published maps as an MCAP file;
+- :mod:`~gp_mapping.bag.writer`: :class:`MapBagWriter`, the published maps as a rosbag2 folder (or a bare MCAP
+  file);
 - :mod:`~gp_mapping.bag.ros2`: the typestore and latched QoS every bag written here shares (the demo bag too);
 - :mod:`~gp_mapping.bag.errors`: every error a user can cause, a :class:`BagError`.
 """

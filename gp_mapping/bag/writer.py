@@ -1,5 +1,5 @@
-"""The replay's map bag: the published maps as a ROS 2 MCAP file that ``ros2 bag play`` and RViz take (the map
-file that needs rosbags; the others are gp_mapping/mapping/map_files.py's)."""
+"""The replay's map bag: the published maps as a ROS 2 bag that ``ros2 bag play`` and RViz take (the map file that
+needs rosbags; the others are gp_mapping/mapping/map_files.py's)."""
 from __future__ import annotations
 
 import math
@@ -15,20 +15,29 @@ from gp_mapping.bag.ros2 import latched_qos, ros2_typestore
 from gp_mapping.mapping.publication import (FLOAT64_ARRAY, MAP_NAMESPACE, OCCUPANCY_GRID, POINT_CLOUD, Publication,
                                             PublicationError, cloud_topic, map_topics, publication, scale_topic)
 
+# rosbag2's metadata.yaml version 8 (Iron's): every distribution from Humble on reads it. Version 9 (Jazzy's)
+# writes offered_qos_profiles as a YAML list, where Humble's reader expects a string and refuses the bag.
+METADATA_VERSION = 8
+
 
 class MapBagWriter:
-    """Writes map snapshots into one ROS 2 MCAP file, on the node's topics and in the node's message layout.
+    """Writes map snapshots into a ROS 2 bag, on the node's topics and in the node's message layout.
 
     Per snapshot, the messages of :mod:`gp_mapping.mapping.publication` (the layout the node publishes) in the
     node's publishing order on the node's topics under :data:`~gp_mapping.mapping.publication.MAP_NAMESPACE`
     (``/mapper/scale``, the mean and variance grids layer by layer, ``/mapper/cloud``), so ``ros2 bag play
-    maps.mcap`` feeds RViz exactly as the node would. Headers carry the grid's stamp (the newest sample in the
+    maps/`` feeds RViz exactly as the node would. Headers carry the grid's stamp (the newest sample in the
     model), as the node's do; the bag's log time is the replay's bag time. All topics are offered reliable +
     transient local, depth 1, so ``ros2 bag play`` serves them latched to RViz.
 
-    The file is written in a temporary rosbag2 folder beside ``path`` and moved into place on :meth:`close`,
-    so a failed replay leaves no half-written file. The MCAP embeds the rosbag2 metadata: ``ros2 bag play
-    maps.mcap`` and rosbags' readers take the bare file.
+    ``path`` is a rosbag2 folder (``maps/``: ``metadata.yaml`` and ``maps.mcap`` inside, as ``ros2 bag record``
+    lays a bag out, metadata version :data:`METADATA_VERSION`), which ``ros2 bag play maps/`` plays with no flags
+    on Humble and later and every rosbag2 reader opens; or, for a ``path`` ending in ``.mcap``, the bare MCAP file
+    (the rosbag2 metadata embedded in it: ``ros2 bag play -s mcap maps.mcap`` on Humble, rosbags' readers).
+
+    The bag is written in a temporary folder beside ``path`` and moved into place on :meth:`close`, so a failed
+    replay leaves nothing half-written. With ``overwrite`` an earlier map bag at ``path`` is replaced then (a
+    folder only when it is a bag: it holds ``metadata.yaml``, or nothing).
     """
 
     def __init__(self, path: str | Path, field_unit: str, overwrite: bool = False, mean_range=None,
@@ -38,19 +47,43 @@ class MapBagWriter:
         from rosbags.rosbag2 import CompressionFormat, CompressionMode, StoragePlugin, Writer
 
         self.path = Path(path)
-        if self.path.exists() and not overwrite:
-            raise MapBagError(f"{self.path} exists already; remove it or choose another output directory")
+        self.bare = self.path.suffix == ".mcap"
+        if self.path.exists() or self.path.is_symlink():
+            if not overwrite:
+                raise MapBagError(f"{self.path} exists already; remove it or choose another output directory")
+            self._check_replaceable()
         self.field_unit = field_unit
         self.mean_range, self.variance_range = mean_range, variance_range
         self.count = 0
         self._tmp = Path(tempfile.mkdtemp(prefix=".maps-", dir=self.path.parent))
         self._ts = ros2_typestore()
-        # rosbag2 names the storage file after the bag folder, so the metadata inside names the final file.
-        self._writer = Writer(self._tmp / self.path.stem, version=9, storage_plugin=StoragePlugin.MCAP)
+        # rosbags names the storage file after the bag folder (maps/maps.mcap), and the metadata names that file.
+        self._writer = Writer(self._bag_folder, version=METADATA_VERSION, storage_plugin=StoragePlugin.MCAP)
         # zstd chunks (MCAP's own compression, read by rosbag2 and rosbags): successive maps are alike.
         self._writer.set_compression(CompressionMode.STORAGE, CompressionFormat.ZSTD)
+        # metadata.yaml's custom_data (rosbag2's free key-value map): what wrote the bag, the unit of the maps.
+        self._writer.set_custom_data("gp_mapping.writer", "gp_mapping.bag.MapBagWriter")
+        self._writer.set_custom_data("gp_mapping.field_unit", field_unit)
         self._writer.open()
         self._conns: dict[str, Any] = {}
+
+    @property
+    def _bag_folder(self) -> Path:
+        """The rosbag2 folder being written, in the temporary folder."""
+        return self._tmp / (self.path.stem if self.bare else self.path.name)
+
+    def _check_replaceable(self) -> None:
+        """MapBagError unless what is at ``path`` is an earlier map bag: a file for a bare MCAP, else a folder with
+        ``metadata.yaml`` or an empty one (never someone's other folder)."""
+        if self.bare:
+            if self.path.is_dir():
+                raise MapBagError(f"{self.path} is a folder; the bare map bag is a file")
+            return
+        if not self.path.is_dir() or self.path.is_symlink():
+            raise MapBagError(f"{self.path} exists and is not a folder; the map bag is a rosbag2 folder")
+        if not (self.path / "metadata.yaml").is_file() and any(self.path.iterdir()):
+            raise MapBagError(f"{self.path} is a folder that is not a bag (no metadata.yaml); it is left alone: "
+                              "remove it or choose another output directory")
 
     def _connection(self, topic: str, msgtype: str):
         if topic not in self._conns:
@@ -129,10 +162,15 @@ class MapBagWriter:
         self.count += 1
 
     def close(self) -> Path:
-        """Finish the bag and move the MCAP file to ``path``."""
+        """Finish the bag and move it to ``path`` (replacing an earlier map bag there); returns ``path``."""
         self._writer.close()
-        storage = self._tmp / self.path.stem / f"{self.path.stem}.mcap"
-        shutil.move(str(storage), str(self.path))
+        if self.bare:
+            shutil.move(str(self._bag_folder / f"{self.path.stem}.mcap"), str(self.path))
+        else:
+            if self.path.exists():
+                self._check_replaceable()  # still an earlier map bag: it goes, the new one takes its place
+                shutil.move(str(self.path), str(self._tmp / "previous"))
+            shutil.move(str(self._bag_folder), str(self.path))
         shutil.rmtree(self._tmp, ignore_errors=True)
         return self.path
 

@@ -6,9 +6,9 @@ and the tests read them).
 - ``map.png`` (:func:`draw_map`): every layer's mean, its opacity from the variance, the trajectory;
 - nav2 ``map_server`` maps (:func:`write_nav2_maps`, :func:`decode_nav2_map`): per layer and statistic an 8-bit
   binary PGM (or PNG) and its YAML, the grid the node publishes (0..100, 255 unknown; :func:`nav2_cells`);
-- ``maps.mcap`` (:data:`MCAP_NAME`), the published maps as a ROS 2 bag, is written by
-  :class:`gp_mapping.bag.MapBagWriter`: it renders the same publication in ROS messages through rosbags, so it lives
-  in the bag adapter, above this layer.
+- ``maps/`` (:data:`MAP_BAG_NAME`; with ``--bare-mcap`` the bare file ``maps.mcap``, :data:`MCAP_NAME`), the
+  published maps as a ROS 2 bag, is written by :class:`gp_mapping.bag.MapBagWriter`: it renders the same
+  publication in ROS messages through rosbags, so it lives in the bag adapter, above this layer.
 
 The map state (``.safetensors``: the model itself, which a node, export and merge start from) is
 :mod:`gp_mapping.mapping.state`'s.
@@ -29,7 +29,8 @@ from gp_mapping.mapping.grid import OCCUPANCY_MAX, GridSpec, encode_occupancy
 
 NPZ_NAME = "map.npz"
 PNG_NAME = "map.png"
-MCAP_NAME = "maps.mcap"
+MAP_BAG_NAME = "maps"  # the replay's map bag: a rosbag2 folder (metadata.yaml, maps.mcap)
+MCAP_NAME = "maps.mcap"  # the same bag as one bare MCAP file (gp-mapping replay --bare-mcap)
 UNKNOWN_PIXEL = 255  # -1 as an unsigned byte: map_server's raw mode publishes it as unknown
 NAV2_KEYS = ("image", "mode", "resolution", "origin", "negate", "occupied_thresh", "free_thresh")
 

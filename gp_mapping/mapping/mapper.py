@@ -453,7 +453,7 @@ class Mapper:
         ``grid.max_cells``). ``model.predict`` is called on that grid's cells only, ``grid.tile_size`` at a time,
         so the cost of a map follows the window, not the explored area. ``predict_unknown`` False: only the
         known cells (within ``grid.unknown_distance`` of a sample) are predicted and the others hold NaN, which
-        is all a publication shows (the node and the replay's maps.mcap use it: same messages, a fraction of the
+        is all a publication shows (the node and the replay's map bag use it: same messages, a fraction of the
         cost).
 
         ``incremental`` (publications): re-predict only the cells whose prediction may have changed since the
