@@ -269,3 +269,20 @@ def test_quick_bench_calibration_section(quick_run):
     assert set(d) == {"shipped", "no calibration"}
     assert d["shipped"]["worst_nlpd_gap"] == max(v["nlpd_gap"] for v in d["shipped"]["per_recording"].values())
     assert (quick_run["out"] / "calibration_solin_p1.png").exists()
+
+
+def test_the_memory_section_is_opt_in_and_reports_the_resident_memory_of_a_random_walk():
+    """The memory section (issue 38: a 30-minute random walk in a bounded area, resident memory every simulated
+    minute, last / middle decile within 5 %) runs only when named, and on a tiny plan reports every sample."""
+    from gp_mapping.evaluation import harness, memory
+
+    assert "memory" in harness.OPTIONAL_SECTIONS and "memory" not in harness.SECTIONS
+    plan = dict(harness.QUICK, memory_seconds=40.0, memory_rate=10.0, memory_area=4.0, memory_sample_seconds=4.0)
+    out = memory.run(plan, lambda message: None)
+    series, summary = out["series"], out["summary"]
+    assert out["samples"] == 400 and len(series["t_s"]) == 11  # every 4 s from 0, and the end
+    assert all(r > 0 for r in series["rss_bytes"]) and series["tiles"][-1] >= 1
+    assert summary["rss_ratio"] == summary["rss_bytes"]["ratio"] and _finite(summary["rss_ratio"])
+    assert summary["level"] == (summary["rss_ratio"] <= memory.LEVEL_RATIO)
+    assert out["updates"] > 0 and out["model_summaries"] > 0
+    assert "last / middle decile" in "\n".join(memory.markdown(out))

@@ -33,8 +33,9 @@ import torch
 from gp_mapping.evaluation.common import default_results_dir, jsonable, machine_info
 
 SECTIONS = ("accuracy", "calibration", "speed", "growth", "cuda", "large", "explore", "merge", "forgetting")
-#: sections run only when named (--only): the localization section filters the real recordings for minutes
-OPTIONAL_SECTIONS = ("localization",)
+#: sections run only when named (--only): the localization section filters the real recordings for minutes, the
+#: memory section drives a 30-minute random walk (issue 38: resident memory must level off)
+OPTIONAL_SECTIONS = ("localization", "memory")
 JSON_NAME = "bench.json"
 MD_NAME = "bench.md"
 
@@ -63,6 +64,8 @@ FULL = {
        "merge_sources": (1, 2, 4, 8, 16), "merge_strip_seconds": 60.0, "merge_strip_m": 32, "merge_resolution": 0.25,
        "merge_seed": 3, "merge_sessions": True, "merge_solin": True, "merge_solin_seconds": None},
     **{"forget_radius": 0.1, "forget_variants": 1, "vargp_drive_seconds": 1800.0, "vargp_drive_m": 256},
+    **{"memory_seconds": 1800.0, "memory_rate": 50.0, "memory_area": 10.0, "memory_speed": 1.0,
+       "memory_sample_seconds": 60.0, "memory_seed": 0},
 }
 QUICK = {  # a smoke run of every section (make test runs it): small enough to keep the suite's time down
     "calibration_recordings": ("solin_p1",), "calibration_engines": ("dual_svgp",),
@@ -91,6 +94,8 @@ QUICK = {  # a smoke run of every section (make test runs it): small enough to k
        "merge_sources": (1, 2, 4), "merge_strip_seconds": 15.0, "merge_strip_m": 12, "merge_resolution": 0.5,
        "merge_seed": 3, "merge_sessions": True, "merge_solin": True, "merge_solin_seconds": 30.0},
     **{"forget_radius": 0.1, "forget_variants": 0, "vargp_drive_seconds": 60.0, "vargp_drive_m": 32},
+    **{"memory_seconds": 120.0, "memory_rate": 20.0, "memory_area": 6.0, "memory_speed": 1.0,
+       "memory_sample_seconds": 10.0, "memory_seed": 0},
 }
 
 
@@ -151,6 +156,10 @@ def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[
                 from gp_mapping.evaluation import localization
 
                 out = localization.run(plan, root, why, log)
+            elif section == "memory":
+                from gp_mapping.evaluation import memory
+
+                out = memory.run(plan, log)
             else:
                 raise ValueError(f"unknown section {section!r}; choose from {', '.join(SECTIONS)}")
         except Exception as err:  # one broken section must not hide the others' numbers
@@ -265,7 +274,7 @@ def markdown(results: dict[str, Any]) -> str:
                       f"Latency slope after warm-up: {_f(s.get('latency_slope_ms_per_10k_samples'), '+.3f')} ms per "
                       "10 000 samples. Curves: `growth.png`.", ""]
     # sections whose module writes its own markdown, imported only when the section ran
-    for name in ("calibration", "explore", "large", "merge", "forgetting", "localization"):
+    for name in ("calibration", "explore", "large", "merge", "forgetting", "localization", "memory"):
         if sec.get(name) is not None:
             lines += importlib.import_module(f"gp_mapping.evaluation.{name}").markdown(sec[name])
     cu = sec.get("cuda")
