@@ -232,6 +232,9 @@ class Engine(nn.Module, abc.ABC):
         self.calibration = PrequentialCalibration(self.input_dims, self.output_dims,
                                                   config.calibration_records if on else 0)
         self.sessions = SessionOffsets(self.output_dims, MAX_SESSIONS, SESSION_CELL)
+        # every engine's counters (num_seen, num_updates), saved with its state
+        self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
 
     def _register_target_statistics(self, outputs: int, count_per_output: bool = False) -> None:
         """The buffers of adaptive target scaling: the offset and scale in use (``y_mean``, ``y_std``, (P,)) and the

@@ -341,7 +341,10 @@ def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
     if input_dims not in (2, 3):
         raise GridError(f"input_dims must be 2 or 3, got {input_dims}")
     device = torch.device(model.device)
-    tile_size = tile_cells(tile_size, device, getattr(getattr(model, "config", None), "num_inducing", None))
+    from gp_mapping.gp.base import Engine
+
+    # an engine's M sizes the chunks on a GPU; any other predictor (a view, a baseline) gets the default
+    tile_size = tile_cells(tile_size, device, model.config.num_inducing if isinstance(model, Engine) else None)
     h, w = spec.shape
     cells = None
     if only is not None:

@@ -141,8 +141,6 @@ class ContinualMOGP(ContinualBound, InducingPlacement, UpdateMemo, Engine):
         self.register_buffer("rows_since_learning", torch.tensor(0, dtype=torch.int64))
         self._register_adam_state()
         self.register_buffer("num_observed_t", torch.zeros(p, dtype=torch.int64))
-        self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
-        self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
         self._cache: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._memo: dict | None = None  # see _memoised: a dict only while update() runs
         self._capped_kernels: dict[int, Kernel] = {}  # see _placement_kernel

@@ -119,8 +119,6 @@ class SMCExperts(ExpertGPs, Gating, ExpertMemory, Engine):
         self.register_buffer("y_std", torch.ones(p, **f64))
         self.register_buffer("y_m2", torch.zeros(p, **f64))
         self.register_buffer("last_t", torch.tensor(-math.inf, **f64))
-        self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
-        self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("resamples_t", torch.tensor(0, dtype=torch.int64))
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(int(cfg.seed))

@@ -117,8 +117,6 @@ class TiledModel(SharedHyperparameters, Engine):
                               "(SHARED_HYPERPARAMETERS); it cannot be tiled", "tile_size")
         self.tiles = nn.ModuleDict()
         f64 = dict(dtype=torch.float64)
-        self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
-        self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("target_count", torch.zeros(p, **f64))
         self.register_buffer("target_mean", torch.zeros(p, **f64))
         self.register_buffer("target_m2", torch.zeros(p, **f64))

@@ -121,8 +121,6 @@ class VARGP(BlockFactors, RegionBlocks, Engine):
         self._register_target_statistics(p)
         self.register_buffer("standardised", torch.tensor(False))
         self.register_buffer("hyper_learned", torch.tensor(False))
-        self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
-        self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("blocks_opened_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("distillations_t", torch.tensor(0, dtype=torch.int64))
         self._register_adam_state()
