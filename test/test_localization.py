@@ -269,10 +269,7 @@ def test_global_localization_finds_the_robot_on_a_synthetic_field():
     t, truth = _drive(seconds=60.0)
     found = 0
     for seed in range(3):
-        # inflation 1: this map's reading variance is exact (the default 0.5 is the best worst case on the Solin
-        # maps, whose calibrated variance runs wider than the filter needs; docs/localization.md)
-        loc = Localizer(fmap, LocalizerConfig(num_particles=500, max_particles=5000, seed=seed, bias_prior_std=0.0,
-                                              inflation=1.0))
+        loc = Localizer(fmap, LocalizerConfig(num_particles=500, max_particles=5000, seed=seed, bias_prior_std=0.0))
         loc.initialise_global()
         assert loc.filter.num_particles == 5000
         stamps, poses, est = _run(loc, t, _odometry(t, truth, seed), _magnitude_readings(truth, seed))
@@ -556,3 +553,45 @@ def test_a_tilted_vector_reading_is_levelled_by_the_odometry_orientation():
                                room, atol=1e-9)
     magnitude = Localizer(_map(), LocalizerConfig())
     assert magnitude._reading_in_map_units(body * UT, q)[0] == pytest.approx(np.linalg.norm(room))
+
+
+def test_correlation_length_is_the_e_folding_lag_of_the_maps_autocorrelation():
+    from gp_mapping.localization.field_map import correlation_length
+
+    spec = GridSpec(0.0, 0.0, 0.05, 400, 400)
+    xy = spec.cell_centres()
+    wavelength = 4.0  # cos(2 pi d / lambda) falls to 1/e at d = lambda acos(1/e) / (2 pi); along y it is constant
+    mean = np.cos(2 * math.pi * xy[:, 0] / wavelength).reshape(spec.shape + (1,))
+    known = np.ones(spec.shape, dtype=bool)
+    # pooled over x (cos) and y (1 at every lag): the pooled correlation (cos + 1) / 2 reaches 1/e at
+    expected = wavelength * math.acos(2 * math.exp(-1.0) - 1.0) / (2 * math.pi)
+    assert correlation_length(mean, known, spec.resolution) == pytest.approx(expected, rel=0.03)
+    fmap = MagneticMap.from_arrays(spec, mean, np.ones(spec.shape + (1,)))
+    assert fmap.correlation_length == pytest.approx(expected, rel=0.03)
+
+
+def test_the_maps_error_is_shared_by_readings_at_one_place_not_counted_again_and_again():
+    """Two groups of particles where the map says 50 and 53 uT, the reading 50 again and again without moving. With
+    the map's error a state, the second group pays for a 3 uT misfit once (it may be the map's error there), not at
+    every reading; taken as independent, its weight falls by a constant factor per reading."""
+    spec = GridSpec(0.0, 0.0, 0.1, 40, 20)
+    xy = spec.cell_centres()
+    mean = np.where(xy[:, 0] < 2.0, 50.0, 53.0).reshape(spec.shape + (1,))
+    var = np.full(spec.shape + (1,), 10.0)
+    fmap = MagneticMap.from_arrays(spec, mean, var, error_var=np.full(spec.shape + (1,), 9.0))
+    assert float(fmap.error_var.max()) == 9.0
+    ratios = {}
+    for correlated in (True, False):
+        cfg = LocalizerConfig(num_particles=10, kld_err=0.0, ess_threshold=0.0, outlier_probability=0.0,
+                              bias_prior_std=0.0, correlated_map_error=correlated)
+        pf = ParticleFilter(fmap, cfg)
+        pf.initialise_gaussian((1.0, 1.0, 0.0), (0.0, 0.0, 0.0))
+        pf.poses[5:, 0] = 3.0
+        for _ in range(50):
+            pf.correct([50.0])
+        ratios[correlated] = pf.weights[5:].sum() / pf.weights[:5].sum()
+        if correlated:  # the second group's error state has learned the map's 3 uT there, to the noise's precision
+            assert np.allclose(pf.err_mean[5:], -3.0, atol=0.1) and np.all(pf.err_var[5:] < 0.05)
+            assert np.allclose(pf.err_mean[:5], 0.0)
+    assert ratios[True] > 0.3            # about exp(-9 / 20): one misfit against the map's whole variance
+    assert ratios[False] < 1e-8          # exp(-50 * 9 / 20)

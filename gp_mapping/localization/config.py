@@ -60,11 +60,18 @@ class LocalizerConfig:
     max_update_rate: float = option(50.0, doc="at most this many filter updates per second of stamps (a 200 Hz "
                                     "magnetometer is subsampled); 0: no limit", low=0.0, high=10_000.0)
     # --- measurement model
-    inflation: float = option(0.5, doc="the map's predictive variance of a reading (latent + noise) is multiplied "
-                              "by this before the offset's variance is added: above 1 for maps whose errors along a "
-                              "path are shared by many updates, below 1 where a calibrated reading variance is wider "
-                              "than the filter needs (0.5 had the best worst case on the Solin recording; "
-                              "docs/localization.md)", low=0.0, low_open=True, high=1e6)
+    inflation: float = option(1.0, doc="multiplies the map's predictive variance of a reading (both its parts: the "
+                              "map's error and the sensor's noise); 1: the map's calibrated variance as it is",
+                              low=0.0, low_open=True, high=1e6)
+    correlated_map_error: bool = option(True, doc="treat the map's error (a reading's variance less the sensor's "
+                                        "noise) as shared by successive readings along the path: a per-particle error "
+                                        "state that decorrelates over error_correlation_length of travel, estimated "
+                                        "with the offset (Kalman), so readings in a row count as the evidence they "
+                                        "are; false: every update's error independent of the others")
+    error_correlation_length: float = option(0.0, doc="distance over which the map's errors along a path "
+                                             "decorrelate (e-folding of an exponential correlation) [m]; 0: measured "
+                                             "on the map (the e-folding distance of its mean's autocorrelation)",
+                                             low=0.0, high=1e4)
     position_std: float = option(0.0, doc="position uncertainty the map lookup allows for [m]: adds |grad m|^2 "
                                  "position_std^2 to the reading variance (a noisy-input GP, McHutchon and Rasmussen "
                                  "2011), so steep parts of the field, where a few centimetres change a reading by "

@@ -9,6 +9,13 @@ calls known (:meth:`gp_mapping.mapping.grid.Coverage.known_mask`: within ``grid.
 a lookup on an unknown cell or off the grid says so (``on_map`` False) and the filter gives that particle the
 off-map likelihood instead of a number the map never vouched for.
 
+The grid also holds the part of a reading's variance that is the map's own error (``error_var``: the reading
+variance less the sensor's noise the engine learned, :meth:`MagneticMap.from_mapper`), which successive readings
+along a path share; the sensor's noise is new at every reading. The
+filter models that shared part as a correlated error along the path (filter.py), over the map's correlation length
+(:attr:`MagneticMap.correlation_length`: the e-folding distance of the spatial autocorrelation of the map's own
+mean, :func:`correlation_length`).
+
 Outputs: a magnitude map (``sync.target: magnitude``) has one output, |B|; a vector map three, the map-frame
 components x, y, z. Values are in the map's ``field_unit``.
 """
@@ -49,6 +56,30 @@ def reading_moments(model, x):
         return mean, torch.maximum(reading_var, var)
 
 
+class _NoiseView:
+    """A model whose ``predict`` gives the sensor's noise variance (the engine's learned likelihood noise, targets'
+    units) as the variance, so :func:`predict_grid` draws the part of a reading's variance that is new at every
+    reading. An engine without the package's ``_reading_moments`` gives 0 there (its whole reading variance is then
+    taken as the map's error)."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+        self.device = getattr(model, "device", "cpu")
+        self.config = getattr(model, "config", None)
+
+    def predict(self, x):
+        import torch
+
+        moments = getattr(self._model, "_reading_moments", None)
+        with torch.no_grad():
+            if callable(moments):
+                xt = self._model._check_x(x) if hasattr(self._model, "_check_x") else x
+                mean, _, noise = moments(xt)
+                return mean, noise
+            mean, var = self._model.predict(x)
+            return mean, torch.zeros_like(var)
+
+
 class _ReadingView:
     """A model whose ``predict`` is :func:`reading_moments`, so :func:`predict_grid` draws reading grids."""
 
@@ -79,13 +110,48 @@ def _squared_gradient(mean: np.ndarray, resolution: float) -> np.ndarray:
     return out
 
 
+def correlation_length(mean: np.ndarray, known: np.ndarray, resolution: float) -> float:
+    """The e-folding distance [m] of the spatial autocorrelation of a map's mean ``(H, W, P)`` over its known
+    cells ``(H, W)``: the lag (along x and y, pooled, averaged over outputs) at which the correlation of the
+    mean's deviations from its average first falls below 1/e, linearly interpolated between grid lags; at least
+    one cell, and at most the grid's smaller side when it never falls that far. For an exponential (Ornstein-
+    Uhlenbeck) correlation ``exp(-d / L)`` it is L itself; the filter takes it as the distance over which the map's
+    errors along a path decorrelate (the errors of a GP map vary on the scale of the field it has learned)."""
+    h, w, p = mean.shape
+    max_lag = max(1, min(h, w) - 1)
+    lengths = []
+    for k in range(p):
+        d = np.where(known, mean[..., k] - mean[..., k][known].mean(), 0.0)
+        var = float(np.mean(d[known] ** 2))
+        if not var > 0:
+            lengths.append(resolution)
+            continue
+        prev, found = 1.0, None
+        for lag in range(1, max_lag + 1):
+            both_x = known[:, :-lag] & known[:, lag:]
+            both_y = known[:-lag, :] & known[lag:, :]
+            count = int(both_x.sum() + both_y.sum())
+            if count == 0:
+                break
+            rho = float((np.sum((d[:, :-lag] * d[:, lag:])[both_x]) + np.sum((d[:-lag, :] * d[lag:, :])[both_y]))
+                        / (count * var))
+            if rho < math.exp(-1.0):
+                found = (lag - 1 + (prev - math.exp(-1.0)) / max(prev - rho, 1e-12)) * resolution
+                break
+            prev = rho
+        lengths.append(found if found is not None else max_lag * resolution)
+    return float(max(np.mean(lengths), resolution))
+
+
 @dataclass
 class MagneticMap:
     """A grid of the predictive mean and reading variance of the field (see the module docstring).
 
     ``mean`` and ``var`` are ``(H, W, P)`` over ``spec`` (row j = y, column i = x, as OccupancyGrid); ``known``
     ``(H, W)``; values of unknown cells are never read. ``target`` is ``'magnitude'`` (P = 1) or ``'vector'``
-    (P = 3, map-frame x, y, z)."""
+    (P = 3, map-frame x, y, z). ``error_var`` ``(H, W, P)`` (optional) is the part of ``var`` that is the map's
+    own error (clipped to ``var``; the rest is the sensor's noise); without it the filter takes every reading's
+    error as independent."""
 
     spec: GridSpec
     mean: np.ndarray
@@ -99,6 +165,7 @@ class MagneticMap:
     sensor_rotation: tuple = (0.0, 0.0, 0.0, 1.0)  # and its sync.sensor_rotation [x, y, z, w]
     hard_iron: tuple = (0.0, 0.0, 0.0)  # and its magnetometer calibration: sync.hard_iron [field_unit]
     soft_iron: tuple = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0)  # and sync.soft_iron (3x3 row-major)
+    error_var: np.ndarray | None = None
     _mean_flat: np.ndarray = field(init=False, repr=False)
     _var_flat: np.ndarray = field(init=False, repr=False)
     _known_flat: np.ndarray = field(init=False, repr=False)
@@ -123,11 +190,27 @@ class MagneticMap:
         usable = known & np.all(np.isfinite(mean), axis=2) & np.all(np.isfinite(var) & (var >= 0), axis=2)
         if not usable.any():
             raise LocalizationError("the map has no known cell with a finite mean and variance")
-        self.mean, self.var, self.known = mean, var, usable
+        if self.error_var is not None:
+            latent = np.asarray(self.error_var, dtype=np.float64)
+            if latent.ndim == 2:
+                latent = latent[..., None]
+            if latent.shape != mean.shape:
+                raise LocalizationError(f"the error variance has shape {latent.shape}; the mean {mean.shape}")
+            usable &= np.all(np.isfinite(latent) & (latent >= 0), axis=2)
+            if not usable.any():
+                raise LocalizationError("the map has no known cell with a finite mean and variance")
+            latent = np.where(usable[..., None], np.minimum(latent, var), 0.0)
+        else:
+            latent = np.zeros(mean.shape)
+        self.mean, self.var, self.known, self.error_var = mean, var, usable, latent
+        self.correlation_length = correlation_length(np.where(usable[..., None], mean, 0.0), usable,
+                                                     self.spec.resolution)
         # Padded by one unknown cell on every side, flattened: a lookup gathers without bounds checks.
         self._mean_flat = np.zeros((h + 2, w + 2, p))
         self._var_flat = np.ones((h + 2, w + 2, p))
         self._known_flat = np.zeros((h + 2, w + 2))
+        self._latent_flat = np.zeros((h + 2, w + 2, p))
+        self._latent_flat[1:-1, 1:-1] = latent
         self._mean_flat[1:-1, 1:-1] = np.where(usable[..., None], mean, 0.0)
         self._var_flat[1:-1, 1:-1] = np.where(usable[..., None], var, 1.0)
         self._known_flat[1:-1, 1:-1] = usable
@@ -139,6 +222,7 @@ class MagneticMap:
                                                           self.spec.resolution)
         self._mean_flat = self._mean_flat.reshape(-1, p)
         self._var_flat = self._var_flat.reshape(-1, p)
+        self._latent_flat = self._latent_flat.reshape(-1, p)
         self._known_flat = self._known_flat.reshape(-1)
         self._grad2_flat = self._grad2_flat.reshape(-1, p)
         # The off-map likelihood: the map's marginal distribution of readings (prior) or a uniform density over
@@ -166,6 +250,12 @@ class MagneticMap:
         cell holding the point is known. The interpolation uses the known cells among the four around the point
         (weights renormalised), so a point near the edge of the known area reads the known side only. Off the
         map the mean and variance are the map's marginal ones (``prior_mean``, ``prior_var``)."""
+        mean, var, _, on_map = self.lookup_parts(xy, position_var)
+        return mean, var, on_map
+
+    def lookup_parts(self, xy: np.ndarray, position_var: float = 0.0):
+        """:meth:`lookup` and the map-error part of the reading variance (``error_var``): ``(mean, var, error,
+        on_map)``; the error part is 0 off the map (there the whole variance is the map's marginal spread)."""
         s = self.spec
         wp = s.width + 2
         cx = (xy[:, 0] - s.origin_x) / s.resolution
@@ -187,10 +277,12 @@ class MagneticMap:
         total = np.zeros(xy.shape[0])
         mean = np.zeros((xy.shape[0], self.outputs))
         var = np.zeros((xy.shape[0], self.outputs))
+        latent = np.zeros((xy.shape[0], self.outputs))
         for k, wgt in zip(corners, weights):
             wk = wgt * known[k]
             total += wk
             mean += wk[:, None] * self._mean_flat[k]
+            latent += wk[:, None] * self._latent_flat[k]
             if position_var > 0:
                 var += wk[:, None] * (self._var_flat[k] + position_var * self._grad2_flat[k])
             else:
@@ -199,12 +291,14 @@ class MagneticMap:
         safe = np.where(inside, total, 1.0)[:, None]
         mean /= safe
         var /= safe
+        latent /= safe
         on_map &= inside
         if not on_map.all():  # off the map: the map's marginal distribution of readings
             off = ~on_map
             mean[off] = self.prior_mean
             var[off] = self.prior_var
-        return mean, var, on_map
+            latent[off] = 0.0
+        return mean, var, latent, on_map
 
     def map_grid(self, stamp: float = math.nan):
         """The lookup grid as a :class:`~gp_mapping.mapping.mapper.MapGrid` (layers as the mapper publishes them,
@@ -259,7 +353,10 @@ class MagneticMap:
         input_dims = int(cfg.sync.input_dims)
         mean, var = predict_grid(_ReadingView(mapper.model), spec, g.tile_size, height=g.height,
                                  input_dims=input_dims, only=known)
-        return cls(spec=spec, mean=mean, var=var, known=known, frame_id=g.frame_id, field_unit=cfg.sync.field_unit,
+        _, noise = predict_grid(_NoiseView(mapper.model), spec, g.tile_size, height=g.height, input_dims=input_dims,
+                                only=known)
+        return cls(spec=spec, mean=mean, var=var, known=known, error_var=np.maximum(var - noise, 0.0), frame_id=g.frame_id,
+                   field_unit=cfg.sync.field_unit,
                    target=cfg.sync.target, source=source, sensor_translation=tuple(cfg.sync.sensor_translation),
                    sensor_rotation=tuple(cfg.sync.sensor_rotation), hard_iron=tuple(cfg.sync.hard_iron),
                    soft_iron=tuple(cfg.sync.soft_iron))

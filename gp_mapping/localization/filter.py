@@ -1,29 +1,40 @@
 """The particle filter over the pose (x, y, yaw) in the map frame and a magnetometer offset.
 
-State. Each particle holds a pose and, Rao-Blackwellised, a Gaussian over the offset ``b`` (one per map output:
-|B| for a magnitude map, the map-frame x, y, z for a vector map): its mean and variance per output. Given a
-particle's pose the reading is linear-Gaussian in ``b``,
+State. Each particle holds a pose and, Rao-Blackwellised, a joint Gaussian over two additive terms per map output
+(|B| for a magnitude map, the map-frame x, y, z for a vector map): a constant magnetometer offset ``b`` and the
+map's error ``e`` at the particle's place. Given a particle's pose the reading is linear-Gaussian in them,
 
-    y = m(p) + b + e,    e ~ N(0, R(p)),    R(p) = inflation * v(p) + variance_floor,
+    y = m(p) + b + e + n,    e ~ N(0, inflation * v_e(p)),    n ~ N(0, inflation * v_n(p) + variance_floor),
 
-with ``m`` and ``v`` the map's predictive mean and *reading* variance (latent + noise) at the sensor position
-``p`` (:class:`~gp_mapping.localization.field_map.MagneticMap`), so the offset is integrated out exactly: the
-particle's weight is the predictive density ``N(y; m + mu_b, R + P_b)`` (the reading's variance plus the
-offset's), and a scalar Kalman update per output moves ``(mu_b, P_b)``. This is the Rao-Blackwellised particle
-filter of Doucet et al. (2000) for a state whose nonlinear part (the pose) is sampled and whose linear part (the
-offset) is not: the offset costs one Kalman update per particle and output (a few numpy operations), and unlike
-an offset sampled per particle it does not need particles spread over its range to be estimated, nor does
-resampling deplete it. Why ``inflation`` multiplies the map's part only: the map's error is what successive
-readings along a path share (readings a few centimetres apart see the same error of a map whose lengthscale is
-a metre), so its weight is the thing to tune; the offset's variance is the filter's own and stays exact, so the
-Kalman update of the offset stays consistent whatever the inflation.
+with ``m`` the map's predictive mean and ``v_e + v_n`` its calibrated *reading* variance at the sensor position
+``p`` (:class:`~gp_mapping.localization.field_map.MagneticMap`): ``v_n`` the sensor's noise, new at every reading,
+and ``v_e`` the rest, the map's own error. So ``b`` and ``e`` are integrated out exactly: the particle's weight is
+the predictive density ``N(y; m + mu_b + mu_e, v_n + P_bb + 2 P_be + P_ee)`` and a Kalman update moves their
+means and 2 x 2 covariance. This is the Rao-Blackwellised particle filter of Doucet et al. (2000) for a state whose
+nonlinear part (the pose) is sampled and whose linear part is not: a few numpy operations per particle and output,
+and unlike states sampled per particle they need no particles spread over their range, nor does resampling
+deplete them.
+
+Why the map's error is a state. Readings at successive updates (0.2 m apart) see nearly the same map error: a GP
+map's errors vary on the scale of the field it learned. Taken as independent, a stretch of road where the map is
+off by 3 uT counts as many independent 3 uT misfits, and a stretch the map is unsure of (a large ``v``) costs its
+``log v`` at every update, so a path through well-mapped cells whose readings happen to fit beats the true path
+through a poorly mapped one. Here the error is a process along the path: divided by the map's error standard
+deviation it is an Ornstein-Uhlenbeck process in the distance the sensor travelled, correlation ``exp(-d / L)``
+over ``d`` metres, ``L`` the map's correlation length (``error_correlation_length``, or measured on the map:
+:func:`~gp_mapping.localization.field_map.correlation_length`). The first reading of a stretch pays for the map's
+uncertainty; the next ones are weighed by what they add (``_propagate_error``). A robot at rest gets no new
+evidence from its repeated readings but their noise, as it should. ``correlated_map_error`` false drops the state
+(``v_e`` joins the noise: every update independent, the filter's model before).
 
 The offset is constant (``bias_random_walk`` 0: a fixed offset with a Gaussian prior) or a random walk.
-``bias_prior_std`` 0 removes the state (``b`` = the prior mean).
+``bias_prior_std`` 0 removes the offset (``b`` = the prior mean). ``inflation`` (default 1: the calibrated
+variance as it is) scales both variances.
 
 Off the map. A particle whose sensor sits on an unknown cell or off the grid gets the map's marginal density of
 readings (``off_map: prior``: the mean and spread of the map's readings, plus its offset) or a uniform density
-over the map's range (``uniform``); its offset is not updated.
+over the map's range (``uniform``); its offset and error are not updated, and its error restarts from the map's
+prior when it comes back on the map.
 
 Resampling is systematic (Kitagawa 1996) when the effective sample size ``1 / sum w^2`` drops below
 ``ess_threshold * N``. With ``kld_err`` > 0 the number of particles adapts at each resampling (KLD-sampling, Fox
@@ -109,12 +120,29 @@ class ParticleFilter:
         self.weights = np.full(n, 1.0 / n)
         self.bias_mean = np.tile(self._bias_prior, (n, 1))
         self.bias_var = np.full((n, p), self._bias_var0)
+        self._new_error_state(n)
         self.initialised = False
         self.updates = 0
         self.resamples = 0
         self.last_ess = float(n)
         self.last_nis = math.nan        # weighted normalised innovation squared of the last update (per output)
         self.last_off_map = 0.0         # weight share of particles off the map at the last update
+
+    def _new_error_state(self, n: int) -> None:
+        """The map-error state of ``n`` fresh particles: none yet (its prior is set at the first reading, from
+        the map's latent variance where each particle is)."""
+        p = self.map.outputs
+        self.err_mean = np.zeros((n, p))
+        self.err_var = np.zeros((n, p))
+        self.cross_var = np.zeros((n, p))      # covariance of the offset and the map error
+        self._err_prior = np.zeros((n, p))     # the latent variance at each particle's last update (0: none yet)
+        self._last_sensor = np.full((n, 2), np.nan)
+
+    @property
+    def correlation_length(self) -> float:
+        """The distance [m] over which the filter takes the map's errors along a path to decorrelate."""
+        length = self.config.error_correlation_length
+        return float(length) if length > 0 else float(self.map.correlation_length)
 
     @property
     def num_particles(self) -> int:
@@ -138,21 +166,27 @@ class ParticleFilter:
     def initialise_global(self) -> None:
         """Particles uniform over the map's known cells (a uniform point in a uniformly drawn cell, so the
         density is uniform over the known area) with a uniform heading."""
+        n = self.config.max_particles
+        self.poses = self._uniform_poses(n)
+        self._reset(n)
+
+    def _uniform_poses(self, n: int) -> np.ndarray:
+        """``(n, 3)`` poses whose sensor is uniform over the map's known cells, heading uniform."""
         centres = self.map.known_cell_centres()
-        n, res = self.config.max_particles, self.map.spec.resolution
+        res = self.map.spec.resolution
         cells = centres[self.rng.integers(0, centres.shape[0], n)]
         sensor = cells + (self.rng.random((n, 2)) - 0.5) * res
         yaw = self.rng.uniform(-math.pi, math.pi, n)
         # The sensor is what lies on the map; the body sits at the sensor minus the rotated offset.
         c, s = np.cos(yaw), np.sin(yaw)
         ox, oy = self.sensor_offset
-        self.poses = np.column_stack([sensor[:, 0] - (c * ox - s * oy), sensor[:, 1] - (s * ox + c * oy), yaw])
-        self._reset(n)
+        return np.column_stack([sensor[:, 0] - (c * ox - s * oy), sensor[:, 1] - (s * ox + c * oy), yaw])
 
     def _reset(self, n: int) -> None:
         self.weights = np.full(n, 1.0 / n)
         self.bias_mean = np.tile(self._bias_prior, (n, 1))
         self.bias_var = np.full((n, self.map.outputs), self._bias_var0)
+        self._new_error_state(n)
         self.initialised = True
 
     # ------------------------------------------------------------------------------------------ the two steps
@@ -184,35 +218,49 @@ class ParticleFilter:
         if y.shape != (fmap.outputs,) or not np.all(np.isfinite(y)):
             raise LocalizationError(f"a reading for this {fmap.target} map is {fmap.outputs} finite number(s), got "
                                     f"{y.tolist()}")
-        mean, var, on_map = fmap.lookup(self.sensor_positions(), cfg.position_std ** 2)
+        sensor = self.sensor_positions()
+        mean, var, latent, on_map = fmap.lookup_parts(sensor, cfg.position_std ** 2)
         if fmap.target == "vector":  # the levelled body-frame reading in the map frame, by each particle's yaw
             c, s = np.cos(self.poses[:, 2]), np.sin(self.poses[:, 2])
             y = np.column_stack([c * y[0] - s * y[1], s * y[0] + c * y[1], np.full(c.shape, y[2])])
-        base = var if cfg.use_map_variance else np.where(on_map[:, None], cfg.fixed_variance, var)
-        r = cfg.inflation * base + cfg.variance_floor
-        s_tot = r + self.bias_var
-        innov = y - mean - self.bias_mean
+        if not cfg.use_map_variance:
+            var = np.where(on_map[:, None], cfg.fixed_variance, var)
+            latent = np.zeros_like(var)
+        elif not cfg.correlated_map_error:
+            latent = np.zeros_like(var)
+        white = cfg.inflation * (var - latent) + cfg.variance_floor  # the sensor's noise: new at every reading
+        latent = cfg.inflation * latent                              # the map's error: shared along the path
+        self._propagate_error(sensor, latent)
+        # The reading y = m(p) + b + e + n: offset b and map error e per particle (Gaussian, jointly), noise n.
+        s_tot = white + self.bias_var + 2.0 * self.cross_var + self.err_var
+        innov = y - mean - self.bias_mean - self.err_mean
         loglik = -0.5 * np.sum(LOG_2PI + np.log(s_tot) + innov * innov / s_tot, axis=1)
         off = ~on_map
         any_off = bool(off.any())
         if any_off and cfg.off_map == "uniform":
             loglik[off] = float(np.sum(fmap.uniform_log_density))
         eps = cfg.outlier_probability
-        if eps > 0:  # p = (1 - eps) N + eps U; resp = the Gaussian part's share (scales the offset's update)
+        if eps > 0:  # p = (1 - eps) N + eps U; resp = the Gaussian part's share (scales the states' update)
             log_u = math.log(eps) + float(np.sum(fmap.uniform_log_density))
             log_g = math.log1p(-eps) + loglik
             top = np.maximum(log_g, log_u)
             loglik = top + np.log(np.exp(log_g - top) + np.exp(log_u - top))
             resp = np.exp(log_g - loglik)
-        # Offsets: a Kalman update per particle and output, on the map only.
-        if self._bias_var0 > 0:
-            gain = self.bias_var / s_tot
-            if eps > 0:
-                gain *= resp[:, None]
-            if any_off:
-                gain[off] = 0.0
-            self.bias_mean += gain * innov
-            self.bias_var -= gain * self.bias_var
+        # Offset and map error: a Kalman update per particle and output (observation b + e), on the map only.
+        pb = self.bias_var + self.cross_var      # cov(b, y)
+        pe = self.cross_var + self.err_var       # cov(e, y)
+        gain_b, gain_e = pb / s_tot, pe / s_tot
+        if eps > 0:
+            gain_b *= resp[:, None]
+            gain_e *= resp[:, None]
+        if any_off:
+            gain_b[off] = 0.0
+            gain_e[off] = 0.0
+        self.bias_mean += gain_b * innov
+        self.err_mean += gain_e * innov
+        self.bias_var -= gain_b * pb
+        self.err_var -= gain_e * pe
+        self.cross_var -= gain_b * pe
         logw = np.log(np.maximum(self.weights, 1e-300)) + loglik
         logw -= logw.max()
         w = np.exp(logw)
@@ -226,6 +274,27 @@ class ParticleFilter:
         if ess < cfg.ess_threshold * self.num_particles:
             self.resample()
         return ess
+
+    def _propagate_error(self, sensor: np.ndarray, latent: np.ndarray) -> None:
+        """Carry each particle's map error from its last update to this one. The error divided by the map's
+        latent standard deviation is an Ornstein-Uhlenbeck process in the distance its sensor travelled: its
+        correlation over a move of d metres is rho = exp(-d / L) (L: :attr:`correlation_length`), so
+
+            e' = rho sqrt(v' / v) e + sqrt(v' (1 - rho^2)) w,    w ~ N(0, 1),
+
+        with v, v' the latent variance at the old and the new place: a particle that has not moved keeps its
+        error (a reading at rest says nothing new about the map there), one that moved far gets a fresh error of
+        the map's variance. A particle without a previous update (after an initialisation or off the map) starts
+        from the prior N(0, v')."""
+        moved = np.hypot(*(sensor - self._last_sensor).T)
+        had = np.isfinite(moved)[:, None] & (self._err_prior > 0)
+        rho = np.exp(-np.where(np.isfinite(moved), moved, np.inf) / max(self.correlation_length, 1e-9))[:, None]
+        scale = np.where(had, rho * np.sqrt(latent / np.where(had, self._err_prior, 1.0)), 0.0)
+        self.err_mean *= scale
+        self.cross_var *= scale
+        self.err_var = scale * scale * self.err_var + np.where(had, 1.0 - rho * rho, 1.0) * latent
+        self._err_prior = latent
+        self._last_sensor = sensor
 
     def _systematic(self, n: int) -> np.ndarray:
         """Indices of n systematic draws: evenly spaced pointers with one random offset into the cumulative
@@ -262,6 +331,8 @@ class ParticleFilter:
         self.poses = self.poses[idx]
         self.bias_mean = self.bias_mean[idx]
         self.bias_var = self.bias_var[idx]
+        self.err_mean, self.err_var, self.cross_var = self.err_mean[idx], self.err_var[idx], self.cross_var[idx]
+        self._err_prior, self._last_sensor = self._err_prior[idx], self._last_sensor[idx]
         self.weights = np.full(n, 1.0 / n)
         self.resamples += 1
 
