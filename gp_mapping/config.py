@@ -86,6 +86,14 @@ class BatchConfig:
     period: float = _opt(1.0, doc="seconds per batch in time mode", low=0.0, low_open=True, high=3600.0)
     max_pending: int = _opt(10_000, doc="bound on samples waiting for an update; the oldest are dropped and "
                             "counted beyond it", low=1, high=10_000_000)
+    catch_up_after: int = _opt(4, doc="the node catches up once this many full batches wait for the model: each "
+                               "update then takes several full batches at once (a power of two of them, as many as "
+                               "the engine's measured cost per sample favours, at most batching.catch_up_max samples), "
+                               "so the backlog stays bounded and nothing is dropped while the sensor rate is within "
+                               "what the engine can absorb; below it the batches are the replay's (which never falls "
+                               "behind). 0: never", low=0, high=1_000_000)
+    catch_up_max: int = _opt(2000, doc="most samples one catch-up update takes (its latency and memory)", low=1,
+                             high=10_000_000)
 
 
 @dataclass
@@ -150,9 +158,11 @@ class NodeConfig:
     model_period: float = _opt(5.0, doc="seconds between model summaries on ~/model (what a merger node merges; "
                                "sent only when the map changed, except the parts of a large tiled map, which go "
                                "round); 0: none", low=0.0, high=1e6)
-    model_max_bytes: int = _opt(16_000_000, doc="largest model summary sent on ~/model; a larger one is not sent "
-                                "(counted, logged), except a tiled map's, which then goes in parts of as many "
-                                "tiles as fit, changed tiles first [bytes]", low=1024, high=1_000_000_000)
+    model_max_bytes: int = _opt(16_000_000, doc="largest model summary sent on ~/model; a larger one is sent "
+                                "reduced: a tiled map's in parts of as many tiles as fit (changed tiles first), then "
+                                "in float32; one engine's in float32; then with its visited cells coarser and fewer "
+                                "trajectory points. One that fits no form is counted, logged and tried again at the "
+                                "next period [bytes]", low=1024, high=1_000_000_000)
     # Diagnostics levels (gp_mapping.mapping.health): each check names its reason in the status message.
     stale_after: float = _opt(5.0, doc="diagnostics: WARN when no magnetometer message, or no pose message (/tf "
                               "with node.pose_source tf), has come for this long, also before the first one (a dead "

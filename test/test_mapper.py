@@ -242,7 +242,8 @@ def test_time_batches_capped_by_max_pending():
 
 
 def test_pending_bound_drops_oldest_when_updates_fall_behind():
-    mapper = Mapper(config(batching={"size": 50, "max_pending": 120}))
+    # catch_up_after 0: one batch an update however far behind (the catch-up is test_catch_up.py's)
+    mapper = Mapper(config(batching={"size": 50, "max_pending": 120, "catch_up_after": 0}))
     t, pos, yaw = lawnmower()
     updates = 0
     for k in range(600):

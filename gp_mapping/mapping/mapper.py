@@ -14,6 +14,17 @@ exception from the model (a programming error) is rolled back and counted the sa
 Jitter escalations reported by the model are counted and logged. :meth:`checkpoint` writes the whole state
 atomically (see :mod:`gp_mapping.mapping.state`); :meth:`load` restores it.
 
+Catching up. A caller that limits its updates (``process(max_updates=...)``: the node's update thread runs one per
+step) can fall behind the stream; the replay, which runs every full batch at once, never does. Once
+``batching.catch_up_after`` full batches are waiting, such a caller's update takes several full batches at once
+(``k`` of them, k a power of two, at most ``batching.catch_up_max`` samples and what is waiting), so the backlog
+stays bounded and nothing is dropped while the sensor rate is within what the engine can absorb. How many is
+learned from the engine's own cost: the seconds per sample of each size taken so far (a running mean); the
+largest size within 10 % of the cheapest is taken, and the next size up is tried while the largest tried is that
+one, so an engine whose update costs about the same for a larger batch (a memory-bounded engine) takes larger
+batches and one whose cost per sample grows with the batch stays where it is cheapest. Below the threshold the
+batches are the replay's, so the node's map equals the replay's bit for bit.
+
 Rules every driver (the node, the replay) shares live here too: a pose in another frame than ``grid.frame_id``
 is refused and counted (:meth:`add_pose` with ``frame_id``; the Mapper does no tf lookup), and a map is
 published only when it changed since the last publication (:attr:`map_changed`, :meth:`mark_published`).
@@ -48,6 +59,8 @@ TRAJECTORY_MAX_POINTS = 20_000
 PREDICTION_CHECK_POINTS = 64  # batch points predicted after each update to catch a non-finite model
 LOG = logging.getLogger("gp_mapping.mapper")
 UPDATE_TIMES_KEPT = 100
+CATCH_UP_TOLERANCE = 1.1  # a larger catch-up batch is preferred while its cost per sample is within 10 % of the best
+CATCH_UP_SMOOTHING = 0.3  # weight of the newest update in the running mean of a batch size's cost per sample
 MAX_REFUSED_FRAMES_KEPT = 16
 
 
@@ -163,6 +176,8 @@ def _shared_range(old_size: int, new_size: int, shift: int) -> tuple[slice | Non
 class Mapper:
     """Online GP map of the magnetic field from pose and magnetometer streams (see the module docstring)."""
 
+    _clock = staticmethod(time.perf_counter)  # times the updates (tests emulate it)
+
     def __init__(self, config: MapperConfig | None = None, model=None) -> None:
         self.config = config if config is not None else MapperConfig()
         cfg = self.config
@@ -211,6 +226,10 @@ class Mapper:
         self.dropped = 0
         self.dropped_overflow = 0       # pending samples dropped by the batching.max_pending bound
         self.dropped_failed_update = 0  # samples of batches whose update failed (rolled back)
+        self.catch_up_updates = 0  # updates that took several full batches at once (a caller that fell behind)
+        self.catch_up_samples = 0  # samples those updates took
+        self.largest_batch = 0
+        self._batch_cost: dict[int, float] = {}  # full batches per update -> running mean of seconds per sample
         self.updates = 0
         self.failed_updates = 0
         self.jitter_escalations = 0
@@ -307,6 +326,64 @@ class Mapper:
             return min(n, b.max_pending)
         return b.max_pending if t.shape[0] >= b.max_pending else 0
 
+    def _full_batch_ends(self, need: int, cap: int) -> list[int]:
+        """Samples in the first 1, 2, ... full batches waiting (cumulative), at least ``need`` of them where so many
+        are waiting, and on until one ends at ``cap`` samples or beyond: count mode, multiples of
+        ``batching.size``; time mode, the ends of the full periods (each also cut at ``batching.max_pending``
+        samples, as :meth:`_full_batch_size` cuts one)."""
+        b = self.config.batching
+        if b.mode == "count":
+            return [b.size * (k + 1) for k in range(min(self._pending_count // b.size, max(need, -(-cap // b.size))))]
+        if self._pending_count == 0:
+            return []
+        t = np.concatenate([m.t for m in self._pending])
+        ends: list[int] = []
+        start = 0
+        while start < t.shape[0] and (len(ends) < need or ends[-1] < cap):
+            n = int(np.searchsorted(t, t[start] + b.period, side="left"))
+            if n < t.shape[0]:
+                end = min(n, start + b.max_pending)
+            elif t.shape[0] - start >= b.max_pending:
+                end = start + b.max_pending
+            else:
+                break
+            ends.append(end)
+            start = end
+        return ends
+
+    def _catch_up_batches(self) -> tuple[int, int]:
+        """(full batches, samples) the next update of a caller that limits its updates takes: one full batch, or
+        several once ``batching.catch_up_after`` are waiting (see the module docstring); (0, 0) while none is
+        full."""
+        b = self.config.batching
+        n = self._full_batch_size()
+        if n == 0 or b.catch_up_after == 0:
+            return (1, n) if n else (0, 0)
+        if b.mode == "count" and self._pending_count < b.catch_up_after * b.size:
+            return 1, n  # the common case, decided without looking at the stamps
+        ends = self._full_batch_ends(b.catch_up_after, b.catch_up_max)
+        if len(ends) < b.catch_up_after:
+            return 1, n
+        sizes, k = [], 1  # powers of two that fit what is waiting and batching.catch_up_max
+        while k <= len(ends) and (k == 1 or ends[k - 1] <= b.catch_up_max):
+            sizes.append(k)
+            k *= 2
+        tried = [k for k in sizes if k in self._batch_cost]
+        if not tried:
+            return 1, n
+        cheapest = min(self._batch_cost[k] for k in tried)
+        best = max(k for k in tried if self._batch_cost[k] <= CATCH_UP_TOLERANCE * cheapest)
+        if best == max(tried) and best < sizes[-1]:  # no larger size has been worse yet: try the next one up
+            best = sizes[sizes.index(best) + 1]
+        return best, ends[best - 1]
+
+    def _learn_cost(self, batches: int, stats: dict[str, Any]) -> None:
+        """Fold an update's seconds per sample into the running mean of its size (``batches`` full batches)."""
+        per_sample = float(stats["update_seconds"]) / max(1, int(stats["batch_size"]))
+        old = self._batch_cost.get(batches)
+        self._batch_cost[batches] = per_sample if old is None else \
+            (1.0 - CATCH_UP_SMOOTHING) * old + CATCH_UP_SMOOTHING * per_sample
+
     def _fail(self, batch: Measurements, why: str) -> None:
         """Roll the model back to its state before the batch, count the batch as dropped and log why."""
         self.model.rollback()
@@ -323,7 +400,7 @@ class Mapper:
 
         from gp_mapping.gp import GPNumericalError, ModelInputError
 
-        start = time.perf_counter()
+        start = self._clock()
         # Every engine can undo an update (Engine.begin_update / rollback; the tiled model records only what
         # changes, its state grows with the area).
         self.model.begin_update()
@@ -348,7 +425,7 @@ class Mapper:
         device = torch.device(self.model.device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # honest timing: wait for the queued kernels
-        seconds = time.perf_counter() - start
+        seconds = self._clock() - start
         jitter = (stats or {}).get("jitter")
         if jitter is not None:
             if self._jitter is not None and jitter > self._jitter:
@@ -357,6 +434,7 @@ class Mapper:
             self._jitter = jitter
         self._coverage.add(batch.position)
         self.updates += 1
+        self.largest_batch = max(self.largest_batch, len(batch))
         self._map_version += 1
         self._update_seconds.append(seconds)
         self.last_stamp = max(self.last_stamp, float(batch.t[-1]))
@@ -367,8 +445,10 @@ class Mapper:
 
     def process(self, max_updates: int | None = None) -> list[dict[str, Any]]:
         """Move matched samples into the pending queue and run one model update per full batch, at most
-        ``max_updates`` of them (None: all). What is left pending beyond ``batching.max_pending`` afterwards
-        (a caller that limits updates and falls behind) is dropped, oldest first, and counted as ``dropped``.
+        ``max_updates`` of them (None: all). A caller that limits its updates and falls behind gets larger
+        batches once ``batching.catch_up_after`` full batches are waiting (see the module docstring); what is
+        left pending beyond ``batching.max_pending`` afterwards is dropped, oldest first, and counted as
+        ``dropped``.
 
         Returns the update statistics (the model's plus ``update``, ``batch_size``, ``update_seconds``,
         ``stamp``, ``num_seen``), one dict per successful update, oldest first; a failed update counts against
@@ -382,12 +462,18 @@ class Mapper:
         out: list[dict[str, Any]] = []
         attempts = 0
         while max_updates is None or attempts < max_updates:
-            n = self._full_batch_size()
+            # A caller that runs every full batch is never behind: its batches are always the replay's.
+            batches, n = self._catch_up_batches() if max_updates is not None else (1, self._full_batch_size())
             if n == 0:
                 break
             attempts += 1
             stats = self._update(self._take(n))
             if stats is not None:
+                self._learn_cost(batches, stats)
+                stats["full_batches"] = batches
+                if batches > 1:
+                    self.catch_up_updates += 1
+                    self.catch_up_samples += int(stats["batch_size"])
                 out.append(stats)
         self._enforce_bound()
         return out
@@ -580,6 +666,9 @@ class Mapper:
             "dropped": self.dropped,
             "dropped_overflow": self.dropped_overflow,
             "dropped_failed_update": self.dropped_failed_update,
+            "catch_up_updates": self.catch_up_updates,
+            "catch_up_samples": self.catch_up_samples,
+            "largest_batch": self.largest_batch,
             "waiting": self._sync.num_waiting,
             "pending": self.num_pending,
             "teleports": sync["teleports"],
