@@ -19,7 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 AREA = (-2.0, -2.0, 2.0, 2.0)
 MAX_BYTES = 1_000_000
-MAPPER_MAX_BYTES = 150_000  # a robot's half in 1.5 m tiles outgrows it: its summary goes in parts
+MAPPER_MAX_BYTES = 60_000  # a robot's half in 1.5 m tiles (about 105 kB whole) outgrows it: it goes in parts
 
 
 def _recordings():

@@ -454,10 +454,11 @@ def test_node_keeps_publishing_after_a_50_km_teleport(node_factory):
 def test_a_tiled_map_sends_its_tiles_on_model_in_parts_once_they_outgrow_the_limit(node_factory):
     """~/model carries a tiled map tile by tile (as it merges); its size grows with the map, so once it would pass
     node.model_max_bytes the node sends it in parts, each under the limit, one per call, also while the map stands
-    still, which put together hold every tile (`parts` counted). Only when a tile does not fit a message (the
-    merger could never complete the map) does it send nothing, count it (`too_large`) and warn once, without an
-    error: the map merges from its saved state then."""
-    from gp_mapping.mapping.merge import assemble_tiles, decode_summary, summary_overhead_bytes, tile_summary_bytes
+    still, which put together hold every tile (`parts` counted). A tile too large for a float64 part goes in float32
+    parts (`reduced`), never stopped for good (issue 38); a limit that no form fits is counted (`too_large`) and
+    tried again at the next period, without an error, and a limit raised again sends again."""
+    from gp_mapping.mapping.merge import (MapSource, assemble_tiles, decode_summary, encode_summary,
+                                          summary_overhead_bytes, tile_summary_bytes)
 
     node = node_factory(**NODE_PARAMS, **{"model.tile_size": 4.0, "model.tile_overlap": 0.5})
     sent = []
@@ -472,7 +473,9 @@ def test_a_tiled_map_sends_its_tiles_on_model_in_parts_once_they_outgrow_the_lim
     assert sorted(source.tiles.tiles) == sorted(node.mapper.model.tile_indices())
     assert source.num_seen == node.mapper.model.num_seen and node._model["sent"] == 2
     sizes = tile_summary_bytes(node.mapper.model)
-    limit = summary_overhead_bytes(node.mapper) + max(sizes.values()) + 100  # about a tile a part
+    overhead = len(encode_summary(MapSource.from_mapper("overhead", node.mapper, tiles=[])))
+    assert overhead <= summary_overhead_bytes(node.mapper)  # the old estimate, an upper bound (2.5 x over)
+    limit = overhead + max(sizes.values()) + 100  # about a tile a part
     node.config.node.model_max_bytes = limit
     held = None
     for k in range(len(sizes)):
@@ -483,19 +486,80 @@ def test_a_tiled_map_sends_its_tiles_on_model_in_parts_once_they_outgrow_the_lim
         held = assemble_tiles(held, part)
     assert not held.missing_tiles and sorted(held.tiles.tiles) == sorted(sizes)
     assert node._model["parts"] == len(sizes) and node._model["sent"] == 2 + len(sizes)
-    # Below the largest tile: no part could carry that tile and the merger would never finish, so none is sent.
+    assert node._model["reduced"] == len(sizes)  # parts are a reduced form
+    # Below the largest tile in float64: float32 parts carry it, read back as float64 within float32's rounding.
     node.config.node.model_max_bytes = limit - 101
-    assert not node.publish_model() and node._model["too_large"] == 1
-    node.config.node.model_max_bytes = 1024  # below any tile's summary
+    exact = MapSource.from_mapper("exact", node.mapper)
+    held = None
+    for k in range(len(sizes)):
+        assert node.publish_model()
+        assert len(sent[-1].data) <= limit - 101
+        held = assemble_tiles(held, decode_summary(bytes(sent[-1].data), limit))
+    assert not held.missing_tiles and node._model["too_large"] == 0
+    for index, tile in exact.tiles.tiles.items():
+        scale = float(tile["site_W"].abs().max())
+        np.testing.assert_allclose(held.tiles.tiles[index]["site_W"], tile["site_W"], rtol=1e-6, atol=1e-6 * scale)
+    node.config.node.model_max_bytes = 1024  # below any form (the config alone is larger)
     _feed_node(node, 21, t0=120.0, x0=7.0)
     _wait_idle(node)
-    assert not node.publish_model()
+    count = len(sent)
+    assert not node.publish_model() and not node.publish_model()  # counted each period, tried again
     assert node._model["too_large"] == 2 and node._model["failed"] == 0 and node._last_error == ""
     published = []
     node._diag_pub.publish = published.append
     node._publish_diagnostics()
     status = published[-1].status[0]
     values = {kv.key: kv.value for kv in status.values}
-    assert values["node/model_summaries_too_large"] == "2" and values["node/model_summaries_parts"] == str(len(sizes))
-    assert values["node/model_summaries_sent"] == str(2 + len(sizes))
+    assert values["node/model_summaries_too_large"] == "2"
+    assert values["node/model_summaries_parts"] == values["node/model_summaries_reduced"] == str(2 * len(sizes))
+    assert values["node/model_summaries_sent"] == str(2 + 2 * len(sizes))
     assert status.message == "mapping"
+    node.config.node.model_max_bytes = 10**8  # room again: the whole map goes at once, with the new data
+    assert node.publish_model() and len(sent) == count + 1
+    assert decode_summary(bytes(sent[-1].data), 10**8).num_seen == node.mapper.model.num_seen
+
+
+def test_a_single_engines_summary_over_the_limit_goes_in_float32_then_with_coarser_cells(node_factory):
+    """A map of one engine cannot go in parts: over node.model_max_bytes its summary goes in float32 (read back as
+    float64: a merge of it predicts as the float64 one within float32's rounding), then with its visited cells at
+    a coarser resolution and fewer trajectory points; never stopped for good while the map changes (issue 38)."""
+    from gp_mapping.mapping.merge import MapSource, decode_summary, encode_summary, merge_maps
+
+    node = node_factory(**{**NODE_PARAMS, "model.tile_size": 0.0, "model.num_inducing": 48, "grid.resolution": 0.05})
+    sent = []
+    node._model_pub.publish = sent.append
+    _feed_node(node, 81, x0=-4.0)
+    _wait_idle(node)
+    whole = encode_summary(MapSource.from_mapper("whole", node.mapper))
+    reduced = encode_summary(MapSource.from_mapper("reduced", node.mapper), "float32")
+    assert len(reduced) < 0.75 * len(whole)
+    node.config.node.model_max_bytes = len(whole) - 1
+    assert node.publish_model() and len(sent[-1].data) < len(whole) and node._model["reduced"] == 1
+    got = decode_summary(bytes(sent[-1].data), len(whole))
+    exact = decode_summary(whole, len(whole))
+    assert got.summary["site_W"].dtype == exact.summary["site_W"].dtype
+    assert got.coverage_resolution == exact.coverage_resolution
+    xy = np.random.default_rng(0).uniform(-4.0, 4.0, (20, 2))
+    mean32 = merge_maps([got])[0].model.predict(xy)[0]
+    mean64 = merge_maps([exact])[0].model.predict(xy)[0]
+    np.testing.assert_allclose(mean32.numpy(), mean64.numpy(), rtol=0, atol=1e-3)  # uT
+    assert not node.publish_model()  # nothing new to send
+    from safetensors.torch import load, save
+
+    from gp_mapping.mapping.merge import SummaryError
+
+    metadata = json.loads(bytes(sent[-1].data)[8:8 + int.from_bytes(bytes(sent[-1].data)[:8], "little")])
+    for precision in ("float16", "float64"):  # an unknown precision; float32 tensors in a float64 summary
+        bad = save(load(bytes(sent[-1].data)), metadata={**metadata["__metadata__"], "precision": precision})
+        with pytest.raises(SummaryError, match="precision|expected torch.float64"):
+            decode_summary(bad, len(whole))
+    # Smaller still: the visited cells go at a coarser resolution (and fewer trajectory points) until it fits.
+    _feed_node(node, 21, t0=120.0, x0=4.0)
+    _wait_idle(node)
+    cells = len(node.mapper.coverage.cells)
+    limit = len(encode_summary(MapSource.from_mapper("reduced", node.mapper), "float32")) - 8 * cells
+    node.config.node.model_max_bytes = limit
+    assert node.publish_model() and len(sent[-1].data) <= limit
+    coarse = decode_summary(bytes(sent[-1].data), len(whole))
+    assert coarse.coverage_resolution > exact.coverage_resolution and len(coarse.coverage_cells) < cells
+    assert coarse.num_seen == node.mapper.model.num_seen and node._model["too_large"] == 0

@@ -15,7 +15,10 @@ summary outgrows one message (about 1 MB per tile at M = 256): the mapper then s
 (:class:`TileRotation`: the tiles that changed first, then the rest in turn, each part within the size limit and
 naming every tile the map has), and the merger puts the parts together (:func:`assemble_tiles`), merging once it
 holds every tile; a tile merges as of its last part, which is what tile-by-tile merging allows, since each
-merged tile depends only on the sources' tiles of that place.
+merged tile depends only on the sources' tiles of that place. A summary (or a part) that still does not fit is
+reduced: its model tensors in float32 (``encode_summary(precision="float32")``, read back as float64), and the
+map-wide parts every part repeats coarsened (:func:`reduced`: visited cells at a coarser resolution, fewer
+trajectory points).
 
 Merging, from the math up: ``gp/merging/`` and ``gp/tiles/`` (posteriors), this module (maps), its two
 drivers ``gp_mapping/merge_cli.py`` (``gp-mapping merge``: state files) and ``gp_mapping/ros/merger_node.py``
@@ -52,6 +55,8 @@ DEFAULT_STEPS = merging.COMPRESSING_STEPS
 DEFAULT_TILED_STEPS = 0
 SUMMARY_FORMAT = "gp_mapping.model_summary"
 SUMMARY_VERSION = "1"
+#: precisions of a summary's model tensors (metadata "precision"; float32 halves a summary and is read as float64)
+SUMMARY_PRECISIONS = ("float64", "float32")
 # Summary tensors: name -> (dtype, number of dimensions); the sites or the moments form is required.
 _SUMMARY_TENSORS = {"z": (torch.float64, 2), "target_mean": (torch.float64, 1), "target_scale": (torch.float64, 1),
                     "prior_cov": (torch.float64, 3), "noise": (torch.float64, 1), "site_a": (torch.float64, 2),
@@ -134,18 +139,37 @@ class SummaryError(MergeError):
     """A model summary (bytes from ~/model) that is malformed, oversized or not a gp_mapping summary."""
 
 
-def tile_summary_bytes(model) -> dict[tuple[int, ...], int] | None:
+def tile_summary_bytes(model, precision: str = "float64") -> dict[tuple[int, ...], int] | None:
     """About how many bytes each tile's summary takes, by tile index (None for a map of one engine), known before
-    it is computed: two M x M float64 matrices per output (prior and sites, or moments; continual_mogp: M at most
-    its latents' inducing points together), and the inducing inputs, kernel state and names."""
+    it is computed: two M x M matrices per output (prior and sites, or moments; continual_mogp: M at most its
+    latents' inducing points together) and the inducing inputs in ``precision`` (8 or 4 bytes a number), the
+    kernel state and names (measured within a few per cent over, never under)."""
     if not isinstance(model, TiledModel):
         return None
+    size = 8 if precision == "float64" else 4
     sizes = {}
     for index in model.tile_indices():
         m = model.tile(index).num_inducing
         m = int(sum(m) if isinstance(m, (list, tuple)) else m)
-        sizes[index] = 16 * model.output_dims * m * m + 8 * m * (model.input_dims + 2 * model.output_dims) + 2048
+        sizes[index] = 2 * size * model.output_dims * m * m + size * m * (model.input_dims + 2 * model.output_dims) \
+            + 2048
     return sizes
+
+
+def reduced(source: MapSource, level: int) -> MapSource:
+    """``source`` with its map-wide parts coarsened ``level`` times, for a summary that must shrink (every part of
+    a tiled map repeats them): visited cells at 2**level times their resolution (the merged map's known cells
+    come out coarser), every 2**level-th trajectory point and the last. Level 0: the source as it is."""
+    if level <= 0:
+        return source
+    f = 2 ** int(level)
+    cells = np.asarray(source.coverage_cells, dtype=np.int64).reshape(-1, 2)
+    cells = np.unique(np.floor_divide(cells, f), axis=0) if len(cells) else cells
+    trajectory = np.asarray(source.trajectory, dtype=np.float64).reshape(-1, 2)
+    if len(trajectory) > 1:
+        trajectory = np.vstack([trajectory[:-1:f], trajectory[-1:]])
+    return dataclasses.replace(source, coverage_cells=cells, coverage_resolution=source.coverage_resolution * f,
+                               trajectory=trajectory)
 
 
 def summary_overhead_bytes(mapper: Mapper) -> int:
@@ -208,9 +232,12 @@ def assemble_tiles(held: MapSource | None, part: MapSource) -> MapSource:
     return dataclasses.replace(part, tiles=tiles, summary=summary, tile_index=None if whole else part.tile_index)
 
 
-def _model_tensors(summary: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    """An engine summary's tensors and kernel state, named with ``prefix``."""
-    tensors = {prefix + k: torch.as_tensor(v).detach().cpu().contiguous().clone() for k, v in summary.items()
+def _model_tensors(summary: dict, prefix: str = "", precision: str = "float64") -> dict[str, torch.Tensor]:
+    """An engine summary's tensors (float64 ones in ``precision``) and kernel state, named with ``prefix``."""
+    def cast(v: torch.Tensor) -> torch.Tensor:
+        return v.to(torch.float32) if precision == "float32" and v.dtype == torch.float64 else v
+
+    tensors = {prefix + k: cast(torch.as_tensor(v).detach().cpu()).contiguous().clone() for k, v in summary.items()
                if k in _MODEL_TENSORS}
     kernel = summary.get("kernel")
     if kernel is not None:
@@ -219,20 +246,25 @@ def _model_tensors(summary: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     return tensors
 
 
-def encode_summary(source: MapSource) -> bytes:
+def encode_summary(source: MapSource, precision: str = "float64") -> bytes:
     """A source as safetensors bytes (tensors and JSON metadata; nothing in it can execute when read). A tiled
-    map is sent tile by tile (every tile's summary, the lattice and the target statistics), as it merges."""
+    map is sent tile by tile (every tile's summary, the lattice and the target statistics), as it merges.
+    ``precision`` float32: the model tensors and the trajectory in float32 (half the bytes; the kernel state and the
+    target statistics stay float64), read back as float64 by :func:`decode_summary`."""
     from safetensors.torch import save
 
-    metadata = {"format": SUMMARY_FORMAT, "version": SUMMARY_VERSION, "source_id": source.source_id,
-                "lineage": json.dumps(list(source.lineage)), "config": json.dumps(to_dict(source.config)),
+    if precision not in SUMMARY_PRECISIONS:
+        raise ValueError(f"summary precision {precision!r}; choose from {', '.join(SUMMARY_PRECISIONS)}")
+    metadata = {"precision": precision, "format": SUMMARY_FORMAT, "version": SUMMARY_VERSION,
+                "source_id": source.source_id, "lineage": json.dumps(list(source.lineage)),
+                "config": json.dumps(to_dict(source.config)),
                 "info": json.dumps({"num_seen": source.num_seen, "coverage_resolution": source.coverage_resolution,
                                     "last_stamp": source.last_stamp if math.isfinite(source.last_stamp) else None})}
     tiles = source.tiles
     if tiles is not None:
         tensors = {}
         for index, summary in tiles.tiles.items():
-            tensors.update(_model_tensors(summary, f"tile/{tile_key(index)}/"))
+            tensors.update(_model_tensors(summary, f"tile/{tile_key(index)}/", precision))
         tensors.update({f"tiled/{k}": getattr(tiles, k).detach().cpu().to(torch.float64).contiguous().clone()
                         for k in _TILED_STATISTICS})
         metadata["tiled"] = json.dumps({
@@ -244,9 +276,10 @@ def encode_summary(source: MapSource) -> bytes:
     elif source.summary is None:
         raise SummaryError(f"{source.name} has no model summary to send")
     else:
-        tensors = _model_tensors(source.summary)
+        tensors = _model_tensors(source.summary, precision=precision)
     tensors["coverage_cells"] = torch.as_tensor(np.asarray(source.coverage_cells, dtype=np.int64).reshape(-1, 2))
-    tensors["trajectory"] = torch.as_tensor(np.asarray(source.trajectory, dtype=np.float64).reshape(-1, 2))
+    tensors["trajectory"] = torch.as_tensor(np.asarray(source.trajectory, dtype=np.float64).reshape(-1, 2)).to(
+        torch.float32 if precision == "float32" else torch.float64)
     return save(tensors, metadata=metadata)
 
 
@@ -270,6 +303,12 @@ def decode_summary(data: bytes, max_bytes: int, name: str = "summary") -> MapSou
             raise SummaryError(f"{name}: not a gp_mapping model summary version {SUMMARY_VERSION} "
                                f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
         tensors = load(data)
+        precision = meta.get("precision", "float64")
+        if precision not in SUMMARY_PRECISIONS:
+            raise SummaryError(f"{name}: summary precision {str(precision)[:40]!r}, expected one of "
+                               f"{', '.join(SUMMARY_PRECISIONS)}")
+        if precision == "float32":  # a reduced summary: its float32 tensors read as the float64 they stand for
+            tensors = {k: v.to(torch.float64) if v.dtype == torch.float32 else v for k, v in tensors.items()}
         config = config_from_dict(json.loads(meta["config"]))
         lineage = json.loads(meta["lineage"])
         info = json.loads(meta["info"])

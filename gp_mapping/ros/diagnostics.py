@@ -176,7 +176,7 @@ class MapperDiagnostics(NodeStatus):
         values["node/update_latency_max_s"] = lat["max"]
         values["node/publish_latency_last_s"] = self._publish_seconds
         if self.config.node.model_period > 0:
-            for key in ("sent", "parts", "too_large", "failed", "bytes"):
+            for key in ("sent", "parts", "reduced", "too_large", "failed", "bytes"):
                 values[f"node/model_summaries_{key}" if key != "bytes" else "node/model_summary_bytes"] = \
                     self._model[key]
         if self.config.node.checkpoint_interval_s > 0:
