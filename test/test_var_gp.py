@@ -349,7 +349,7 @@ def test_robot_at_rest_leaves_the_hyperparameters_and_the_map(monkeypatch):
     (measured 5.3 % / 0.10 sd against 11 % / 0.39 sd; beta = 1: 2.1 % / 0.44 sd)."""
     ls, shift, _ = _rest_experiment("var_gp")
     assert ls < 0.10 and shift < 0.5, (ls, shift)
-    import gp_mapping.gp.dual_svgp as dual_module
+    import gp_mapping.gp.dual_svgp.model as dual_module
     import gp_mapping.gp.var_gp.model as var_module
     monkeypatch.setattr(var_module, "spans_space", lambda x, lengthscale: True)
     monkeypatch.setattr(dual_module, "spans_space", lambda x, lengthscale: True)

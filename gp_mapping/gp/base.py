@@ -39,6 +39,7 @@ from torch import nn
 from .calibration import PrequentialCalibration, SessionOffsets
 from .config import ModelConfig
 from .errors import ConfigError, ModelInputError
+from .linalg import symmetrise  # noqa: F401  (its home is linalg.py; importable from here too)
 
 
 def to_float64_tensor(value, name: str, device: torch.device) -> torch.Tensor:
@@ -172,18 +173,6 @@ def scale_drifted(mean: torch.Tensor, std: torch.Tensor, offset: torch.Tensor, s
                  | ((mean - offset).abs() > RESCALE_SHIFT * scale)).any())
 
 
-def symmetrise(a: torch.Tensor) -> torch.Tensor:
-    """(A + A^T) / 2 over the last two dimensions (removes the round-off asymmetry of products).
-
-    A and A^T never share a layout, and an elementwise pass over two layouts is several times slower than one
-    over a single layout (8x at 256 x 256, 16x at 512 x 512, one thread): so A^T is copied into A's layout
-    first (one blocked transposing copy), then added in place."""
-    at = a.transpose(-1, -2)
-    if at.is_contiguous() and not a.is_contiguous():  # column-major A (LAPACK's results): A^T is row-major
-        return a.clone(memory_format=torch.contiguous_format).add_(at).mul_(0.5)
-    return at.clone(memory_format=torch.contiguous_format).add_(a).mul_(0.5)
-
-
 @runtime_checkable
 class IncrementalPrediction(Protocol):
     """An engine that says where an update changed what it predicts, so a redrawn grid reuses the rest.
@@ -199,8 +188,9 @@ class IncrementalPrediction(Protocol):
 
 @runtime_checkable
 class Recyclable(Protocol):
-    """An engine whose posterior can be summarised for a merge of maps (gp/recyclable.py):
-    ``recyclable_summary() -> dict`` (see :func:`gp_mapping.gp.recyclable.merge_summaries`)."""
+    """An engine whose posterior can be summarised for a merge of maps (gp/merging/):
+    ``recyclable_summary() -> dict`` (read by :meth:`gp_mapping.gp.merging.Source.from_summary`; the merge itself:
+    :func:`gp_mapping.gp.merging.merge`)."""
 
     def recyclable_summary(self) -> dict: ...
 

@@ -13,8 +13,6 @@ import torch
 from torch import nn
 
 from .config import LENGTHSCALE_CHOICES
-# dual_svgp.py still imports jittered_cholesky from here; its home is linalg.py.
-from .linalg import jittered_cholesky  # noqa: F401
 
 
 class PositiveParameter(nn.Module):

@@ -26,7 +26,7 @@ q(v*) = N((I + W*)^-1 a*, (I + W*)^-1) with
     G_k = s* L_k^-1 C_k,  delta_k = L_k^-1 (m* - m_k) 1,  E_k = s*^2 L_k^-1 D_k L_k^-T
     a*  = sum_k G_k^T (a_k - W_k delta_k),      W* = sum_k G_k^T W_k G_k
 
-(the same whitened dual form as gp/dual_svgp.py, so the merged map IS a DualSVGP state: loadable, predictable
+(the same whitened dual form as gp/dual_svgp/, so the merged map IS a DualSVGP state: loadable, predictable
 and updatable like any map). Plugging the optimum in collapses the bound to
 
     L_E(Z*, psi*) = sum_k c_k - 1/2 log|I + W*| + 1/2 a*^T (I + W*)^-1 a*,

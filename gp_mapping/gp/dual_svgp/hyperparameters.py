@@ -1,0 +1,278 @@
+"""The dual SVGP's hyperparameter steps (:mod:`.model`) and, with learn_inducing, its inducing-input steps: the
+dual-fixed objective, its hand-written gradient with Z fixed, the Adam loop, the samples a step sees.
+
+Hyperparameters (full mode): Adam on the dual-fixed objective (Chang et al. 2023, sec. 3.4)
+    l(theta) = sum_{batch} E_q[log p(y|f)] + (N_old / |memory|) sum_{memory} E_q[log p(y|f)] - KL[q || p_theta]
+with N_old the number of data seen before this batch: reservoir sampling makes the memory a uniform sample of
+the old data, so each member stands for N_old/|memory| of them (unbiased for a uniform memory; the reference
+code's num_seen/num_mem_per_batch over-weights a memory that has grown). The optimiser is reset per update.
+Sites stay fixed during the steps. When theta changes, held data's contributions are recomputed with the new
+k_i (their sites are per datum), while the old part is kept fixed as a pseudo-likelihood on u = f(Z): its
+natural parameters K^{-1} a_old and K^{-1} B_old K^{-1} (eqs. 14-17: ytilde_u, Sigma_u) do not depend on theta,
+so a_old <- K_new K_old^{-1} a_old and B_old <- K_new K_old^{-1} B_old K_old^{-1} K_new, the same A_p transport
+as a move of Z (A_p = K_old^{-1} Cov(u_old, u_new)). This is exact for a change of signal variance (k_i and
+K scale together), where keeping (a_old, B_old) fixed, as the reference code does, is not. After the steps
+the held sites are refitted under the new hyperparameters (n_steps BLR steps) before any is folded. With Z
+fixed a step's gradient is worked out by hand down to the kernel matrices (_fixed_z_bound, ~13 M^3 against
+autograd's ~37 through the factorisations); with learned Z, autograd differentiates the general objective.
+
+With learn_inducing (full mode), Z also takes Adam steps (inducing_lr) alongside theta, on l_Z: the ELBO with
+the held data unweighted and the old data seen through their pseudo-likelihood t_old(u0), u0 = f(Z0), under
+q(u0) = int p(u0|u) q(u) du (Bui et al. 2017 do the same for their old inducing points). The conditional
+variance of u0 given u charges each move for the old information the new Z cannot represent: on the paper's
+objective alone, a move of Z that projects old information away lowers the KL by more than the scaled memory
+term notices, so Z drifts away from the old data and the map diverges. The paper says pivoted Cholesky
+suffices; on real magnetometer data gradient-trained Z maps markedly better at the same M, but the gain
+depends on the recording and on inducing_lr, so learn_inducing is off by default (the measurements are in
+bench/README.md, "Inducing-input learning").
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..errors import GPNumericalError
+from ..linalg import symmetrise
+from .sites import site_sums
+
+
+class HyperparameterSteps:
+    """Mixin of :class:`~.model.DualSVGP`: learning theta (and Z) on the dual-fixed objective."""
+
+    # ------------------------------------------------------------------ hyperparameters
+    def _hyper_parameters(self) -> list[nn.Parameter]:
+        return list(self.kernel.parameters()) + list(self.likelihood.parameters())
+
+    def _hyper_objective(self, L0, z0, z, hx, hy, lam1, lam2, weights,
+                         fixed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dual-fixed objectives at (theta, Z) for autograd, used when Z is learned (with Z fixed, _fixed_z_bound
+        gives l_theta and its gradient at a third of the cost); held sites fixed, the old part fixed as a
+        pseudo-likelihood t_old on v0 = L0^{-1} f(Z0), carried to u = f(Z) by A_p (whitened: G = L0^{-1} Cov(u0, u)
+        L^{-T}).
+
+        Returns (l_theta, l_Z):
+          l_theta = sum_held w_i E_q[log p(y_i|f_i)] - KL[q || p]   (the paper's objective, memory scaled)
+          l_Z     = sum_held E_q[log p(y_i|f_i)] + E_q[log t_old(v0)] - KL[q || p]
+        l_Z is an evidence lower bound in which the old data speak through t_old, evaluated under q(v0) =
+        int p(v0|u) q(u) du: Cov[v0] = I - G G^T + G Sigma G^T. The conditional term I - G G^T charges a move
+        of Z for the old information it can no longer represent, so Z cannot gain by forgetting (with l_theta
+        alone, moving Z to project the old part away lowers the KL more than the memory term notices).
+        """
+        L = self._chol_K(z)
+        G = torch.linalg.solve_triangular(L, torch.linalg.solve_triangular(L0, self._cross(z0, z), upper=False).T,
+                                          upper=False).T
+        V = torch.linalg.solve_triangular(L, self.kernel(z, hx), upper=False)
+        a_h, W_h = site_sums(V, lam1, lam2)
+        a_fixed, W_fixed = fixed if fixed is not None else (self.a_w_old, self.W_old)
+        a_old = G.T @ a_fixed
+        W_old = symmetrise(G.T @ W_fixed @ G)
+        R, c = self._posterior(a_old + a_h, W_old + W_h)
+        mean, var, _ = self._marginals(V, R, c, self.kernel.diag(hx))
+        ell = self.likelihood.expected_log_lik(hy, mean, var)
+        eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
+        R_inv = torch.linalg.solve_triangular(R, eye.expand_as(R), upper=False)
+        mean_w = torch.linalg.solve_triangular(R.transpose(-1, -2), c[..., None], upper=True)[..., 0]
+        # KL[q || p] = 1/2 [log|K+B|/|K| + tr((K+B)^{-1} K) - M + a^T (K+B)^{-1} K (K+B)^{-1} a]
+        kl = (torch.log(torch.diagonal(R, dim1=-2, dim2=-1)).sum()
+              + 0.5 * ((R_inv * R_inv).sum() - R.shape[0] * R.shape[-1] + (mean_w * mean_w).sum()))
+        l_theta = (ell * weights[:, None]).sum() - kl
+        # E_q[log t_old(v0)] = a_old^T E[v0] - 1/2 tr(W_old (Cov[v0] + E[v0] E[v0]^T)), per output, with
+        # G^T W_old G (= W_old above) carrying the projected part; Sigma = R^{-T} R^{-1}.
+        sigma = R_inv.transpose(-1, -2) @ R_inv
+        lost = torch.diagonal(self.W_old, dim1=-2, dim2=-1).sum() - torch.diagonal(W_old, dim1=-2, dim2=-1).sum()
+        old_term = ((a_old * mean_w.T).sum()
+                    - 0.5 * (lost + (W_old * sigma).sum()
+                             + torch.einsum("pm,pmn,pn->", mean_w, W_old, mean_w)))
+        return l_theta, ell.sum() + old_term - kl
+
+    def _old_part_on_u(self, L0: torch.Tensor, fixed: tuple[torch.Tensor, torch.Tensor] | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The old part as a pseudo-likelihood on u = f(Z) (natural parameters a_u = L0^{-T} a_w, (M, P), and
+        W_u = L0^{-T} W L0^{-1}, (P, M, M)): with Z fixed it does not depend on theta, and under a new prior
+        factor L its whitened form is (L^T a_u, L^T W_u L), the same carriage as G = L0^{-1} L."""
+        a_fixed, W_fixed = fixed if fixed is not None else (self.a_w_old, self.W_old)
+        a_u = torch.linalg.solve_triangular(L0.T, a_fixed, upper=True)
+        half = torch.linalg.solve_triangular(L0.T, W_fixed, upper=True)  # L0^{-T} W
+        W_u = torch.linalg.solve_triangular(L0.T, half.transpose(-1, -2), upper=True)
+        return a_u, symmetrise(W_u)
+
+    def _fixed_z_bound(self, a_u: torch.Tensor, W_u: torch.Tensor, hx, hy, lam1, lam2, weights
+                       ) -> tuple[torch.Tensor, Callable[[float], None]]:
+        """l_theta of _hyper_objective with Z fixed, and a function that sets the hyperparameters' .grad to the
+        gradient of -scale * l_theta.
+
+        The gradient is worked out by hand down to the kernel matrices (K_ZZ, K_ZX, k(x, x)) and the likelihood's
+        inputs, and only the kernel and the likelihood are differentiated by autograd: autograd through the
+        Cholesky factors and triangular solves costs ~26 M^3 per step, these adjoints ~8 M^3.
+        Forward, per output p (whitened by L = chol(K)): V = L^{-1} K_ZX, A = I + L^T W_u L + V diag(lam2) V^T,
+        a = L^T a_u + V lam1, S = A^{-1}, m = S a; mean_i = v_i^T m, var_i = k_ii - v_i^T v_i + v_i^T S v_i;
+        l = sum_i w_i E[log p(y_i | f_i)] - KL, KL = (log|A| + tr S - M + m^T m) / 2.
+        Backward: with gm, gv = dl/dmean, dl/dvar, dl/dm = V gm - m and dl/dS = V diag(gv) V^T - I/2, so
+        dl/da = S dl/dm and dl/dA = -(dl/da) m^T - S (dl/dS) S - S/2; then through A and a to L and V,
+        through V = L^{-1} K_ZX to K_ZX and L, and from L to K_ZZ.
+        """
+        z = self.Z
+        with torch.enable_grad():
+            kzz, kzx, kxx = self.kernel(z, z), self.kernel(z, hx), self.kernel.diag(hx)
+        with torch.no_grad():
+            L = self._factorise(kzz.detach())
+            V = torch.linalg.solve_triangular(L, kzx.detach(), upper=False)  # (M, N)
+            X = W_u @ L  # (P, M, M)
+            a_h, W_h = site_sums(V, lam1, lam2)
+            R, c = self._posterior(L.T @ a_u + a_h, L.T @ X + W_h)  # Cholesky reads the lower triangle only
+            S = torch.cholesky_inverse(R)  # (P, M, M)
+            m = torch.linalg.solve_triangular(R.transpose(-1, -2), c[..., None], upper=True)[..., 0]  # (P, M): S a
+            SV = (V.T @ S).transpose(-1, -2)  # (P, M, N) S V, in V's column-major layout (S is symmetric)
+            mean = V.T @ m.T  # (N, P)
+            var = kxx.detach()[:, None] - (V * V).sum(0)[:, None] + (V * SV).sum(1).T
+            kl = (torch.log(torch.diagonal(R, dim1=-2, dim2=-1)).sum()
+                  + 0.5 * (torch.diagonal(S, dim1=-2, dim2=-1).sum() - S.shape[0] * S.shape[-1] + (m * m).sum()))
+        mean_in = mean.requires_grad_(True)
+        var_in = var.clamp_min(0.0).requires_grad_(True)
+        with torch.enable_grad():
+            ell = (self.likelihood.expected_log_lik(hy, mean_in, var_in) * weights[:, None]).sum()
+        value = ell.detach() - kl
+
+        def gradients(scale: float) -> None:
+            lik_params = [p for p in self.likelihood.parameters() if p.requires_grad]
+            kernel_params = [p for p in self.kernel.parameters() if p.requires_grad]
+            gm, gv, *g_lik = torch.autograd.grad(ell, [mean_in, var_in] + lik_params, allow_unused=True)
+            with torch.no_grad():
+                gv = gv * (var >= 0)  # clamp_min(0)'s gradient
+                a_bar = (S @ ((V @ gm).T - m)[..., None])[..., 0]  # (P, M): S dl/dm
+                SVg = SV * gv.T[:, None, :]
+                # dl/dA, symmetric: S S / 2 - S / 2 - S V diag(gv) V^T S - sym(a_bar m^T). (S is exactly symmetric
+                # and column-major, so S.mT is S in the row-major layout of S @ S.)
+                A_bar = torch.baddbmm(0.5 * (S @ S - S.mT), SVg, SV.transpose(-1, -2), alpha=-1.0)
+                A_bar.baddbmm_(a_bar[:, :, None], m[:, None, :], alpha=-0.5)
+                A_bar.baddbmm_(m[:, :, None], a_bar[:, None, :], alpha=-0.5)
+                # dl/dV = a_bar lam1^T + m gm^T + 2 (S V diag(gv) - V diag(gv) + sum_p A_bar_p V diag(lam2_p)), every
+                # term in V's column-major layout (A_bar V as (V^T A_bar)^T, A_bar symmetric)
+                V_bar = (torch.cat([lam1, gm], 1) @ torch.cat([a_bar, m])).T
+                V_bar.add_(SVg.sum(0) - V * gv.sum(1) + sum((V.T @ A_bar[p]).T * lam2[:, p]
+                                                            for p in range(A_bar.shape[0])), alpha=2.0)
+                kzx_bar = torch.linalg.solve_triangular(L.T, V_bar, upper=True)
+                L_bar = a_u @ a_bar + 2.0 * (X @ A_bar).sum(0) - kzx_bar @ V.T
+                # The bound depends on K alone, not on which square root L of it whitens (L -> L U, U orthogonal,
+                # leaves it unchanged), so dl/dL = 2 K_bar L and K_bar = L_bar L^{-1} / 2 (one solve; the general
+                # Cholesky adjoint L^{-T} Phi(L^T L_bar) L^{-1} takes two and equals it here).
+                kzz_bar = 0.5 * torch.linalg.solve_triangular(L, L_bar, upper=False, left=False)
+            outputs = [(t, g) for t, g in ((kzz, kzz_bar), (kzx, kzx_bar), (kxx, gv.sum(1))) if t.requires_grad]
+            g_kernel = torch.autograd.grad([t for t, _ in outputs], kernel_params,
+                                           grad_outputs=[g for _, g in outputs],
+                                           allow_unused=True) if outputs and kernel_params else ()
+            for p, g in zip(kernel_params + lik_params, list(g_kernel) + g_lik):
+                p.grad = None if g is None else -scale * g
+
+        return value, gradients
+
+    def _learn_hyperparameters(self, hx, hy, lam1, lam2, weights, budget: int,
+                               fixed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[int, float]:
+        """Adam steps on theta (l_theta) and, if configured, on Z (l_Z); returns (steps, final l_theta per
+        datum). ``fixed``: the whitened pseudo-likelihood held fixed during the steps (default the old part).
+        At the end the old part is carried to the new prior and Z; held contributions are the caller's."""
+        cfg = self.config
+        params = self._hyper_parameters() if cfg.learn_hyperparameters else []
+        learn_z = cfg.learn_inducing and not bool(self.z_fixed) and self.num_inducing > 1
+        if (not params and not learn_z) or budget <= 0:
+            return 0, 0.0
+        z0 = self.Z
+        L0 = self._chol_K()
+        z = nn.Parameter(z0.clone(), requires_grad=learn_z)
+        groups = ([{"params": params, "lr": cfg.hyper_lr}] if params else []) + \
+            ([{"params": [z], "lr": cfg.inducing_lr}] if learn_z else [])
+        optimiser = torch.optim.Adam(groups)
+        self._restore_adam(optimiser, params)
+        scale = 1.0 / max(1.0, float(weights.sum()))
+        scale_z = 1.0 / max(1.0, float(self.num_seen))
+        good = [p.detach().clone() for p in params]
+        good_z = z0.clone()
+        steps, value = 0, 0.0
+        old_part_on_u = None if learn_z else self._old_part_on_u(L0, fixed)
+        with torch.enable_grad():
+            for _ in range(budget):
+                optimiser.zero_grad()
+                try:
+                    if learn_z:
+                        l_theta, l_z = self._hyper_objective(L0, z0, z, hx, hy, lam1, lam2, weights, fixed)
+                    else:
+                        l_theta, theta_gradients = self._fixed_z_bound(*old_part_on_u, hx, hy, lam1, lam2, weights)
+                        l_z = None
+                    finite = bool(torch.isfinite(l_theta)) and (l_z is None or bool(torch.isfinite(l_z)))
+                    # Converged: the last step gained less than hyper_tol per datum, so stop where this value
+                    # was measured (with learned Z, l_theta alone does not tell convergence).
+                    if finite and steps and not learn_z and cfg.hyper_tol > 0 \
+                            and float(l_theta.detach()) * scale - value < cfg.hyper_tol:
+                        value = float(l_theta.detach()) * scale
+                        break
+                    if finite and learn_z:
+                        # Each objective drives its own variables (a datum's scaled memory weight stands for
+                        # old data in l_theta; in l_Z they speak through t_old instead).
+                        if params:
+                            grads = torch.autograd.grad(-l_theta * scale, params, retain_graph=True,
+                                                        allow_unused=True)
+                            for p, g in zip(params, grads):
+                                p.grad = g
+                        z.grad, = torch.autograd.grad(-l_z * scale_z, [z])
+                    elif finite:
+                        theta_gradients(scale)
+                except GPNumericalError:
+                    finite = False
+                grads_ok = finite and all(bool(torch.isfinite(p.grad).all())
+                                          for p in params + ([z] if learn_z else []) if p.grad is not None)
+                if not grads_ok:
+                    with torch.no_grad():  # back to the last variables that evaluated cleanly
+                        for p, g in zip(params, good):
+                            p.copy_(g)
+                        z.copy_(good_z)
+                    break
+                with torch.no_grad():
+                    good = [p.detach().clone() for p in params]
+                    good_z = z.detach().clone()
+                value = float(l_theta.detach()) * scale
+                optimiser.step()
+                steps += 1
+        self._store_adam(optimiser, params)
+        with torch.no_grad():
+            z_new = z.detach().clone()
+            try:
+                L_new = self._chol_K(z_new)
+            except GPNumericalError:
+                for p, g in zip(params, good):
+                    p.copy_(g)
+                z_new = good_z
+                L_new = self._chol_K(z_new)
+            self.Z = z_new
+            self._transport_old_part(L0, self._cross(z0, z_new), L_new)
+        return steps, value
+
+    def _hyper_sample(self, V, hx, hy, lam1, lam2, weights, n_mem: int) -> tuple:
+        """What the hyperparameter steps see: at most model.hyper_points held samples, drawn uniformly within
+        the memory and within the batch and weighted to stand for their group (an unbiased estimate of the
+        data term, as minibatches are in SVGP training); the others' sites join the old part as the fixed
+        pseudo-likelihood on u, so q keeps their information. Each step then costs O(hyper_points M^2)
+        however many samples a full update holds. With learned Z (l_Z needs the old part alone) everything is
+        seen. Returns the arguments (hx, hy, lam1, lam2, weights, fixed) of _learn_hyperparameters."""
+        n = hx.shape[0]
+        cap = self.config.hyper_points
+        if n <= cap or self.config.learn_inducing:
+            return hx, hy, lam1, lam2, weights, None
+        groups = [torch.arange(0, n_mem, device=self.device), torch.arange(n_mem, n, device=self.device)]
+        quota = [round(cap * len(g) / n) for g in groups]
+        chosen, w = [], weights.clone()
+        for g, k in zip(groups, quota):
+            if len(g) == 0 or k == 0:
+                continue
+            pick = g[torch.randperm(len(g), generator=self._generator)[:k].to(self.device)]
+            w[pick] = w[pick] * (len(g) / k)
+            chosen.append(pick)
+        keep = torch.zeros(n, dtype=torch.bool, device=self.device)
+        keep[torch.cat(chosen)] = True
+        a_r, W_r = site_sums(V[:, ~keep], lam1[~keep], lam2[~keep])
+        return (hx[keep], hy[keep], lam1[keep], lam2[keep], w[keep],
+                (self.a_w_old + a_r, self.W_old + W_r))
+
+
+__all__ = ["HyperparameterSteps"]

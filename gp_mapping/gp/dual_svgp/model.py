@@ -1,0 +1,444 @@
+"""Memory-based dual sparse variational GP (Chang, Verma, John, Solin, Khan, "Memory-Based Dual Gaussian Processes
+for Sequential Learning", ICML 2023).
+
+State: inducing inputs Z (M x D), dual parameters a (M x P) and B (P x M x M), kernel and likelihood
+hyperparameters. q(u) = N(m, S) with m = K (K+B)^{-1} a and S = K (K+B)^{-1} K, K = K_ZZ + jitter I, and
+
+    E[f(x)]   = k_x^T (K+B)^{-1} a
+    Var[f(x)] = k(x,x) - k_x^T K^{-1} k_x + k_x^T (K+B)^{-1} k_x.
+
+Numerics: the duals are stored whitened by L = chol(K): a_w = L^{-1} a and W = L^{-1} B L^{-T} (``a`` and
+``B`` are available as properties). chol(K + B) = L R with R = chol(I + W); I + W has every eigenvalue >= 1,
+so only K can ever need more jitter. B itself grows like (number of data) / (noise variance) while K is
+ill-conditioned, so moving B between inducing sets or hyperparameters in raw form (A_p^T B A_p) and
+whitening it afterwards loses every digit; in whitened form the same move is G^T W G with G = L_old^{-1} C
+L_new^{-T}, which is close to the identity. The P outputs are independent latent GPs that share Z and the
+kernel; each has its own likelihood parameter (noise variance).
+
+Bookkeeping (every datum seen contributes exactly once):
+    a = a_old + sum_{i held} k_i lambda1_i,     B = B_old + sum_{i held} lambda2_i k_i k_i^T
+  * "held" data are the memory and the pending points (batches conditioned on in fast mode since the last
+    full update). Each holds its own site (lambda1, lambda2) = (beta*ytilde, beta) as a tensor row, so its
+    contribution is recomputed exactly whenever Z or the hyperparameters change and is refitted by the BLR
+    steps of every full update (the paper's "remove the memory's sites and re-fit", eqs. 18-20).
+  * (a_old, B_old) is the sum of the sites of every datum no longer held. A datum moves there exactly once:
+    when its batch is done and it is not kept in memory, or when it is evicted from memory (with the site it
+    had then). A point entering memory is never also added to (a_old, B_old) - the reference code counts
+    such a point twice (once in the batch's sites, again in the memory's).
+
+Modes: 'fast' conditions on the batch with hyperparameters and Z frozen, one dual step (exact for the
+Gaussian likelihood): O(N M^2 + M^3). The batch is held as pending, so the next full update treats all data
+since the previous full update as its batch (inducing re-selection, BLR, memory sampling). 'full' does
+re-selection of Z, n_steps BLR steps on batch and memory, hyperparameter steps, refit, memory sampling.
+
+The engine's parts are mixins in the modules beside this one (their methods run on this engine's state, so its
+state files and buffer names are those of one class): :mod:`.sites` the sites and the posterior they give,
+:mod:`.placement` the inducing inputs and the transport of the old part, :mod:`.hyperparameters` the
+hyperparameter steps, :mod:`.memory` the memory, :mod:`.recyclable` the summary for a merge of maps.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..base import Engine, difference_noise_estimate, resolve_device, spans_space
+from ..config import ModelConfig
+from ..errors import ConfigError
+from ..inducing import DEFAULT_REL_TOL, grid_points
+from ..kernels import build_kernel
+from ..likelihoods import build_likelihood
+from ..linalg import jittered_cholesky, symmetrise
+from .hyperparameters import HyperparameterSteps
+from .memory import DualMemory
+from .placement import InducingPlacement
+from .recyclable import RecyclableDual
+from .sites import DualSites, site_sums
+
+#: Pending (fast-mode) points kept before the oldest are folded into the old part.
+DEFAULT_MAX_PENDING = 8192
+
+
+class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, RecyclableDual, Engine):
+    """Online dual-parameter SVGP with bounded memory. The method: this module's docstring and those of the
+    modules of its mixins."""
+
+    #: buffers whose size changes as data arrive (resized on load_state_dict)
+    RESIZABLE = ("Z", "a_w", "W", "a_w_old", "b_w_old", "W_old", "mem_x", "mem_y", "mem_lam1", "mem_lam2",
+                 "mem_logkey", "pend_x", "pend_y", "pend_lam1", "pend_lam2", "rng_state", "adam_avg", "adam_avg_sq")
+
+    def __init__(self, config: ModelConfig, input_dims: int, output_dims: int, *,
+                 max_pending: int = DEFAULT_MAX_PENDING, inducing_rel_tol: float = DEFAULT_REL_TOL) -> None:
+        super().__init__(config, input_dims, output_dims)
+        d, p = self.input_dims, self.output_dims
+        self.max_pending = int(max_pending)
+        self.inducing_rel_tol = float(inducing_rel_tol)
+        device = resolve_device(config.device)
+        self.kernel = build_kernel(config, d)
+        self.likelihood = build_likelihood(config, p)
+        f64 = dict(dtype=torch.float64)
+        z_fixed = config.inducing == "grid"
+        if z_fixed:
+            if d != 2:
+                raise ConfigError(f"'grid' needs 2-D inputs, got input_dims {d}; use 'pivoted_cholesky'", "inducing")
+            z0 = grid_points(config.inducing_bounds, config.num_inducing)
+        else:
+            z0 = torch.zeros(0, d, **f64)
+        m = z0.shape[0]
+        self.register_buffer("Z", z0)
+        self.register_buffer("a_w", torch.zeros(m, p, **f64))
+        self.register_buffer("W", torch.zeros(p, m, m, **f64))
+        self.register_buffer("a_w_old", torch.zeros(m, p, **f64))
+        # sum_i V_i lambda2_i of the old part: what a shift of the targets' origin changes a_old by
+        self.register_buffer("b_w_old", torch.zeros(m, p, **f64))
+        self.register_buffer("W_old", torch.zeros(p, m, m, **f64))
+        self.register_buffer("jitter_t", torch.tensor(float(config.jitter), **f64))
+        self.register_buffer("z_fixed", torch.tensor(z_fixed))
+        self._register_target_statistics(p)
+        self.register_buffer("standardised", torch.tensor(False))
+        self.register_buffer("rescalings_t", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("hyper_learned", torch.tensor(False))  # learned from a batch that spans space
+        self.register_buffer("scale_fixed", torch.tensor(False))  # set_standardisation: never re-expressed
+        self._register_adam_state()
+        self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("seen_at_full_t", torch.tensor(-1, dtype=torch.int64))  # num_seen after the last full
+        for prefix in ("mem", "pend"):
+            self.register_buffer(f"{prefix}_x", torch.zeros(0, d, **f64))
+            self.register_buffer(f"{prefix}_y", torch.zeros(0, p, **f64))
+            self.register_buffer(f"{prefix}_lam1", torch.zeros(0, p, **f64))
+            self.register_buffer(f"{prefix}_lam2", torch.zeros(0, p, **f64))
+        self.register_buffer("mem_logkey", torch.zeros(0, **f64))
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(int(config.seed))
+        self.register_buffer("rng_state", self._generator.get_state())
+        self._cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._pred: tuple[torch.Tensor, torch.Tensor] | None = None  # (alpha, Q) for prediction, see _latent
+        self._chol_memo: tuple[tuple, torch.Tensor] | None = None  # (fingerprint of Z and theta, chol K)
+        self.to(device)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_inducing(self) -> int:
+        return int(self.Z.shape[0])
+
+    @property
+    def memory_size(self) -> int:
+        return int(self.mem_x.shape[0])
+
+    @property
+    def jitter(self) -> float:
+        return float(self.jitter_t)
+
+    @property
+    def a(self) -> torch.Tensor:
+        """Dual parameter a = sum_i k_i beta_i ytilde_i (M, P), standardised units."""
+        with torch.no_grad():
+            return self._chol_K() @ self.a_w if self.num_inducing else self.a_w.clone()
+
+    @property
+    def B(self) -> torch.Tensor:
+        """Dual parameter B = sum_i beta_i k_i k_i^T (P, M, M), standardised units."""
+        with torch.no_grad():
+            if not self.num_inducing:
+                return self.W.clone()
+            L = self._chol_K()
+            return L @ self.W @ L.T
+
+    # ------------------------------------------------------------------ torch.nn.Module plumbing
+    def _drop_caches(self) -> None:
+        self._cache = None
+        self._pred = None
+        self._chol_memo = None
+
+    def _loaded(self) -> None:
+        self._generator.set_state(self.rng_state.detach().to("cpu", torch.uint8))
+
+    # ------------------------------------------------------------------ standardisation
+    def _standardise(self, y: torch.Tensor) -> torch.Tensor:
+        return (y - self.y_mean) / self.y_std
+
+    @property
+    def rescalings(self) -> int:
+        """How many times the target scaling has been re-expressed (see :meth:`_track_targets`)."""
+        return int(self.rescalings_t)
+
+    def set_standardisation(self, mean, std) -> None:
+        """Standardise with this offset and scale (P,) from now on and never adapt them (a caller that keeps
+        several engines in one unit, e.g. tiles sharing hyperparameters). Data already held are re-expressed
+        exactly, as in an adaptive re-scaling."""
+        m, sd = self._standardisation_args(mean, std)
+        with torch.no_grad():
+            if bool(self.standardised) and not (torch.equal(m, self.y_mean) and torch.equal(sd, self.y_std)):
+                self._rescale_targets(m, sd, adaptation=False)
+            self.y_mean.copy_(m)
+            self.y_std.copy_(sd)
+            self.standardised.fill_(True)
+            self.scale_fixed.fill_(True)
+
+    def _rescale_targets(self, mean: torch.Tensor, std: torch.Tensor, adaptation: bool = True) -> None:
+        """Standardise with (mean, std) from now on: y_new = alpha (y_old - d), alpha = std_old / std, d = (mean -
+        mean_old) / std_old, per output.
+
+        The data's terms are re-expressed exactly: a site (lambda1, lambda2) of y_old becomes ((lambda1 - d
+        lambda2) / alpha, lambda2 / alpha^2), so a_old -> (a_old - d b_old) / alpha and B_old -> B_old / alpha^2
+        with b_old = sum_i k_i lambda2_i; stored targets move with them. The noise variance scales by
+        alpha^2 once it has been learned from moving data (it is then a measurement and stays right in the
+        original unit); before that it is still the initial guess and stays in standardised units. The kernel's
+        variances stay in standardised units: the prior's scale follows the data's spread, which is what
+        standardising is for (an exact re-expression would keep a prior fitted to a robot at rest).
+        """
+        alpha = self.y_std / std
+        d = (mean - self.y_mean) / self.y_std
+        self.a_w_old = (self.a_w_old - d * self.b_w_old) / alpha
+        self.b_w_old = self.b_w_old / alpha ** 2
+        self.W_old = self.W_old / (alpha ** 2)[:, None, None]
+        for prefix in ("mem", "pend"):
+            lam1, lam2 = getattr(self, f"{prefix}_lam1"), getattr(self, f"{prefix}_lam2")
+            setattr(self, f"{prefix}_lam1", (lam1 - d * lam2) / alpha)
+            setattr(self, f"{prefix}_lam2", lam2 / alpha ** 2)
+            setattr(self, f"{prefix}_y", alpha * (getattr(self, f"{prefix}_y") - d))
+        if bool(self.hyper_learned):
+            self.likelihood.rescale_targets(alpha)
+        self.y_mean.copy_(mean)
+        self.y_std.copy_(std)
+        if adaptation:  # (a scale set from outside is not counted in ``rescalings``)
+            self.rescalings_t += 1
+        if self.num_inducing:
+            self._recompute_totals(self._chol_K())
+        self._drop_caches()
+
+    # ------------------------------------------------------------------ linear algebra
+    def _prior_fingerprint(self) -> tuple:
+        """Changes whenever Z, the jitter or a kernel parameter does (in place or by reassignment)."""
+        return (self.Z.data_ptr(), self.Z._version, tuple(self.Z.shape), self.jitter,
+                *((p.data_ptr(), p._version) for p in self.kernel.parameters()))
+
+    def _chol_K(self, z: torch.Tensor | None = None) -> torch.Tensor:
+        """chol(K_ZZ + jitter I) (for ``z``, default Z); the jitter escalates (and stays) if needed.
+
+        For Z it is remembered until Z, the jitter or the kernel change, so fast updates (which change none of
+        them) never refactorise K."""
+        memo = z is None and not torch.is_grad_enabled()
+        if memo and self._chol_memo is not None and self._chol_memo[0] == self._prior_fingerprint():
+            return self._chol_memo[1]
+        zz = self.Z if z is None else z
+        factor = self._factorise(self.kernel(zz, zz))
+        if memo:
+            self._chol_memo = (self._prior_fingerprint(), factor)
+        return factor
+
+    def _factorise(self, kzz: torch.Tensor) -> torch.Tensor:
+        """chol(K_ZZ + jitter I) of a kernel matrix; the jitter escalates (and stays) if needed."""
+        factor, used = jittered_cholesky(kzz, self.jitter)
+        if used > self.jitter:
+            self.jitter_t.fill_(used)
+        return factor
+
+    # ------------------------------------------------------------------ prediction
+    def _refresh_cache(self) -> None:
+        """Factors for prediction, always computed from the stored state (so a reload predicts identically)."""
+        with torch.no_grad():
+            self._pred = None
+            if self.num_inducing == 0:
+                self._cache = None
+                return
+            L = self._chol_K()
+            R, c = self._posterior(self.a_w, self.W)
+            self._cache = (L, R, c)
+
+    def _prediction_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(alpha (M, P), Q (P, M, M)) with E[f(x)] = k_x^T alpha and Var[f(x)] = k(x,x) + k_x^T Q k_x:
+        alpha = L^{-T} R^{-T} c and Q = L^{-T} ((I + W)^{-1} - I) L^{-1}. Precomputed once per posterior, a
+        prediction is a kernel matrix and one matrix product per output instead of two triangular solves."""
+        if self._pred is None:
+            if self._cache is None:
+                self._refresh_cache()
+            L, R, c = self._cache
+            eye = torch.eye(L.shape[0], dtype=L.dtype, device=L.device)
+            L_inv = torch.linalg.solve_triangular(L, eye, upper=False)
+            R_inv = torch.linalg.solve_triangular(R, eye.expand_as(R), upper=False)  # (P, M, M)
+            mean_w = (R_inv.transpose(-1, -2) @ c[..., None])[..., 0]  # (P, M): (I + W)^{-1} a_w
+            alpha = (L_inv.T @ mean_w.T)
+            B = R_inv @ L_inv  # (P, M, M): R^{-1} L^{-1}
+            Q = B.transpose(-1, -2) @ B - L_inv.T @ L_inv
+            self._pred = (alpha, symmetrise(Q))
+        return self._pred
+
+    def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Standardised latent mean and variance (N, P) at checked inputs."""
+        kxx = self.kernel.diag(x)
+        if self.num_inducing == 0:
+            return (torch.zeros(x.shape[0], self.output_dims, dtype=x.dtype, device=x.device),
+                    kxx[:, None].expand(-1, self.output_dims).clone())
+        if 4 * x.shape[0] <= self.num_inducing:
+            # A few points (the Mapper's check after every update): two triangular solves (M^2 N) instead of
+            # building the grid's weights (~8 M^3, kept until the next update). By size alone, so the same points
+            # always take the same path (a reloaded map predicts them bit for bit as the saved one did).
+            if self._cache is None:
+                self._refresh_cache()
+            L, R, c = self._cache
+            mean, var, _ = self._marginals(self._features(L, x), R, c, kxx)
+            return mean, var
+        alpha, Q = self._prediction_weights()
+        Kxz = self.kernel(x, self.Z)
+        mean = Kxz @ alpha
+        var = kxx[:, None] + torch.stack([((Kxz @ Q[p]) * Kxz).sum(1) for p in range(Q.shape[0])], dim=1)
+        return mean, var.clamp_min(0.0)
+
+    # ------------------------------------------------------------------ updates
+    def update(self, x, y, mode: str | None = None) -> dict:
+        """Condition on a batch (x (N, D), y (N, P)); mode 'fast', 'full' or None (follow full_update_every)."""
+        start = time.perf_counter()
+        xt = self._check_x(x)
+        yt = self._check_y(y, xt.shape[0])
+        if mode not in (None, "fast", "full"):
+            raise ValueError(f"update mode must be 'fast', 'full' or None, got {mode!r}")
+        cover = None  # (L, V = L^{-1} K_Zx) of the cover check, which a fast update reuses while L stays
+        if mode is None:
+            mode = self._scheduled_mode(xt.shape[0])
+            if mode == "fast":
+                cover = self._cover_features(xt)
+                if cover is not None and self._leaves_the_cover(xt, cover[1]):
+                    mode = "full"
+        stats: dict = {"mode": mode, "n_batch": int(xt.shape[0]), "z_moved": 0, "hyper_steps": 0,
+                       "objective": 0.0, "folded": 0}
+        if xt.shape[0] > 0:
+            yt = self._calibrate_on(xt, yt)
+            with torch.no_grad():
+                self._track_targets(yt)
+            ys = self._standardise(yt)
+            with torch.no_grad():
+                if mode == "fast":
+                    stats.update(self._fast_update(xt, ys, cover))
+                else:
+                    stats.update(self._full_update(xt, ys))
+                self.num_seen_t += xt.shape[0]
+                if mode == "full":
+                    self.seen_at_full_t.fill_(int(self.num_seen_t))
+                self.num_updates_t += 1
+                self.rng_state = self._generator.get_state()
+            self._refresh_cache()
+        stats.update({"seconds": time.perf_counter() - start, "num_seen": self.num_seen,
+                      "memory_size": self.memory_size, "pending": int(self.pend_x.shape[0]),
+                      "num_inducing": self.num_inducing, "jitter": self.jitter})
+        return stats
+
+    def _scheduled_mode(self, n_new: int) -> str:
+        """'full' on every full_update_every-th update once full_update_samples samples (this batch included)
+        have arrived since the last full update, else 'fast'. Counting samples
+        keeps a full update's cost per sample the same at 10 Hz and at 200 Hz: on the Solin recording (1-s
+        batches of 50) a full update every third batch maps better than one every batch (the schedules bench,
+        ``python -m gp_mapping.evaluation.schedules``, protocol 2: 2.10 against 2.24 uT), while protocol 1's
+        batches of 470 are each full. Until hyperparameters
+        have been learned from a batch that spans space, every update is full."""
+        cfg = self.config
+        learning = cfg.learn_hyperparameters and cfg.hyper_steps > 0
+        # Nothing learned yet (a robot at rest teaches no hyperparameters): the drive's first batch must be a full
+        # update, not 150 samples of conditioning under the initial kernel.
+        if int(self.seen_at_full_t) < 0 or (learning and not bool(self.hyper_learned)):
+            return "full"
+        due = int(self.num_updates_t) % cfg.full_update_every == 0
+        enough = self.num_seen + n_new - int(self.seen_at_full_t) >= cfg.full_update_samples
+        return "full" if due and enough else "fast"
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # maps saved before the sample count of the schedule existed: as if their last update was full
+        if prefix + "seen_at_full_t" not in state_dict and prefix + "num_seen_t" in state_dict:
+            state_dict[prefix + "seen_at_full_t"] = state_dict[prefix + "num_seen_t"].clone()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _fast_update(self, x: torch.Tensor, ys: torch.Tensor,
+                     cover: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
+        z_moved = 0
+        if not bool(self.z_fixed) and self.num_inducing < self.config.num_inducing:
+            # Z grows over the batch where it is poorly covered (the first batch starts it), so the map follows
+            # the robot into new areas between full updates; exchanges wait for the next full update.
+            L = self._grow_inducing(x)
+            if L is not None:
+                self._recompute_totals(L)
+                self._cache = None
+                z_moved = 1
+        if self._cache is None:
+            self._refresh_cache()
+        L, R, c = self._cache
+        # the cover check's features, unless the prior factor changed since (Z grew, or a target rescaling)
+        V = cover[1] if cover is not None and cover[0] is L else self._features(L, x)
+        mean, var, _ = self._marginals(V, R, c, self.kernel.diag(x))
+        lam1, lam2 = self.likelihood.dual_sites(ys, mean, var)  # one undamped dual step
+        a_n, W_n = site_sums(V, lam1, lam2)
+        self.a_w = self.a_w + a_n
+        self.W = self.W + W_n
+        self.pend_x = torch.cat([self.pend_x, x])
+        self.pend_y = torch.cat([self.pend_y, ys])
+        self.pend_lam1 = torch.cat([self.pend_lam1, lam1])
+        self.pend_lam2 = torch.cat([self.pend_lam2, lam2])
+        folded = 0
+        excess = self.pend_x.shape[0] - self.max_pending
+        if excess > 0:
+            # Oldest pending points leave: their sites go to the old part (totals unchanged).
+            V_f = self._features(L, self.pend_x[:excess])
+            a_f, W_f = site_sums(V_f, self.pend_lam1[:excess], self.pend_lam2[:excess])
+            self.a_w_old = self.a_w_old + a_f
+            self.b_w_old = self.b_w_old + V_f @ self.pend_lam2[:excess]
+            self.W_old = self.W_old + W_f
+            for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2"):
+                setattr(self, name, getattr(self, name)[excess:])
+            folded = excess
+        return {"z_moved": z_moved, "folded": folded}
+
+    def _full_update(self, x: torch.Tensor, ys: torch.Tensor) -> dict:
+        cfg = self.config
+        n_pend, n_mem = self.pend_x.shape[0], self.mem_x.shape[0]
+        # The batch: pending points (with sites) and the new points (without).
+        bx = torch.cat([self.pend_x, x])
+        by = torch.cat([self.pend_y, ys])
+        zeros = x.new_zeros(x.shape[0], self.output_dims)
+        n_b = bx.shape[0]
+        z_moved = 0
+        informative = cfg.hyper_steps > 0 and spans_space(bx, cfg.lengthscale)
+        if informative and cfg.learn_hyperparameters and not bool(self.hyper_learned) and n_b > 2:
+            # The first batch that can teach hyperparameters starts the noise at the data's own estimate.
+            # (never below the configured initial value: on a moving robot the noise the map sees includes pose
+            # errors times the field's gradient, which successive differences of a dense path do not measure)
+            self.likelihood.initialise_noise(difference_noise_estimate(by).clamp(cfg.noise_variance, 1.0))
+        if not bool(self.z_fixed):
+            z_moved = int(self._reselect_inducing(bx))
+        hx = torch.cat([self.mem_x, bx])
+        hy = torch.cat([self.mem_y, by])
+        lam1 = torch.cat([self.mem_lam1, self.pend_lam1, zeros])
+        lam2 = torch.cat([self.mem_lam2, self.pend_lam2, zeros])
+        fresh = torch.zeros(hx.shape[0], dtype=torch.bool, device=self.device)
+        fresh[n_mem + n_pend:] = True
+        kxx = self.kernel.diag(hx)
+        L = self._chol_K()
+        V = self._features(L, hx)
+        lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, fresh, cfg.n_steps, cfg.rho)
+        steps, objective = 0, 0.0
+        # _learn_hyperparameters decides what (theta, Z or nothing) is learned; nothing from a batch at rest
+        if informative:
+            n_old = self.num_seen - n_pend  # data seen before this batch
+            weights = torch.ones(hx.shape[0], dtype=torch.float64, device=self.device)
+            if n_mem:
+                weights[:n_mem] = n_old / n_mem
+            budget = self._hyper_budget(n_b)
+            *seen, fixed = self._hyper_sample(V, hx, hy, lam1, lam2, weights, n_mem)
+            steps, objective = self._learn_hyperparameters(*seen, budget, fixed=fixed)
+            if steps:
+                self.hyper_learned.fill_(True)
+                kxx = self.kernel.diag(hx)
+                L = self._chol_K()
+                V = self._features(L, hx)
+                lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, torch.zeros_like(fresh), cfg.n_steps,
+                                             cfg.rho)
+        folded = self._renew_memory(V, kxx, hx, hy, lam1, lam2, n_mem)
+        return {"z_moved": z_moved, "hyper_steps": steps, "objective": objective, "folded": folded}
+
+    def extra_repr(self) -> str:
+        return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, num_inducing={self.num_inducing}"
+                f"/{self.config.num_inducing}, memory={self.memory_size}/{self.config.memory_size}")
+
+
+__all__ = ["DEFAULT_MAX_PENDING", "DualSVGP"]

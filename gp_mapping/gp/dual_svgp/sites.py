@@ -1,0 +1,86 @@
+"""The data's sites and the posterior they give (:mod:`.model`): whitened site sums, the posterior factors and the
+marginals from the whitened duals, the damped BLR steps on held data's sites.
+
+New data's first BLR step is undamped (rho = 1): the new site is the site evaluated at the current posterior,
+which for a Gaussian likelihood is already exact; damping towards the empty site would just under-count it.
+Later steps are damped with rho.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..linalg import jittered_cholesky, symmetrise
+
+
+def site_sums(V: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whitened site sums (V lambda1 (M, P), V diag(lambda2) V^T (P, M, M)) for V = L^{-1} K_ZX (M, N)."""
+    a_w = V @ lam1
+    if lam2.shape[1] == 1:  # one output: a plain matrix product (einsum's three-operand path is slower)
+        W = ((V * lam2[:, 0]) @ V.T)[None]
+    else:
+        W = torch.einsum("mn,np,kn->pmk", V, lam2, V)
+    return a_w, symmetrise(W)
+
+
+class DualSites:
+    """Mixin of :class:`~.model.DualSVGP`: the posterior from the whitened duals, the held data's sites."""
+
+    # ------------------------------------------------------------------ posterior from the whitened duals
+    @staticmethod
+    def _posterior(a_w: torch.Tensor, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """R = chol(I + W) (P, M, M) and c = R^{-1} L^{-1} a (P, M) from the whitened duals."""
+        m = W.shape[-1]
+        eye = torch.eye(m, dtype=W.dtype, device=W.device)
+        R, _ = jittered_cholesky(eye + W, 0.0)
+        c = torch.linalg.solve_triangular(R, a_w.T[..., None], upper=False)[..., 0]
+        return R, c
+
+    @staticmethod
+    def _marginals(V: torch.Tensor, R: torch.Tensor, c: torch.Tensor, kxx: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Latent mean, variance (N, P) and q_i = k_i^T K^{-1} S K^{-1} k_i (N, P), from V = L^{-1} K_ZX."""
+        U = torch.linalg.solve_triangular(R, V.expand(R.shape[0], *V.shape), upper=False)  # (P, M, N)
+        mean = torch.einsum("pmn,pm->np", U, c)
+        explained = (U * U).sum(1).T
+        var = kxx[:, None] - (V * V).sum(0)[:, None] + explained
+        return mean, var.clamp_min(0.0), explained
+
+    def _features(self, L: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """V = L^{-1} K_Zx (M, N)."""
+        return torch.linalg.solve_triangular(L, self.kernel(self.Z, x), upper=False)
+
+    # ------------------------------------------------------------------ site fitting
+    def _fit_sites(self, V: torch.Tensor, kxx: torch.Tensor, y: torch.Tensor, lam1: torch.Tensor,
+                   lam2: torch.Tensor, fresh: torch.Tensor, n_steps: int, rho: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Damped BLR steps (eq. 23) on the held data's sites, the old part fixed; V = L^{-1} K_ZH.
+
+        ``fresh`` marks data without a site yet (lambda = 0): their first step is undamped. A conjugate
+        likelihood's sites do not depend on q, so they are set to that fixed point at once (what the damped steps
+        converge to, without the posterior each step needs).
+        """
+        if self.likelihood.conjugate:
+            return self.likelihood.dual_sites(y, None, None)
+        for step in range(n_steps):
+            a_h, W_h = site_sums(V, lam1, lam2)
+            R, c = self._posterior(self.a_w_old + a_h, self.W_old + W_h)
+            mean, var, _ = self._marginals(V, R, c, kxx)
+            new1, new2 = self.likelihood.dual_sites(y, mean, var)
+            r = torch.full((y.shape[0], 1), float(rho), dtype=y.dtype, device=y.device)
+            if step == 0:
+                r[fresh] = 1.0
+            lam1 = (1.0 - r) * lam1 + r * new1
+            lam2 = (1.0 - r) * lam2 + r * new2
+        return lam1, lam2
+
+    # ------------------------------------------------------------------ totals
+    def _recompute_totals(self, L: torch.Tensor) -> None:
+        """Whitened totals = old part + held (memory and pending) contributions at the current Z and theta."""
+        hx = torch.cat([self.mem_x, self.pend_x])
+        a_h, W_h = site_sums(self._features(L, hx), torch.cat([self.mem_lam1, self.pend_lam1]),
+                             torch.cat([self.mem_lam2, self.pend_lam2]))
+        self.a_w = self.a_w_old + a_h
+        self.W = self.W_old + W_h
+
+
+__all__ = ["DualSites", "site_sums"]
