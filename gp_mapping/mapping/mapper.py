@@ -755,6 +755,9 @@ class Mapper:
             "failed_updates": self.failed_updates,
             "jitter_escalations": self.jitter_escalations,
             "checkpoints": self.checkpoints,
+            "catch_up_updates": self.catch_up_updates,
+            "catch_up_samples": self.catch_up_samples,
+            "largest_batch": self.largest_batch,
             "last_stamp": self.last_stamp if math.isfinite(self.last_stamp) else None,
             "coverage_resolution": self._coverage.resolution,
             "trajectory_spacing": self._trajectory.spacing,
@@ -849,6 +852,9 @@ class Mapper:
         self.failed_updates = int(info.get("failed_updates", 0))
         self.jitter_escalations = int(info.get("jitter_escalations", 0))
         self.checkpoints = int(info.get("checkpoints", 0))
+        self.catch_up_updates = int(info.get("catch_up_updates", 0))
+        self.catch_up_samples = int(info.get("catch_up_samples", 0))
+        self.largest_batch = int(info.get("largest_batch", 0))
         if "source_id" in info:
             self.set_lineage(str(info["source_id"]), [str(i) for i in info.get("lineage", [])])
         else:  # a file from before source ids: named by its model, so two copies of it are still one source

@@ -265,7 +265,7 @@ def read_state(path: str | os.PathLike) -> MapState:
 
 _COUNTERS = ("accepted", "poses_accepted", "dropped", "dropped_overflow", "dropped_failed_update", "teleports",
              "reanchors", "pauses", "frame_relatches", "updates", "failed_updates", "jitter_escalations",
-             "checkpoints")
+             "checkpoints", "catch_up_updates", "catch_up_samples", "largest_batch")
 _REQUIRED_INFO = ("accepted", "poses_accepted", "dropped", "updates", "rejected", "last_stamp",
                   "coverage_resolution", "trajectory_spacing")
 _OTHER_INFO = ("last_position", "source_id", "lineage", "sync")
