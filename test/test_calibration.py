@@ -191,3 +191,62 @@ def test_a_session_offset_is_learned_and_removed():
     err_sessions = float(np.sqrt(np.mean((with_sessions.predict(test)[0].numpy() - truth) ** 2)))
     err_plain = float(np.sqrt(np.mean((plain.predict(test)[0].numpy() - truth) ** 2)))
     assert err_sessions < 0.5 * err_plain
+
+
+def _two_session_drive():
+    rng = np.random.default_rng(5)
+
+    def drive(n, seed):
+        t = np.linspace(0, 1, n)
+        return np.column_stack([4 + 3.5 * np.cos(12 * t + seed), 4 + 3.5 * np.sin(17 * t + seed)])
+
+    def field(x):
+        return (np.sin(x[:, :1]) + np.cos(0.7 * x[:, 1:2])) * 3.0
+
+    x1, x2 = drive(1500, 1), drive(1500, 2)
+    return x1, field(x1) + 0.1 * rng.normal(size=(1500, 1)), x2, field(x2) + 5.0 + 0.1 * rng.normal(size=(1500, 1))
+
+
+@pytest.mark.parametrize("tile_size", [0.0, 4.0])
+def test_a_sessions_data_are_conditioned_with_its_latest_offset(tile_size):
+    # The offset estimate moves over a session's first batches; the data conditioned meanwhile are re-expressed,
+    # so the map equals one conditioned on the session's readings less its final offset from the start (exact
+    # for Gaussian sites; the memory's leverage scores and Z do not depend on the targets).
+    x1, y1, x2, y2 = _two_session_drive()
+    cfg = _config(calibration="none", learn_hyperparameters=False, tile_size=tile_size, tile_overlap=1.0)
+    sessions = build_model(cfg, 2, 1)
+    for i in range(0, 1500, 50):
+        sessions.update(x1[i:i + 50], y1[i:i + 50])
+    sessions.start_session()
+    moves = []
+    for i in range(0, 1500, 50):
+        sessions.update(x2[i:i + 50], y2[i:i + 50])
+        moves.append(float(sessions.session_offset()[0]))
+    final = moves[-1]
+    assert max(moves) - min(moves) > 0.005  # the estimate did move while the session's data were conditioned
+    reference = build_model(cfg, 2, 1)
+    for i in range(0, 1500, 50):
+        reference.update(x1[i:i + 50], y1[i:i + 50])
+    for i in range(0, 1500, 50):
+        reference.update(x2[i:i + 50], y2[i:i + 50] - final)
+    test = np.random.default_rng(6).uniform(1, 7, (300, 2))
+    level = float(sessions.sessions.level()[0])
+    assert level == pytest.approx(final / 2)  # the median of two sessions: their mean
+    mean, var = sessions.predict(test)
+    ref_mean, ref_var = reference.predict(test)
+    assert torch.allclose(mean - level, ref_mean, atol=1e-6)
+    assert torch.allclose(var, ref_var, atol=1e-9)
+
+
+def test_a_state_saved_before_session_reexpression_loads():
+    x1, y1, x2, y2 = _two_session_drive()
+    model = build_model(_config(), 2, 1)
+    for i in range(0, 1000, 50):
+        model.update(x1[i:i + 50], y1[i:i + 50])
+    added = ("b_w_session", "mem_in_session", "pend_in_session", "sessions.applied")
+    old = {k: v for k, v in model.state_dict().items() if k not in added}
+    assert len(old) == len(model.state_dict()) - len(added)
+    fresh = build_model(_config(), 2, 1)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.predict(x2[:20])[0], model.predict(x2[:20])[0])
+    assert not fresh._holds_session_data() and fresh.mem_in_session.shape == model.mem_in_session.shape

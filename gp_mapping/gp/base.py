@@ -201,13 +201,17 @@ class Engine(nn.Module, abc.ABC):
     Declared capabilities (what callers may ask of any engine, with no probing): :meth:`begin_update` and
     :meth:`rollback` undo an update (by default from a copy of the state; an engine whose state grows with the
     area records only what changes); :attr:`wants_stamps` says whether ``update`` takes the samples' stamps
-    ``t=`` (engines that gate on time); :class:`IncrementalPrediction` and :class:`Recyclable` are protocols
+    ``t=`` (engines that gate on time); :attr:`reexpresses_sessions` whether a session's data follow its
+    offset estimate; :class:`IncrementalPrediction` and :class:`Recyclable` are protocols
     an engine implements or not (``isinstance``)."""
 
     #: names of buffers or parameters whose shapes follow the data (taken from the saved state on load)
     RESIZABLE: tuple[str, ...] = ()
     #: whether update(x, y, t=stamps) wants the samples' stamps (an engine whose gate looks at time)
     wants_stamps: bool = False
+    #: whether the engine can re-express the data of the current session when its offset estimate moves
+    #: (:meth:`_reexpress_session`); otherwise they keep the offset they were conditioned with
+    reexpresses_sessions: bool = False
 
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int) -> None:
         super().__init__()
@@ -346,7 +350,24 @@ class Engine(nn.Module, abc.ABC):
     def start_session(self) -> int:
         """The readings from now on come from a new session (another bag, node run or sensor) whose constant
         offset to the first session's is learned (gp/calibration.py, SessionOffsets); returns its index."""
+        self._close_session()
         return self.sessions.start()
+
+    def _close_session(self) -> None:
+        """Called as a new session starts: the data conditioned so far keep the offset they carry for good (an
+        engine that re-expresses a session's data, :meth:`_reexpress_session`, forgets which were the last
+        session's)."""
+
+    def _reexpress_session(self, delta: torch.Tensor) -> None:
+        """Re-express the data conditioned since the current session began as if their targets had been
+        ``delta`` (P,) lower (targets' units), as conditioning them with the session's newest offset estimate
+        would have: the estimate moves most over a session's first batches, and data conditioned with an early
+        estimate would otherwise keep its error for good. Only where :attr:`reexpresses_sessions`."""
+        raise NotImplementedError(f"{type(self).__name__} does not re-express a session's data")
+
+    def _holds_session_data(self) -> bool:
+        """Whether data of the current session are held in a form :meth:`_reexpress_session` would change."""
+        return False
 
     def session_offset(self) -> torch.Tensor:
         """(P,) the current session's learned offset to the first session, in the targets' units."""
@@ -375,6 +396,9 @@ class Engine(nn.Module, abc.ABC):
                 sessions.observe(err, self._reading_variance(var, noise), known, self._target_variance())
                 sessions.visit(xt)
             offset = sessions.offset()
+            if sessions.current > 0 and self.reexpresses_sessions and bool((offset != sessions.applied).any()):
+                self._reexpress_session(offset - sessions.applied)
+                sessions.applied.copy_(offset)
             if self.calibrates:
                 lagged = self._lagged()
                 # a lagged map of less than two lags of path is a map of the first seconds: its errors say how

@@ -60,7 +60,12 @@ class _OptionalState(nn.Module):
                                       error_msgs)
         if not any(key.startswith(prefix) for key in state_dict):
             del missing_keys[before:]
+        else:  # buffers added in a later version keep their initial values
+            missing_keys[before:] = [k for k in missing_keys[before:] if k[len(prefix):] not in self.ADDED_LATER]
         self._loaded()
+
+    #: buffers a state of an earlier version lacks while it has the others
+    ADDED_LATER: tuple[str, ...] = ()
 
     def _loaded(self) -> None:
         """Restore what follows from the buffers' shapes."""
@@ -189,6 +194,10 @@ class SessionOffsets(_OptionalState):
         # per session: posterior precision and precision-weighted mean; the first row is the reference
         self.register_buffer("precision", torch.zeros(sessions, output_dims, **f64))
         self.register_buffer("weighted", torch.zeros(sessions, output_dims, **f64))
+        # the offset the current session's data were last conditioned with (Engine._calibrate_on)
+        self.register_buffer("applied", torch.zeros(output_dims, **f64))
+
+    ADDED_LATER = ("applied",)
 
     @property
     def current(self) -> int:
@@ -199,6 +208,7 @@ class SessionOffsets(_OptionalState):
         self.session.fill_(min(int(self.session) + 1, self.precision.shape[0] - 1))
         self.precision[int(self.session)] = 0.0
         self.weighted[int(self.session)] = 0.0
+        self.applied.zero_()
         self.visited = self.visited[:0]
         return int(self.session)
 

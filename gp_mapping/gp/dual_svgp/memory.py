@@ -61,11 +61,12 @@ class DualMemory:
         return keys, keep
 
     def _renew_memory(self, V: torch.Tensor, kxx: torch.Tensor, hx: torch.Tensor, hy: torch.Tensor,
-                      lam1: torch.Tensor, lam2: torch.Tensor, n_mem: int) -> int:
+                      lam1: torch.Tensor, lam2: torch.Tensor, n_mem: int, in_session: torch.Tensor) -> int:
         """The end of a full update: the held data are [memory (n_mem); batch] with V = L^{-1} K_ZH, prior
         variances kxx and fitted sites (lam1, lam2). Draws the batch's candidates, runs the reservoir over old
         members and candidates, folds every datum that leaves into the old part, empties the pending points and
-        sets the totals; returns how many data were folded."""
+        sets the totals; returns how many data were folded. ``in_session`` (bool, one per held datum) marks the
+        current session's data."""
         cfg = self.config
         n_b = hx.shape[0] - n_mem
         # Memory: candidates from the batch, then the reservoir over old members and candidates.
@@ -93,11 +94,13 @@ class DualMemory:
         a_f, W_f = site_sums(V[:, leave], lam1[leave], lam2[leave])
         self.a_w_old = self.a_w_old + a_f
         self.b_w_old = self.b_w_old + V[:, leave] @ lam2[leave]
+        self.b_w_session = self.b_w_session + V[:, leave] @ (lam2[leave] * in_session[leave, None])
         self.W_old = self.W_old + W_f
         self.mem_x, self.mem_y = hx[kept], hy[kept]
         self.mem_lam1, self.mem_lam2 = lam1[kept], lam2[kept]
         self.mem_logkey = pool_keys[keep]
-        for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2"):
+        self.mem_in_session = in_session[kept]
+        for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2", "pend_in_session"):
             setattr(self, name, getattr(self, name)[:0])
         a_m, W_m = site_sums(V[:, kept], self.mem_lam1, self.mem_lam2)
         self.a_w = self.a_w_old + a_m

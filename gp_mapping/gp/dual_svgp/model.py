@@ -64,8 +64,9 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
     modules of its mixins."""
 
     #: buffers whose size changes as data arrive (resized on load_state_dict)
-    RESIZABLE = ("Z", "a_w", "W", "a_w_old", "b_w_old", "W_old", "mem_x", "mem_y", "mem_lam1", "mem_lam2",
-                 "mem_logkey", "pend_x", "pend_y", "pend_lam1", "pend_lam2", "rng_state", "adam_avg", "adam_avg_sq")
+    RESIZABLE = ("Z", "a_w", "W", "a_w_old", "b_w_old", "b_w_session", "W_old", "mem_x", "mem_y", "mem_lam1",
+                 "mem_lam2", "mem_logkey", "mem_in_session", "pend_x", "pend_y", "pend_lam1", "pend_lam2",
+                 "pend_in_session", "rng_state", "adam_avg", "adam_avg_sq")
 
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int, *,
                  max_pending: int = DEFAULT_MAX_PENDING, inducing_rel_tol: float = DEFAULT_REL_TOL) -> None:
@@ -91,6 +92,8 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         self.register_buffer("a_w_old", torch.zeros(m, p, **f64))
         # sum_i V_i lambda2_i of the old part: what a shift of the targets' origin changes a_old by
         self.register_buffer("b_w_old", torch.zeros(m, p, **f64))
+        # the part of b_w_old from the current session's data: what a change of its offset moves a_old by
+        self.register_buffer("b_w_session", torch.zeros(m, p, **f64))
         self.register_buffer("W_old", torch.zeros(p, m, m, **f64))
         self.register_buffer("jitter_t", torch.tensor(float(config.jitter), **f64))
         self.register_buffer("z_fixed", torch.tensor(z_fixed))
@@ -100,14 +103,13 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         self.register_buffer("hyper_learned", torch.tensor(False))  # learned from a batch that spans space
         self.register_buffer("scale_fixed", torch.tensor(False))  # set_standardisation: never re-expressed
         self._register_adam_state()
-        self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
-        self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("seen_at_full_t", torch.tensor(-1, dtype=torch.int64))  # num_seen after the last full
         for prefix in ("mem", "pend"):
             self.register_buffer(f"{prefix}_x", torch.zeros(0, d, **f64))
             self.register_buffer(f"{prefix}_y", torch.zeros(0, p, **f64))
             self.register_buffer(f"{prefix}_lam1", torch.zeros(0, p, **f64))
             self.register_buffer(f"{prefix}_lam2", torch.zeros(0, p, **f64))
+            self.register_buffer(f"{prefix}_in_session", torch.zeros(0, dtype=torch.bool))  # current session's
         self.register_buffer("mem_logkey", torch.zeros(0, **f64))
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(int(config.seed))
@@ -151,6 +153,34 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         self._pred = None
         self._chol_memo = None
 
+    # ------------------------------------------------------------------ sessions (base.Engine._calibrate_on)
+    @property
+    def reexpresses_sessions(self) -> bool:
+        # a Gaussian site is linear in its target (lambda1 = y lambda2): a shift of the targets is exact
+        return bool(self.likelihood.conjugate)
+
+    def _close_session(self) -> None:
+        self.b_w_session = torch.zeros_like(self.b_w_session)
+        self.mem_in_session = torch.zeros_like(self.mem_in_session)
+        self.pend_in_session = torch.zeros_like(self.pend_in_session)
+
+    def _holds_session_data(self) -> bool:
+        return bool(self.mem_in_session.any() or self.pend_in_session.any() or (self.b_w_session != 0).any())
+
+    def _reexpress_session(self, delta: torch.Tensor) -> None:
+        """The session's targets move by -delta (standardised: -d): held sites (lambda1 - d lambda2, lambda2)
+        and targets, and the old part's a_old - d b_session, exactly as if conditioned so."""
+        d = delta.to(self.y_std) / self.y_std
+        self.a_w_old = self.a_w_old - d * self.b_w_session
+        for prefix in ("mem", "pend"):
+            flag = getattr(self, f"{prefix}_in_session")[:, None]
+            lam2 = getattr(self, f"{prefix}_lam2")
+            setattr(self, f"{prefix}_lam1", getattr(self, f"{prefix}_lam1") - d * lam2 * flag)
+            setattr(self, f"{prefix}_y", getattr(self, f"{prefix}_y") - d * flag)
+        self._drop_caches()
+        if self.num_inducing:
+            self._recompute_totals(self._chol_K())
+
     def _loaded(self) -> None:
         self._generator.set_state(self.rng_state.detach().to("cpu", torch.uint8))
 
@@ -192,6 +222,7 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         d = (mean - self.y_mean) / self.y_std
         self.a_w_old = (self.a_w_old - d * self.b_w_old) / alpha
         self.b_w_old = self.b_w_old / alpha ** 2
+        self.b_w_session = self.b_w_session / alpha ** 2
         self.W_old = self.W_old / (alpha ** 2)[:, None, None]
         for prefix in ("mem", "pend"):
             lam1, lam2 = getattr(self, f"{prefix}_lam1"), getattr(self, f"{prefix}_lam2")
@@ -347,6 +378,12 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         # maps saved before the sample count of the schedule existed: as if their last update was full
         if prefix + "seen_at_full_t" not in state_dict and prefix + "num_seen_t" in state_dict:
             state_dict[prefix + "seen_at_full_t"] = state_dict[prefix + "num_seen_t"].clone()
+        # maps saved before sessions were re-expressed: their data keep the offsets they were conditioned with
+        if prefix + "b_w_session" not in state_dict and prefix + "b_w_old" in state_dict:
+            state_dict[prefix + "b_w_session"] = torch.zeros_like(state_dict[prefix + "b_w_old"])
+            for held in ("mem", "pend"):
+                n = state_dict[prefix + f"{held}_x"].shape[0] if prefix + f"{held}_x" in state_dict else 0
+                state_dict[prefix + f"{held}_in_session"] = torch.zeros(n, dtype=torch.bool)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -375,6 +412,7 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         self.pend_y = torch.cat([self.pend_y, ys])
         self.pend_lam1 = torch.cat([self.pend_lam1, lam1])
         self.pend_lam2 = torch.cat([self.pend_lam2, lam2])
+        self.pend_in_session = torch.cat([self.pend_in_session, lam2.new_ones(x.shape[0], dtype=torch.bool)])
         folded = 0
         excess = self.pend_x.shape[0] - self.max_pending
         if excess > 0:
@@ -383,8 +421,9 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
             a_f, W_f = site_sums(V_f, self.pend_lam1[:excess], self.pend_lam2[:excess])
             self.a_w_old = self.a_w_old + a_f
             self.b_w_old = self.b_w_old + V_f @ self.pend_lam2[:excess]
+            self.b_w_session = self.b_w_session + V_f @ (self.pend_lam2[:excess] * self.pend_in_session[:excess, None])
             self.W_old = self.W_old + W_f
-            for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2"):
+            for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2", "pend_in_session"):
                 setattr(self, name, getattr(self, name)[excess:])
             folded = excess
         return {"z_moved": z_moved, "folded": folded}
@@ -433,7 +472,9 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
                 V = self._features(L, hx)
                 lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, torch.zeros_like(fresh), cfg.n_steps,
                                              cfg.rho)
-        folded = self._renew_memory(V, kxx, hx, hy, lam1, lam2, n_mem)
+        in_session = torch.cat([self.mem_in_session, self.pend_in_session,
+                                x.new_ones(x.shape[0], dtype=torch.bool)])
+        folded = self._renew_memory(V, kxx, hx, hy, lam1, lam2, n_mem, in_session)
         return {"z_moved": z_moved, "hyper_steps": steps, "objective": objective, "folded": folded}
 
     def extra_repr(self) -> str:

@@ -40,12 +40,14 @@ class InducingPlacement:
         if self.a_w_old.shape[0] == 0:
             self.a_w_old = self.a_w_old.new_zeros(m_new, self.output_dims)
             self.b_w_old = self.b_w_old.new_zeros(m_new, self.output_dims)
+            self.b_w_session = self.b_w_session.new_zeros(m_new, self.output_dims)
             self.W_old = self.W_old.new_zeros(self.output_dims, m_new, m_new)
             return
         G = torch.linalg.solve_triangular(L_new, torch.linalg.solve_triangular(L_old, cross, upper=False).T,
                                           upper=False).T
         self.a_w_old = G.T @ self.a_w_old
         self.b_w_old = G.T @ self.b_w_old
+        self.b_w_session = G.T @ self.b_w_session
         self.W_old = symmetrise(G.T @ self.W_old @ G)
 
     def _cross(self, z_old: torch.Tensor, z_new: torch.Tensor) -> torch.Tensor:
@@ -71,6 +73,7 @@ class InducingPlacement:
             p = self.output_dims
             self.a_w_old = torch.cat([self.a_w_old, self.a_w_old.new_zeros(k, p)])
             self.b_w_old = torch.cat([self.b_w_old, self.b_w_old.new_zeros(k, p)])
+            self.b_w_session = torch.cat([self.b_w_session, self.b_w_session.new_zeros(k, p)])
             W_old = self.W_old.new_zeros(p, m_old + k, m_old + k)
             W_old[:, :m_old, :m_old] = self.W_old
             self.W_old = W_old

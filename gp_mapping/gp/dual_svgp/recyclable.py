@@ -49,7 +49,7 @@ class RecyclableDual:
             self.W_old = symmetrise(torch.as_tensor(site_W, dtype=torch.float64, device=dev).reshape(p, m, m).clone())
             self.a_w, self.W = self.a_w_old.clone(), self.W_old.clone()
             for prefix in ("mem", "pend"):
-                for name in ("x", "y", "lam1", "lam2"):
+                for name in ("x", "y", "lam1", "lam2", "in_session"):
                     setattr(self, f"{prefix}_{name}", getattr(self, f"{prefix}_{name}")[:0])
             self.mem_logkey = self.mem_logkey[:0]
             self.y_mean.copy_(torch.as_tensor(target_mean, dtype=torch.float64).reshape(p))
@@ -63,6 +63,7 @@ class RecyclableDual:
             e_w = torch.linalg.solve_triangular(self._chol_K(), torch.ones(m, 1, dtype=torch.float64, device=dev),
                                                 upper=False)[:, 0]
             self.b_w_old = (self.W_old @ e_w).T.clone()
+            self.b_w_session = torch.zeros_like(self.b_w_old)  # a merged map starts a session of its own
             self.y_count.fill_(float(num_seen))
             self.y_run_mean.copy_(self.y_mean)
             self.y_run_m2.copy_(self.y_std ** 2 * float(num_seen))

@@ -242,6 +242,25 @@ class TiledModel(SharedHyperparameters, Engine):
         self.sessions.load_state_dict(journal["sessions"])
         self._loaded()
 
+    # ------------------------------------------------------------------ sessions (base.Engine._calibrate_on)
+    @property
+    def reexpresses_sessions(self) -> bool:
+        return self.prior.reexpresses_sessions
+
+    def _close_session(self) -> None:
+        for slot in self.tiles.values():
+            slot.engine._close_session()
+
+    def _reexpress_session(self, delta: torch.Tensor) -> None:
+        """Each tile that holds the session's data re-expresses them, under the hyperparameters it was fitted
+        with."""
+        for key, slot in self.tiles.items():
+            if slot.engine._holds_session_data():
+                self._journal_tile(key)
+                with self._hyperparameters(slot.theta):
+                    slot.engine._reexpress_session(delta)
+                slot.version = next(VERSIONS)
+
     # ------------------------------------------------------------------ update
     def _check_y(self, y, n: int, name: str = "y") -> torch.Tensor:
         """Targets (N, P) with NaN kept where a channel is missing: the tiles' engines decide whether they
