@@ -54,7 +54,8 @@ def read_calibration_drive(bag_path: Path, topic: str | None = None, config=None
     from gp_mapping.bag import Bag, NoPoseSourceError, choose_pose_source, decode_magnetic_field, decode_pose
     from gp_mapping.config import MapperConfig
     from gp_mapping.mapping.frames import normalize_quaternion, quaternion_multiply, rotate_vectors
-    from gp_mapping.mapping.sync import field_scale, interpolate_poses
+    from gp_mapping.mapping.measurements import field_scale
+    from gp_mapping.mapping.poses import interpolate_poses
     from gp_mapping.mapping.transforms import TransformError, body_pose_from_tf
 
     config = config or MapperConfig()
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     """Fit, report, write; 0 on success, 1 with the reason on a refusal or a bad input."""
     from gp_mapping.config import ConfigError, load_config
     from gp_mapping.mapping.magnetometer import CalibrationError, fit_iron_calibration
-    from gp_mapping.mapping.sync import UNIT_SYMBOL
+    from gp_mapping.mapping.measurements import UNIT_SYMBOL
 
     from gp_mapping.mapping.map_files import unwritable_folder
 

@@ -12,7 +12,8 @@ import torch
 
 from gp_mapping.config import SyncConfig, config_from_dict
 from gp_mapping.mapping.mapper import Mapper
-from gp_mapping.mapping.sync import POSE_REJECTION_REASONS, REANCHOR_AFTER, REJECTION_REASONS, MeasurementSync
+from gp_mapping.mapping.stream_checks import REANCHOR_AFTER
+from gp_mapping.mapping.sync import POSE_REJECTION_REASONS, REJECTION_REASONS, MeasurementSync
 
 torch.set_num_threads(1)
 

@@ -108,7 +108,7 @@ def feed_line(mapper, t0, n, frame="mag", dt=0.1, receive_offset=None, x0=None, 
 
 
 def test_a_stray_frame_then_the_real_sensor_maps():
-    from gp_mapping.mapping.sync import FRAME_RELATCH_AFTER
+    from gp_mapping.mapping.stream_checks import FRAME_RELATCH_AFTER
 
     mapper = Mapper(small_config())
     mapper.add_magnetic_field(0.0, B, "x" * 1_000_000)  # a 1 MB frame_id: refused, never latched
@@ -147,7 +147,7 @@ def test_frame_id_length_is_bounded_in_the_config():
 
 
 def test_a_restart_keeps_the_held_frame_and_still_relatches(tmp_path):
-    from gp_mapping.mapping.sync import FRAME_RELATCH_AFTER
+    from gp_mapping.mapping.stream_checks import FRAME_RELATCH_AFTER
 
     mapper = Mapper(small_config())
     mapper.add_magnetic_field(0.0, B, "bogus")

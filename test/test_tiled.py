@@ -438,7 +438,7 @@ def test_a_tile_that_fails_numerically_is_rolled_back_and_counted_by_the_mapper(
 
     monkeypatch.setattr(type(model.prior), "update", flaky)
     far = np.column_stack([np.linspace(3.0, 5.0, 50), np.full(50, 20.0)])  # two new tiles across x = 4
-    from gp_mapping.mapping.sync import Measurements
+    from gp_mapping.mapping.measurements import Measurements
     batch = Measurements(far, y[:50], np.arange(50.0), np.column_stack([far, np.zeros(50)]))
     assert mapper._update(batch) is None
     assert mapper.failed_updates == 1 and mapper.dropped_failed_update == 50

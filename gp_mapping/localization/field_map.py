@@ -303,7 +303,7 @@ class MagneticMap:
     def map_grid(self, stamp: float = math.nan):
         """The lookup grid as a :class:`~gp_mapping.mapping.mapper.MapGrid` (layers as the mapper publishes them,
         their variance a reading's), for the map topics of the localizer node."""
-        from gp_mapping.mapping.mapper import MapGrid, vector_layers
+        from gp_mapping.mapping.drawing import MapGrid, vector_layers
 
         layers = ({"magnitude": (self.mean[..., 0], self.var[..., 0])} if self.target == "magnitude"
                   else vector_layers(self.mean, self.var))

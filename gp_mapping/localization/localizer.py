@@ -43,7 +43,7 @@ from gp_mapping.localization.motion import compose, inverse, wrap_angle
 from gp_mapping.mapping.frames import (FrameError, normalize_quaternion, quaternion_from_rpy, quaternion_multiply,
                                        rotate_vectors, slerp, yaw_of)
 from gp_mapping.mapping.magnetometer import IronCorrection
-from gp_mapping.mapping.sync import UNIT_PER_TESLA
+from gp_mapping.mapping.measurements import UNIT_PER_TESLA
 
 REJECTION_REASONS: dict[str, str] = {
     "reading_nonfinite": "a field component is NaN or infinite",

@@ -93,7 +93,7 @@ def write_map_npz(path: str | Path, grid, trajectory, provenance: dict[str, str]
 
 def read_map_npz(path: str | Path):
     """A ``map.npz`` (:func:`write_map_npz`) -> (MapGrid, trajectory (K, 2)); MapFileError if it is none."""
-    from gp_mapping.mapping.mapper import MapGrid
+    from gp_mapping.mapping.drawing import MapGrid
 
     try:
         with np.load(path, allow_pickle=False) as npz:
@@ -138,7 +138,7 @@ def draw_map(path: str | Path, grid, trajectory, title: str) -> Path:
     from matplotlib.colors import Normalize
     from matplotlib.cm import ScalarMappable
 
-    from gp_mapping.mapping.sync import UNIT_SYMBOL
+    from gp_mapping.mapping.measurements import UNIT_SYMBOL
 
     spec = grid.spec
     known = np.asarray(grid.known, dtype=bool)

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from gp_mapping.mapping.frames import normalize_quaternion, quaternion_inverse, quaternion_multiply, rotate_vectors
-from gp_mapping.mapping.sync import interpolate_poses
+from gp_mapping.mapping.poses import interpolate_poses
 
 
 class TransformError(ValueError):
