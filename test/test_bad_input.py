@@ -327,8 +327,9 @@ def test_node_callbacks_refuse_empty_and_bad_messages_and_keep_publishing(node_f
 
     from gp_mapping.ros.conversions import seconds_to_stamp
 
+    # catch-up off: one update per batch, so the updates counted below are the batches mapped
     node = node_factory(**{"batching.size": 20, "model.num_inducing": 16, "model.hyper_steps": 2,
-                           "model.device": "cpu", "grid.resolution": 0.5})
+                           "model.device": "cpu", "grid.resolution": 0.5, "batching.catch_up_after": 0})
 
     def pose(t, x, frame="map", q=(0.0, 0.0, 0.0, 1.0)):
         msg = PoseStamped()

@@ -82,7 +82,9 @@ def test_flood_keeps_the_node_responsive_with_bounded_queues_and_memory(tmp_path
                           # fall behind (with the shipped budget it keeps up with the flood: no drops to count).
                           model={"num_inducing": 64, "memory_size": 300, "hyper_steps": 20,
                                  "hyper_warmup": 10_000_000, "lengthscale": 0.05, "full_update_samples": 1},
-                          batching={"size": BATCH, "max_pending": MAX_PENDING},
+                          # catch-up off: with it the node absorbs this flood (test_catch_up.py); here the mapper
+                          # must stay behind, to show the queues bounded and the drops counted
+                          batching={"size": BATCH, "max_pending": MAX_PENDING, "catch_up_after": 0},
                           grid={"mode": "grow", "resolution": 0.25, "unknown_distance": 0.5},
                           node={"publish_period": 0.5, "queue_depth": 100})
     env = node_env(ros_env, tmp_path)
