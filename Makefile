@@ -54,7 +54,9 @@ demo: $(STAMP)
 	$(VENV)/bin/gp-mapping replay bags/demo --out out
 
 # One torch thread per process: the tests run the node and the test process side by side on small machines,
-# where more threads per process oversubscribe the cores and make updates many times slower.
+# where more threads per process oversubscribe the cores and make updates many times slower. All of test/: unit/,
+# integration/ (DDS, processes) and real_data/ (../shared/data); `pytest test/unit` runs one kind
+# (docs/architecture.md "Tests"). test-gpu: the tests marked gpu, wherever they are.
 test: $(STAMP) $(TF2_MSGS) $(NAV2_MSGS)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q test
 

@@ -1,27 +1,17 @@
-"""Shared fixtures: DDS kept on loopback with a per-run domain id, and the real recordings in ../shared/data."""
+"""Shared fixtures of every test folder (unit/, integration/, real_data/): DDS kept on loopback with a per-run
+domain id, and tests marked gpu skipped without CUDA. Shared helpers (paths, ROS harness, the node in a process)
+are in support/."""
 from __future__ import annotations
 
 import os
 import random
-from pathlib import Path
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 # Before any rclpy.init() in this process or in a child process started by a test: DDS stays on this machine,
 # and each pytest run gets its own domain, so parallel runs (and other ROS systems) never see each other.
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 os.environ.setdefault("ROS_DOMAIN_ID", str(random.Random(os.getpid()).randint(1, 100)))
-
-
-def shared_data(*parts: str) -> Path:
-    """Path under ../shared/data, or skip the test with the reason when the recording is absent."""
-    path = SHARED_DATA.joinpath(*parts)
-    if not path.exists():
-        pytest.skip(f"real recording {path} is absent (needs ../shared/data beside the checkout)")
-    return path
 
 
 @pytest.fixture
