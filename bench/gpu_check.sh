@@ -20,7 +20,7 @@ cpu_bench=$!
 
 # the modules that hold gpu tests (all ROS-free), found rather than listed, so a new one is not missed
 timeout "${GPU_TEST_SECONDS:-240}" python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider \
-  $(grep -l "pytest.mark.gpu" test/test_*.py) 2>&1 | tee "$out/test_gpu.log"
+  $(grep -l "pytest.mark.gpu" test/*/test_*.py) 2>&1 | tee "$out/test_gpu.log"
 tests=${PIPESTATUS[0]}
 
 timeout "${GPU_BENCH_SECONDS:-420}" python3 -m gp_mapping.cli bench --only cuda --out "$out" > "$out/cuda.log" 2>&1

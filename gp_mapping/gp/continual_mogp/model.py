@@ -492,7 +492,7 @@ class ContinualMOGP(ContinualBound, InducingPlacement, UpdateMemo, Engine):
             if learn:
                 hyper, masks = self._hyper_parameters()
                 # No warm-up here: with its own E-step re-run after every M-step, a warm-up of many steps per
-                # batch makes the rest-then-drive map worse (test/test_target_scaling.py).
+                # batch makes the rest-then-drive map worse (test/unit/test_target_scaling.py).
                 # the rows conditioned on since the last M-step (fast updates learn nothing)
                 budget = self._hyper_budget(int(self.rows_since_learning) + xt.shape[0], warmup=False)
 
