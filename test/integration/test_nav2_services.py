@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from gp_mapping.mapping.map_files import UNKNOWN_PIXEL, decode_nav2_map, read_image, read_pgm
+from support.nodes import served_node as serve
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -56,25 +57,8 @@ def state(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def served_node(tmp_path):
-    """A mapping node in this process (its services on their own executor thread, as always) and a client node
-    in the same context, talking over DDS."""
-    import rclpy
-    from rclpy.context import Context
-    from rclpy.parameter import Parameter
-
-    from gp_mapping.ros.mapper_node import MapperNode
-
-    context = Context()
-    rclpy.init(context=context)
-    params = {**PARAMS, "node.map_directory": str(tmp_path / "maps")}
-    node = MapperNode(context=context, parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
-    client_node = rclpy.create_node("nav2_client", context=context)
-    try:
-        yield node, client_node
-    finally:
-        client_node.destroy_node()
-        node.close()
-        context.try_shutdown()
+    with serve(dict(PARAMS, **{"node.map_directory": str(tmp_path / "maps")}), "nav2_client") as pair:
+        yield pair
 
 
 def _call(client_node, srv_type, name: str, request, timeout: float = 120.0):

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from gp_mapping.ros.services import SERVICE_QUEUE_DEPTH
+from support.nodes import served_node as serve
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -16,25 +17,8 @@ PARAMS = {"model.num_inducing": 16, "model.learn_hyperparameters": False, "model
 
 @pytest.fixture
 def served_node(tmp_path):
-    """A mapping node in this process (its services on their own executor thread, as always) and a client node
-    in the same context, talking over DDS."""
-    import rclpy
-    from rclpy.context import Context
-    from rclpy.parameter import Parameter
-
-    from gp_mapping.ros.mapper_node import MapperNode
-
-    context = Context()
-    rclpy.init(context=context)
-    params = {**PARAMS, "node.map_directory": str(tmp_path / "maps")}
-    node = MapperNode(context=context, parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
-    client_node = rclpy.create_node("burst_client", context=context)
-    try:
-        yield node, client_node
-    finally:
-        client_node.destroy_node()
-        node.close()
-        context.try_shutdown()
+    with serve(dict(PARAMS, **{"node.map_directory": str(tmp_path / "maps")}), "burst_client") as pair:
+        yield pair
 
 
 def _burst(client_node, prefix: str, calls: dict[str, int], timeout: float = 120.0):

@@ -1,7 +1,9 @@
 """MapperNode objects in the test process (the node's callbacks without DDS traffic), and the messages fed to them."""
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Iterator
 
 import pytest
 
@@ -67,3 +69,25 @@ def mag_msg(stamp: float, field, frame: str):
     msg.header.stamp, msg.header.frame_id = seconds_to_stamp(stamp), frame
     msg.magnetic_field.x, msg.magnetic_field.y, msg.magnetic_field.z = (float(v) for v in field)
     return msg
+
+
+@contextlib.contextmanager
+def served_node(params: dict, client_name: str) -> Iterator[tuple]:
+    """A mapping node in this process (its services on their own executor thread, as always) and a client node
+    in the same context, talking over DDS; yields (node, client node)."""
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.parameter import Parameter
+
+    from gp_mapping.ros.mapper_node import MapperNode
+
+    context = Context()
+    rclpy.init(context=context)
+    node = MapperNode(context=context, parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+    client_node = rclpy.create_node(client_name, context=context)
+    try:
+        yield node, client_node
+    finally:
+        client_node.destroy_node()
+        node.close()
+        context.try_shutdown()
