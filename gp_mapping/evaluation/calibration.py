@@ -163,7 +163,7 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               "lag 2.5 m": {"calibration_lag": 2.5}, "lag 10 m": {"calibration_lag": 10.0},
               "M = 128": {"num_inducing": 128}, "M = 512": {"num_inducing": 512},
               "isotropic": {"lengthscales": "isotropic"}, "per_axis": {"lengthscales": "per_axis"},
-              "hyper_lr 0.01": {"hyper_lr": 0.01}, "hyper_lr 0.1": {"hyper_lr": 0.1}}
+              "hyper_lr 0.05": {"hyper_lr": 0.05}, "hyper_lr 0.1": {"hyper_lr": 0.1}}
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:

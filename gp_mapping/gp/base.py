@@ -212,8 +212,6 @@ class Engine(nn.Module, abc.ABC):
     #: whether the engine can re-express the data of the current session when its offset estimate moves
     #: (:meth:`_reexpress_session`); otherwise they keep the offset they were conditioned with
     reexpresses_sessions: bool = False
-    #: Adam learning rate of the hyperparameters where model.hyper_lr is 0 (see :attr:`hyper_lr`)
-    DEFAULT_HYPER_LR: float = 0.01
 
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int) -> None:
         super().__init__()
@@ -473,11 +471,6 @@ class Engine(nn.Module, abc.ABC):
     def num_seen(self) -> int:
         """Data rows conditioned on so far."""
         return int(self.num_seen_t)
-
-    @property
-    def hyper_lr(self) -> float:
-        """The hyperparameters' Adam learning rate: model.hyper_lr, or the engine's own where that is 0."""
-        return float(self.config.hyper_lr) or float(self.DEFAULT_HYPER_LR)
 
     @property
     def num_updates(self) -> int:

@@ -110,9 +110,7 @@ class ModelConfig:
     hyper_tol: float = option(1e-4, doc="stop a full update's hyperparameter steps when the objective per "
                                         "datum rose by less than this in the last step; 0: always hyper_steps",
                               low=0.0, high=1.0)
-    hyper_lr: float = option(0.0, doc="Adam learning rate for the hyperparameters; 0: the engine's own (dual_svgp "
-                           "0.05, continual_mogp and var_gp 0.01: each is the best worst case over the recordings "
-                           "of bench/results/calibration.md; their objectives are scaled differently)", low=0.0,
+    hyper_lr: float = option(0.01, doc="Adam learning rate for the hyperparameters", low=0.0, low_open=True,
                            high=10.0)
     learn_inducing: bool = option(False, doc="move the inducing inputs by gradient steps on an ELBO that keeps the old "
                                 "data's information (full mode; not for the grid policy). Opt-in: it helps on the Solin "

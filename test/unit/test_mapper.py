@@ -4,11 +4,8 @@ Truth: |B| = 50 + 3 sin(x) cos(y) microtesla, read by a magnetometer carried alo
 [0, 3] x [0, 3] m (lanes 0.3 m apart, 20 Hz poses, 40 Hz field samples). The field varies on a ~1.5 m
 scale and is sampled far more densely than that, without noise, so what is left is the error of the sparse
 approximation (M = 48 inducing points over 9 m^2, about 0.4 m apart, against a ~1 m lengthscale) and of the
-hyperparameters still being learned online, at a learning rate of 0.01 (the config below pins it, as it pins M
-and the memory). The bound on the visited-cell RMSE is 0.05 uT, under 2% of the 3 uT amplitude; the measured
-value is about 0.003 uT (0.003-0.005 uT per component for the vector target). At dual_svgp's own rate of 0.05
-the online ELBO reaches its optimum for this smooth, noise-free field, a 9.6 m lengthscale with a noise of
-0.09 uT that smooths the map to 0.09 uT (docs/calibration.md, the learning rate).
+hyperparameters still being learned online. The bound on the visited-cell RMSE is 0.05 uT, under 2% of the
+3 uT amplitude; the measured value is about 0.003 uT (0.003-0.005 uT per component for the vector target).
 """
 import json
 import math
@@ -55,7 +52,7 @@ def lawnmower(rate=20.0, speed=0.6, lane=0.3, extent=3.0):
 def config(**sections):
     base = {
         "model": {"num_inducing": 48, "memory_size": 100, "memory_per_batch": 10, "hyper_steps": 10,
-                  "hyper_lr": 0.01, "lengthscale": 1.0, "device": "cpu"},
+                  "lengthscale": 1.0, "device": "cpu"},
         "batching": {"mode": "count", "size": 150},
         "grid": {"resolution": 0.1, "margin": 0.3, "unknown_distance": 0.3, "tile_size": 500},
     }

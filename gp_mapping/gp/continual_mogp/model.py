@@ -510,7 +510,7 @@ class ContinualMOGP(ContinualBound, InducingPlacement, UpdateMemo, Engine):
                     def objective() -> torch.Tensor:
                         return self._bound(xt, ys, mask, priors, detach_q=True)[0] * scale
                 for _ in range(self.vem_iterations):
-                    taken, _ = self._adam(hyper, objective, budget, self.hyper_lr, masks, persistent=True,
+                    taken, _ = self._adam(hyper, objective, budget, self.config.hyper_lr, masks, persistent=True,
                                           tol=self.config.hyper_tol)
                     stats["hyper_steps"] += taken
                     # Z_new is chosen under the kernel just learned: a set picked under the initial kernel

@@ -181,7 +181,7 @@ class HyperparameterSteps:
         z0 = self.Z
         L0 = self._chol_K()
         z = nn.Parameter(z0.clone(), requires_grad=learn_z)
-        groups = ([{"params": params, "lr": self.hyper_lr}] if params else []) + \
+        groups = ([{"params": params, "lr": cfg.hyper_lr}] if params else []) + \
             ([{"params": [z], "lr": cfg.inducing_lr}] if learn_z else [])
         optimiser = torch.optim.Adam(groups)
         self._restore_adam(optimiser, params)

@@ -154,11 +154,6 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         self._chol_memo = None
 
     # ------------------------------------------------------------------ sessions (base.Engine._calibrate_on)
-    #: one Adam step per hyperparameter update is all a full update takes once the steps stop gaining (hyper_tol);
-    #: at 0.01 the hyperparameters could not follow the data (OptiTrack |B|: 0.99 uT against 0.73 at 0.05, three
-    #: seeds; the worst case over the recordings of bench/results/calibration.md)
-    DEFAULT_HYPER_LR = 0.05
-
     @property
     def reexpresses_sessions(self) -> bool:
         # a Gaussian site is linear in its target (lambda1 = y lambda2): a shift of the targets is exact

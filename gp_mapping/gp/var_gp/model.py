@@ -376,7 +376,7 @@ class VARGP(BlockFactors, RegionBlocks, Engine):
         q_vars = [w_t, raw_diag, raw_low]
         hyper = ([self.q_mu, self.q_logsd] + list(self.likelihood.parameters())) if learn_theta else []
         groups = ([{"params": q_vars, "lr": cfg.variational_lr}] if learn_q else []) + \
-            ([{"params": hyper, "lr": self.hyper_lr}] if hyper else [])
+            ([{"params": hyper, "lr": cfg.hyper_lr}] if hyper else [])
         opt = torch.optim.Adam(groups)
         if hyper:
             self._restore_adam(opt, hyper)
