@@ -72,10 +72,12 @@ def load(name: str, root, plan: dict) -> Recording:
         y = np.linalg.norm(f, axis=1)[:, None] if name == "optitrack_magnitude" else f
         return Recording(name, x[:cut], y[:cut], x[cut:], y[cut:], batch)
     if name == "sim_world":
-        from gp_mapping.sim import SensorConfig, TrajectoryConfig, WorldConfig, simulate
+        from gp_mapping.sim import SensorConfig, TrajectoryConfig, World, WorldConfig, simulate
 
         area = (0.0, 0.0, 20.0, 20.0)
-        world = WorldConfig(area=area, n_dipoles=40, margin=2.0)
+        # One world drawn once: simulate() given a WorldConfig draws the world from its own seed, and the two
+        # passes have different seeds (their trajectories' and noises').
+        world = World.from_config(WorldConfig(area=area, n_dipoles=40, margin=2.0), np.random.default_rng(0))
         sensor = SensorConfig(noise_std=0.5e-6)
         drive = simulate(world, TrajectoryConfig(patterns=("lawnmower",), area=area, inset=1.0, speed=1.0,
                                                  duration=400.0, rate=10.0, line_spacing=2.0), sensor, seed=0)
