@@ -8,7 +8,9 @@ Every recording is streamed in order through each engine (the shipped configurat
 * ``optitrack_magnitude`` / ``optitrack_vector``: Osman et al. (2021), hand-held, 3-D positions, |B| or the
   world-frame vector; the first 70 % streamed (at 50 Hz), the last 30 % held out;
 * ``sim_world``: a simulated 20 m x 20 m dipole world (0.5 uT sensor noise), a lawnmower streamed and a loop
-  over the same ground held out (its noisy readings).
+  over the same ground held out (its noisy readings);
+* ``sim_revisit``: the same world, a shorter lawnmower and the first 20 % of the loop streamed, the rest of the
+  loop held out (the unit test of a known noise, test/unit/test_calibration.py).
 
 Scores per method: RMSE, NLPD, the fraction of held-out readings within +-1 and +-2 predictive SDs, the
 standard deviation of z = error / SD, and a reliability curve (observed against nominal central coverage at
@@ -34,7 +36,7 @@ from gp_mapping.config import ModelConfig
 from gp_mapping.evaluation.baselines import ExactGPBaseline, KernelSpec, NearestNeighbour, OfflineSVGP
 from gp_mapping.gp import build_model
 
-RECORDINGS = ("solin_p1", "solin_p2", "optitrack_magnitude", "optitrack_vector", "sim_world")
+RECORDINGS = ("solin_p1", "solin_p2", "optitrack_magnitude", "optitrack_vector", "sim_world", "sim_revisit")
 #: nominal central coverages of the reliability curve
 LEVELS = tuple(np.round(np.arange(0.1, 1.0, 0.1), 2)) + (0.95,)
 
@@ -71,7 +73,7 @@ def load(name: str, root, plan: dict) -> Recording:
         x, f = rec.position[::every], rec.field_world_uT[::every]
         y = np.linalg.norm(f, axis=1)[:, None] if name == "optitrack_magnitude" else f
         return Recording(name, x[:cut], y[:cut], x[cut:], y[cut:], batch)
-    if name == "sim_world":
+    if name in ("sim_world", "sim_revisit"):
         from gp_mapping.sim import SensorConfig, TrajectoryConfig, World, WorldConfig, simulate
 
         area = (0.0, 0.0, 20.0, 20.0)
@@ -79,16 +81,21 @@ def load(name: str, root, plan: dict) -> Recording:
         # passes have different seeds (their trajectories' and noises').
         world = World.from_config(WorldConfig(area=area, n_dipoles=40, margin=2.0), np.random.default_rng(0))
         sensor = SensorConfig(noise_std=0.5e-6)
+        revisit = name == "sim_revisit"  # a shorter lawnmower, then the first 20 % of the loop streamed too
         drive = simulate(world, TrajectoryConfig(patterns=("lawnmower",), area=area, inset=1.0, speed=1.0,
-                                                 duration=400.0, rate=10.0, line_spacing=2.0), sensor, seed=0)
-        again = simulate(world, TrajectoryConfig(patterns=("loop",), area=area, inset=3.0, speed=1.0,
-                                                 duration=120.0, rate=10.0), sensor, seed=1)
+                                                 duration=220.0 if revisit else 400.0, rate=10.0, line_spacing=2.0),
+                         sensor, seed=0)
+        again = simulate(world, TrajectoryConfig(patterns=("loop",), area=area, inset=20.0 / 6 if revisit else 3.0,
+                                                 speed=1.0, duration=80.0 if revisit else 120.0, rate=10.0),
+                         sensor, seed=1)
 
         def magnitude(r):
             return np.linalg.norm(r.field_sensor_tesla, axis=1)[:, None] * 1e6
 
-        return Recording(name, drive.sensor_position[:, :2], magnitude(drive), again.sensor_position[:, :2],
-                         magnitude(again), batch)
+        x, y = drive.sensor_position[:, :2], magnitude(drive)
+        x_test, y_test = again.sensor_position[:, :2], magnitude(again)
+        k = len(x_test) // 5 if revisit else 0
+        return Recording(name, np.vstack([x, x_test[:k]]), np.vstack([y, y_test[:k]]), x_test[k:], y_test[k:], batch)
     raise ValueError(f"unknown recording {name!r}; choose from {', '.join(RECORDINGS)}")
 
 
@@ -158,14 +165,16 @@ def shipped(**overrides) -> ModelConfig:
 #: engines whose calibration columns the section reports (recordings each streams: smc_experts and var_gp cost
 #: the most per reading and skip the 35 k-reading protocol 2)
 ENGINES = {"dual_svgp": RECORDINGS, "continual_mogp": RECORDINGS,
-           "var_gp": ("solin_p1", "optitrack_magnitude", "optitrack_vector", "sim_world"),
-           "smc_experts": ("solin_p1", "optitrack_magnitude", "sim_world")}
+           "var_gp": ("solin_p1", "optitrack_magnitude", "optitrack_vector", "sim_world", "sim_revisit"),
+           "smc_experts": ("solin_p1", "optitrack_magnitude", "sim_world", "sim_revisit")}
 #: the defaults table's candidates (dual_svgp, name -> overrides of the shipped model section)
 CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               "lag 2.5 m": {"calibration_lag": 2.5}, "lag 10 m": {"calibration_lag": 10.0},
               "M = 128": {"num_inducing": 128}, "M = 512": {"num_inducing": 512},
               "isotropic": {"lengthscales": "isotropic"}, "per_axis": {"lengthscales": "per_axis"},
-              "hyper_lr 0.05": {"hyper_lr": 0.05}, "hyper_lr 0.1": {"hyper_lr": 0.1}}
+              "hyper_lr 0.05": {"hyper_lr": 0.05},
+              "records 512": {"calibration_records": 512}, "records 2048": {"calibration_records": 2048},
+              "records 4096": {"calibration_records": 4096}}
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:

@@ -123,40 +123,26 @@ def test_scores_of_a_calibrated_gaussian():
 def test_known_noise_is_learned_and_a_new_pass_is_covered():
     # A simulated 20 m x 20 m dipole field read with 0.5 uT noise per axis (|B| noise 0.25 uT^2): a lawnmower,
     # then 20 % of a loop over the same ground, streamed through the shipped engine (tiled); the rest of the
-    # loop is held out. The noise is learned within 20 % and the held-out readings fall within +-2 SD of a
-    # reading's predictive distribution 90-98 % of the time.
-    from gp_mapping.sim import SensorConfig, TrajectoryConfig, WorldConfig, simulate
-
-    area = (0.0, 0.0, 20.0, 20.0)
-    world = WorldConfig(area=area, n_dipoles=40, margin=2.0)
-    sensor = SensorConfig(noise_std=0.5e-6)
-    drive = simulate(world, TrajectoryConfig(patterns=("lawnmower",), area=area, inset=1.0, speed=1.0,
-                                             duration=220.0, rate=10.0, line_spacing=2.0), sensor, seed=0)
-    again = simulate(world, TrajectoryConfig(patterns=("loop",), area=area, inset=20.0 / 6, speed=1.0,
-                                             duration=80.0, rate=10.0), sensor, seed=1)
-
-    def magnitude(rec):
-        return np.linalg.norm(rec.field_sensor_tesla, axis=1)[:, None] * 1e6
-
-    x_test, y_test = again.sensor_position[:, :2], magnitude(again)
-    k = len(x_test) // 5
-    x = np.vstack([drive.sensor_position[:, :2], x_test[:k]])
-    y = np.vstack([magnitude(drive), y_test[:k]])
+    # loop is held out (the calibration bench's ``sim_revisit``). The noise is learned within 20 % and the
+    # held-out readings fall within +-2 SD of a reading's predictive distribution 90-98 % of the time.
+    rec = bench.load("sim_revisit", None, {})
     model = build_model(ModelConfig(device="cpu", seed=0), 2, 1)
-    for i in range(0, len(x), 50):
-        model.update(x[i:i + 50], y[i:i + 50])
+    for i in range(0, len(rec.x), 50):
+        model.update(rec.x[i:i + 50], rec.y[i:i + 50])
     engines = [slot.engine for slot in model.tiles.values()]
     for engine in engines:
         noise = float(engine.likelihood.noise_variance.detach()) * float(engine.y_std) ** 2
         assert noise == pytest.approx(0.25, rel=0.2)
     assert int(model.calibration.record_count) >= CALIBRATION_MIN_RECORDS  # the map, not its tiles, calibrates
-    mean, var = model.predict_reading(x_test[k:])
-    s = bench.scores(mean.numpy(), var.numpy(), y_test[k:])
+    mean, var = model.predict_reading(rec.x_test)
+    s = bench.scores(mean.numpy(), var.numpy(), rec.y_test)
     assert 0.90 <= s["within_2sd"] <= 0.98, s
-    # the uncalibrated variance (latent + noise) scores worse on the same pass
-    _, latent = model.predict(x_test[k:])
-    raw = bench.scores(mean.numpy(), latent.numpy() + noise, y_test[k:])
-    assert raw["nlpd"] > s["nlpd"]
+    # The simulated sensor's noise is white and the model right, so the uncalibrated variance (latent + noise)
+    # is right too: the calibration must not make it worse. It did with 4096 records kept (NLPD 1.52 against
+    # 0.97, every held-out reading within +-2 SD: old records of a map with its first hyperparameters).
+    _, latent = model.predict(rec.x_test)
+    raw = bench.scores(mean.numpy(), latent.numpy() + noise, rec.y_test)
+    assert s["nlpd"] <= raw["nlpd"] + 0.05, (s, raw)
 
 
 def test_a_session_offset_is_learned_and_removed():
