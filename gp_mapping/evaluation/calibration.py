@@ -174,7 +174,8 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               "isotropic": {"lengthscales": "isotropic"}, "per_axis": {"lengthscales": "per_axis"},
               "hyper_lr 0.05": {"hyper_lr": 0.05},
               "records 512": {"calibration_records": 512}, "records 2048": {"calibration_records": 2048},
-              "records 4096": {"calibration_records": 4096}}
+              "records 4096": {"calibration_records": 4096},
+              "hyper_points 256": {"hyper_points": 256}, "matern32": {"kernel": "matern32"}}
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:

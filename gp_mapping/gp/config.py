@@ -106,7 +106,11 @@ class ModelConfig:
                                       "many new samples (at least one, at most hyper_steps), so learning keeps "
                                       "pace with the data whatever full_update_every is, and a 1-second batch "
                                       "costs a step or two", low=1, high=1_000_000)
-    hyper_points: int = option(256, doc="dual_svgp and var_gp: hyperparameter steps see at most this many "
+    # 1024: every held sample at the default memory (500) and batch. At 256 about half were left out of each step
+    # and their sites frozen on u at the step's old hyperparameters: OptiTrack |B| settled at a 1.9 m lengthscale
+    # and mapped at 0.99 uT (0.63 at 1024, exact GP 0.48); worst case over the calibration recordings in
+    # docs/calibration.md. Costs about 1.5x the stream time of Solin protocol 2.
+    hyper_points: int = option(1024, doc="dual_svgp and var_gp: hyperparameter steps see at most this many "
                                         "held samples (a uniform sample of the memory and of the batch, weighted to stand for "
                                         "the rest, whose information stays in q), so a step costs the same "
                                         "however large the batch", low=1, high=1_000_000)
