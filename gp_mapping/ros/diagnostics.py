@@ -81,9 +81,14 @@ class NodeStatus:
             return
         text = ", ".join(f"{k.split('/')[-1]} +{v}" for k, v in grown.items())
         error = values.get("last_error") or ""
-        logged = self.get_logger().warning(f"input refused or dropped since the last report: {text}"
-                                           + (f"; last update error: {error}" if error else ""),
-                                           throttle_duration_sec=LOG_THROTTLE_S)
+        line = f"input refused or dropped since the last report: {text}" + (
+            f"; last update error: {error}" if error else "")
+        if any(self._logged_counts.get(k, 0) == 0 for k in grown):
+            # a reason not reported before is logged at once: throttled, a refusal in the last seconds before the
+            # node stops would never reach the log (the throttle only holds back repeats)
+            logged = self.get_logger().warning(line)
+        else:
+            logged = self.get_logger().warning(line, throttle_duration_sec=LOG_THROTTLE_S)
         if logged:  # rclpy returns whether the line was emitted; counts stay until one is
             self._logged_counts.update({k: int(values[k]) for k in keys if k in values})
 
