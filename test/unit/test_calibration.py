@@ -138,10 +138,11 @@ def test_known_noise_is_learned(sim_revisit):
     assert int(model.calibration.record_count) >= CALIBRATION_MIN_RECORDS  # the map, not its tiles, calibrates
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known failure (docs/calibration.md, Limits): the records of the first "
-                   "minutes come from a map whose hyperparameters were far off (latent variance 20-28 uT^2 where "
-                   "the errors are 3-5), and the variance model a * v + tau^2 fitted over them overstates a new "
-                   "pass's variance: 1.00 within +-2 SD, NLPD 1.52 against 0.97 uncalibrated")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known failure (docs/calibration.md, Limits): the records of the first minutes come from a "
+                   "map whose hyperparameters were far off (latent variance 20-28 uT^2 where the errors are 3-5), "
+                   "and the variance model a * v + tau^2 fitted over them overstates a new pass's variance: 1.00 "
+                   "within +-2 SD, NLPD 1.52 against 0.97 uncalibrated")
 def test_a_new_pass_is_covered_and_the_calibration_does_no_harm(sim_revisit):
     # Held-out readings within +-2 SD of a reading's predictive distribution 90-98 % of the time. The sensor's
     # noise is white and the model right, so the uncalibrated variance (latent + noise) is right as well: the
