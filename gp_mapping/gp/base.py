@@ -406,8 +406,8 @@ class Engine(nn.Module, abc.ABC):
                 if lagged is not None and float(lagged.calibration.path) >= 2.0 * self.config.calibration_lag:
                     mean, var, noise = lagged._reading_moments(xt)
                     err = torch.where(seen, yt - offset - mean, torch.zeros_like(mean))
-                    cal.record(err, var, noise, seen)
-                    cal.refit(self._target_variance())
+                    cal.record(err, var, noise, seen, lagged._prior_latent_variance())
+                    cal.refit(self._target_variance(), self._prior_latent_variance())
                 self._keep_lagged(xt)
             return torch.where(seen, yt - offset, yt)
 
@@ -443,6 +443,15 @@ class Engine(nn.Module, abc.ABC):
     def _target_variance(self) -> torch.Tensor:
         """(P,) variance of the targets seen so far (the scale of the calibration's tau^2 grid)."""
         return self.y_std.detach() ** 2
+
+    #: an input farther from any datum than a map in metres reaches (every kernel's correlation 0 there)
+    _NOWHERE = 1.0e7
+
+    def _prior_latent_variance(self) -> torch.Tensor:
+        """(P,) the latent variance the map states where it has no data, targets' units: the scale its latent
+        variance is stated on under its hyperparameters now (the calibration brings its records to it)."""
+        nowhere = torch.full((1, self.input_dims), self._NOWHERE, dtype=torch.float64, device=self.device)
+        return self._reading_moments(nowhere)[1][0]
 
     def log_predictive_density(self, x, y) -> torch.Tensor:
         """log p(y*|x*) (N, P) in the original units (includes the Jacobian of the standardisation); with a

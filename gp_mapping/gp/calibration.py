@@ -16,7 +16,13 @@ on new ground; the track just driven, whose errors the batch shares, is not in t
     s^2 = a * v_latent + sigma_noise^2 + tau^2
 
 is fitted by maximum likelihood (a: how far the latent variance is off; tau^2: the error a new pass adds that
-no part of the model sees). It is refitted every ``REFIT_EVERY`` new records (a grid search, refined four times: two parameters,
+no part of the model sees). A record's latent variance was stated under the hyperparameters of its time, and
+a map's first minutes state it on another scale (a signal variance of 35 uT^2 where the map settles at 7): so
+each record keeps the prior variance its map stated where it had no data, and a refit takes the record's
+latent variance as that fraction of the prior variance *now* (v * prior_now / prior_then). Without it the
+early records, whose variance was 5x that of later maps for the same errors, made the latent variance look
+uninformative (a = 0.07) and put the error into tau^2: 2.5 uT^2 on a field read with 0.25 uT^2 of noise, every
+held-out reading of the simulated revisit (bench recording ``sim_revisit``) within +-2 SD and a z-std of 0.38. It is refitted every ``REFIT_EVERY`` new records (a grid search, refined four times: two parameters,
 at most ``FIT_RECORDS`` of the stored records) and only after ``CALIBRATION_MIN_RECORDS`` records; until then
 a = 1, tau^2 = 0, the model as it is. The lagged map is a copy the engine keeps (``Engine._lagged``); it is
 not part of the saved state, so a loaded map calibrates again after two lags. The same idea is conformal/recalibration of regression uncertainty (Kuleshov et al. 2018,
@@ -83,6 +89,9 @@ class PrequentialCalibration(_OptionalState):
         self.register_buffer("err2", torch.zeros(self.records, output_dims, **f64))
         self.register_buffer("latent_var", torch.zeros(self.records, output_dims, **f64))
         self.register_buffer("noise_var", torch.zeros(self.records, output_dims, **f64))
+        # the prior (no-data) latent variance of the map that made each record; 0: unknown (a state saved
+        # before it was kept), the record taken as it is
+        self.register_buffer("prior_var", torch.zeros(self.records, output_dims, **f64))
         self.register_buffer("filled", torch.zeros(self.records, output_dims, dtype=torch.bool))
         self.register_buffer("record_count", torch.zeros((), dtype=torch.int64))
         self.register_buffer("fitted_at", torch.zeros((), dtype=torch.int64))  # record_count at the last refit
@@ -93,6 +102,8 @@ class PrequentialCalibration(_OptionalState):
         # The fitted model: s^2 = scale * v + noise + extra (extra in the targets' squared units).
         self.register_buffer("scale", torch.ones(output_dims, **f64))
         self.register_buffer("extra", torch.zeros(output_dims, **f64))
+
+    ADDED_LATER = ("prior_var",)
 
     @property
     def active(self) -> bool:
@@ -111,8 +122,9 @@ class PrequentialCalibration(_OptionalState):
         self.has_last_x.fill_(True)
 
     def record(self, err: torch.Tensor, latent_var: torch.Tensor, noise_var: torch.Tensor,
-               observed: torch.Tensor) -> None:
-        """Store (N, P) out-of-sample errors with their predicted variances; ``observed`` (N, P) masks channels."""
+               observed: torch.Tensor, prior_var: torch.Tensor) -> None:
+        """Store (N, P) out-of-sample errors with their predicted variances; ``observed`` (N, P) masks channels;
+        ``prior_var`` (P,): the latent variance the predicting map states where it has no data."""
         if err.shape[0] == 0:
             return
         err, latent_var, noise_var, observed = (t[-self.records:] for t in (err, latent_var, noise_var, observed))
@@ -121,13 +133,16 @@ class PrequentialCalibration(_OptionalState):
         self.err2[idx] = (err * err).to(self.err2.dtype)
         self.latent_var[idx] = latent_var.to(self.err2.dtype)
         self.noise_var[idx] = noise_var.to(self.err2.dtype)
+        self.prior_var[idx] = prior_var.to(self.err2.dtype).reshape(1, -1).expand(idx.shape[0], -1)
         self.filled[idx] = observed
         self.record_count += err.shape[0]
 
-    def refit(self, target_var: torch.Tensor, force: bool = False) -> None:
+    def refit(self, target_var: torch.Tensor, prior_var: torch.Tensor, force: bool = False) -> None:
         """Maximum-likelihood (a, tau^2) per output from the stored records, once REFIT_EVERY records came
-        since the last refit (or ``force``); ``target_var`` (P,) sets the scale of the tau^2 grid. Outputs
-        with fewer than CALIBRATION_MIN_RECORDS records stay uncalibrated."""
+        since the last refit (or ``force``); ``target_var`` (P,) sets the scale of the tau^2 grid;
+        ``prior_var`` (P,) is the map's no-data latent variance now, the scale each record's latent variance is
+        brought to (module docstring). Outputs with fewer than CALIBRATION_MIN_RECORDS records stay
+        uncalibrated."""
         if not force and int(self.record_count) - int(self.fitted_at) < REFIT_EVERY:
             return
         self.fitted_at.copy_(self.record_count)
@@ -137,6 +152,8 @@ class PrequentialCalibration(_OptionalState):
                 self.scale[p], self.extra[p] = 1.0, 0.0
                 continue
             e2, v, s = self.err2[keep, p], self.latent_var[keep, p], self.noise_var[keep, p]
+            then = self.prior_var[keep, p]
+            v = torch.where(then > 0, v * (float(prior_var[p]) / then.clamp_min(1e-300)), v)
             if e2.shape[0] > FIT_RECORDS:
                 pick = torch.linspace(0, e2.shape[0] - 1, FIT_RECORDS, device=e2.device).round().long()
                 e2, v, s = e2[pick], v[pick], s[pick]

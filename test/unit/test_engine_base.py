@@ -48,6 +48,27 @@ def test_every_engine_keeps_the_contract_through_a_state_round_trip(name):
     assert torch.equal(mean, mean2) and torch.equal(var, var2)
 
 
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_every_engine_predicts_its_prior_before_any_reading_and_far_from_its_data(name):
+    """A map asked before its first reading (a node's first grid, a localizer started early) answers with its
+    prior, and far from its data it says the same variance as there: smc_experts raised IndexError on a fresh
+    map (no expert to gate yet)."""
+    config = ModelConfig(engine=name, num_inducing=16, hyper_steps=2, device="cpu")
+    model = build_model(config, 2, 1)
+    mean, var = model.predict(np.zeros((3, 2)))
+    assert torch.isfinite(mean).all() and bool((var > 0).all())
+    reading_mean, reading_var = model.predict_reading(np.zeros((3, 2)))
+    assert torch.isfinite(reading_mean).all() and bool((reading_var >= var).all())
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-2, 2, (60, 2))
+    model.update(x, np.sin(x[:, :1]) + 0.05 * rng.standard_normal((60, 1)))
+    prior = model._prior_latent_variance()
+    _, far = model.predict(np.full((1, 2), 1.0e4))
+    assert prior.shape == (1,) and torch.allclose(prior, far[0], rtol=1e-6)
+    _, near = model.predict(x[:5])
+    assert bool((near < prior).all())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(ENGINES))
 @pytest.mark.parametrize("outputs", [1, 3])
