@@ -451,7 +451,8 @@ class Engine(nn.Module, abc.ABC):
         """(P,) the latent variance the map states where it has no data, targets' units: the scale its latent
         variance is stated on under its hyperparameters now (the calibration brings its records to it)."""
         nowhere = torch.full((1, self.input_dims), self._NOWHERE, dtype=torch.float64, device=self.device)
-        return self._reading_moments(nowhere)[1][0]
+        with torch.no_grad():
+            return self._reading_moments(nowhere)[1][0]
 
     def log_predictive_density(self, x, y) -> torch.Tensor:
         """log p(y*|x*) (N, P) in the original units (includes the Jacobian of the standardisation); with a

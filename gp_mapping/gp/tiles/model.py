@@ -411,6 +411,11 @@ class TiledModel(SharedHyperparameters, Engine):
     def _target_variance(self) -> torch.Tensor:
         return self.target_m2 / self.target_count.clamp_min(1.0)
 
+    def _prior_latent_variance(self) -> torch.Tensor:
+        """The prior engine's (current hyperparameters, running scaling): what a tile without data states, as
+        the blend does far from every tile, without routing a point through the lattice (8x the cost)."""
+        return self.prior._prior_latent_variance()
+
     def _snapshot(self) -> "TiledModel":
         """The lagged copy of the map (Engine._keep_lagged) holds only the tiles within reach of where the map
         is now: it predicts the batches of the next two lags of path, which cannot leave that reach, and a copy
