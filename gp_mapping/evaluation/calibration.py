@@ -174,7 +174,9 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               "isotropic": {"lengthscales": "isotropic"}, "per_axis": {"lengthscales": "per_axis"},
               "hyper_lr 0.05": {"hyper_lr": 0.05},
               "records 1024": {"calibration_records": 1024},
-              "hyper_points 256": {"hyper_points": 256}, "matern32": {"kernel": "matern32"}}
+              "hyper_points 256": {"hyper_points": 256}, "matern32": {"kernel": "matern32"},
+              "noise floor 0": {"noise_floor": 0.0}, "noise floor 0.04": {"noise_floor": 0.04},
+              "noise floor 0.25": {"noise_floor": 0.25}}
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:

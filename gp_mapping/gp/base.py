@@ -230,6 +230,13 @@ class Engine(nn.Module, abc.ABC):
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
 
+    def _own_likelihood(self, likelihood):
+        """The engine's likelihood, told to read this engine's target scale where it needs one (a noise floor
+        given in the targets' units: GaussianLikelihood.measure_with)."""
+        if hasattr(likelihood, "measure_with"):
+            likelihood.measure_with(self)
+        return likelihood
+
     def _register_target_statistics(self, outputs: int, count_per_output: bool = False) -> None:
         """The buffers of adaptive target scaling: the offset and scale in use (``y_mean``, ``y_std``, (P,)) and the
         running moments of every target seen (``y_count``, scalar or (P,) when outputs can be missing;

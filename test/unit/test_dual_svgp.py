@@ -580,14 +580,15 @@ def test_cuda_predictions_match_cpu_float64():
 def test_the_learned_noise_reaches_the_sensors_variance_on_a_drive():
     """On a simulated drive with a known sensor noise (0.1 uT) the learned noise must end near 0.01 uT^2 (measured
     0.012 at M = 64): neither run away with what 64 inducing points cannot represent nor collapse onto the
-    in-sample residuals."""
+    in-sample residuals. The noise floor (model.noise_floor, 0.09 uT^2 by default) is off: this sensor is 9x
+    quieter than the floor says, and what is tested is the learning."""
     from gp_mapping.sim import SensorConfig, TrajectoryConfig, WorldConfig, simulate
 
     rec = simulate(WorldConfig(), TrajectoryConfig(duration=40.0), SensorConfig(noise_std=0.1e-6), seed=3)
     x = rec.sensor_position[:, :2]
     field = rec.field_map_tesla_true * 1e6 + np.random.default_rng(0).normal(scale=0.1, size=(len(x), 3))
     y = np.linalg.norm(field, axis=1, keepdims=True)
-    model = build_model(ModelConfig(num_inducing=64, device="cpu", tile_size=0.0), 2, 1)
+    model = build_model(ModelConfig(num_inducing=64, device="cpu", tile_size=0.0, noise_floor=0.0), 2, 1)
     for i in range(0, len(x), 50):
         model.update(x[i:i + 50], y[i:i + 50])
     noise = float(model.likelihood.noise_variance.detach()[0] * model.y_std[0] ** 2)
@@ -659,7 +660,9 @@ def test_a_batch_beyond_a_full_z_is_promoted_and_a_covered_one_conditions_on_the
     features = model._features
     model._features = lambda L, x: calls.append(x.shape[0]) or features(L, x)
     assert model.update(inside, field(inside)[:, None])["mode"] == "fast"
-    assert calls == [50]
+    # the batch's features once; the one-row call is the calibration's question of the map's prior variance (a
+    # point far from every datum, Engine._prior_latent_variance), not the batch
+    assert [n for n in calls if n != 1] == [50] and len(calls) <= 2
     assert recomputing.update(inside, field(inside)[:, None])["mode"] == "fast"
     for name in ("a_w", "W", "pend_lam1", "pend_lam2"):
         assert torch.equal(getattr(model, name), getattr(recomputing, name)), name

@@ -364,10 +364,11 @@ def test_paper_protocol_shortened_on_the_motorcycle_series():
     ll_gp, _ = bench.one_step_ahead(build_model(dict(engine="dual_svgp", kernel="rbf", lengthscales="isotropic",
                                                      constant_kernel=False, num_inducing=50, lengthscale=0.3,
                                                      noise_variance=0.1, device="cpu"), 1, 1), x, y)
-    # measured: -31.3, 0.33, -42.7, -1058 (dual_svgp: -299 before its adaptive scaling); seeds 0-4: the mixture
-    # -29 to -33, one particle -41 to -54 (-85 before new experts' predictives were marginalised)
+    # measured: -31.3, 0.33, -42.7, -46.9; seeds 0-4: the mixture -29 to -33, one particle -41 to -54 (-85 before
+    # new experts' predictives were marginalised). dual_svgp scored -1058 before its noise floor (model.noise_floor)
+    # and -299 before its adaptive scaling: its noise collapsed onto the first readings' calm stretch
     print(ll_smc, mse_smc, ll_poe, ll_gp)
-    assert ll_smc > ll_poe + 5 and ll_smc > ll_gp + 100
+    assert ll_smc > ll_poe + 5 and ll_smc > ll_gp + 10
     assert mse_smc < 0.45
 
 

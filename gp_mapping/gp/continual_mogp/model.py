@@ -118,7 +118,7 @@ class ContinualMOGP(ContinualBound, InducingPlacement, UpdateMemo, Engine):
             if main is not None and qn > 1:
                 main.lengthscale_param.set(config.lengthscale * ratio ** (q - (qn - 1) / 2))
             self.kernels.append(kernel)
-        self.likelihood: Likelihood = build_likelihood(config, p)
+        self.likelihood: Likelihood = self._own_likelihood(build_likelihood(config, p))
         gen = torch.Generator().manual_seed(int(config.seed))
         mix = 0.1 * torch.randn(p, qn, generator=gen, dtype=torch.float64)
         k = min(p, qn)

@@ -76,7 +76,7 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         self.inducing_rel_tol = float(inducing_rel_tol)
         device = resolve_device(config.device)
         self.kernel = build_kernel(config, d)
-        self.likelihood = build_likelihood(config, p)
+        self.likelihood = self._own_likelihood(build_likelihood(config, p))
         f64 = dict(dtype=torch.float64)
         z_fixed = config.inducing == "grid"
         if z_fixed:

@@ -391,11 +391,12 @@ def load_merged(engine, result: MergeResult) -> None:
     tiled map shares), then the merged posterior under them."""
     with torch.no_grad():
         engine.kernel.load_state_dict(result.kernel.state_dict())
-        noise = getattr(engine.likelihood, "noise_param", getattr(engine.likelihood, "scale_param", None))
-        if noise is not None and bool(torch.isfinite(result.noise).all()):
-            noise.set(result.noise.to(engine.device))
     engine.set_recycled_posterior(result.z, result.site_a, result.site_W, result.target_mean,
                                   result.target_scale, result.jitter, result.num_data)
+    if bool(torch.isfinite(result.noise).all()):
+        with torch.no_grad():
+            # the whole noise (a floor included, in the target scale just set): the likelihood keeps its floor
+            engine.likelihood.initialise_noise(result.noise.to(engine.device))
 
 
 __all__ = ["COMPRESSING_STEPS", "LOG_2PI", "MergeResult", "RawData", "RecyclableMerge", "explains_sources",

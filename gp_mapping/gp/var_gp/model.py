@@ -99,7 +99,7 @@ class VARGP(BlockFactors, RegionBlocks, Engine):
                               "inducing")
         self.kernel = build_kernel(cfg, d)
         self.kernel.requires_grad_(False)  # holds the q(theta) mean; q(theta) itself is q_mu, q_logsd
-        self.likelihood = build_likelihood(cfg, p)
+        self.likelihood = self._own_likelihood(build_likelihood(cfg, p))
         self._theta_layout = [(name, tuple(t.shape), t.numel()) for name, t in self.kernel.named_parameters()]
         theta0 = torch.cat([t.detach().reshape(-1) for _, t in self.kernel.named_parameters()]).to(torch.float64)
         h = theta0.numel()
