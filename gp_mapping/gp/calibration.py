@@ -153,10 +153,10 @@ class PrequentialCalibration(_OptionalState):
                 continue
             e2, v, s = self.err2[keep, p], self.latent_var[keep, p], self.noise_var[keep, p]
             then = self.prior_var[keep, p]
-            v = torch.where(then > 0, v * (float(prior_var[p]) / then.clamp_min(1e-300)), v)
             if e2.shape[0] > FIT_RECORDS:
                 pick = torch.linspace(0, e2.shape[0] - 1, FIT_RECORDS, device=e2.device).round().long()
-                e2, v, s = e2[pick], v[pick], s[pick]
+                e2, v, s, then = e2[pick], v[pick], s[pick], then[pick]
+            v = torch.where(then > 0, v * (float(prior_var[p]) / then.clamp_min(1e-300)), v)
             unit = max(float(target_var[p]), 1e-12)
             log_a = torch.linspace(math.log(SCALE_BOUNDS[0]), math.log(SCALE_BOUNDS[1]), 15, dtype=e2.dtype,
                                    device=e2.device)

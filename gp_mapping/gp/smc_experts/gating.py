@@ -156,11 +156,12 @@ class Gating:
             outs.append(torch.logsumexp((logc - decay)[..., None] + log_k, -2) - norm)
         if self._pred_ok:
             rep = self._rep
-            # no distinct expert yet (a map before its first reading): every expert is free, -inf
-            outs = [torch.full((*rep.shape, x.shape[0]), -math.inf, dtype=out.dtype, device=out.device)
-                    if out.shape[0] == 0 else
-                    torch.where((rep >= 0)[..., None], out[rep.clamp_min(0)],
-                                torch.full((), -math.inf, dtype=out.dtype, device=out.device)) for out in outs]
+            if outs[0].shape[0] == 0:  # no distinct expert yet (a map before its first reading): all free, -inf
+                outs = [torch.full((*rep.shape, x.shape[0]), -math.inf, dtype=out.dtype, device=out.device)
+                        for out in outs]
+            else:
+                outs = [torch.where((rep >= 0)[..., None], out[rep.clamp_min(0)],
+                                    torch.full((), -math.inf, dtype=out.dtype, device=out.device)) for out in outs]
         return outs[0], (outs[2] if t is not None else None), outs[1]
 
     def _gate_width(self, theta: torch.Tensor) -> torch.Tensor:
