@@ -40,6 +40,21 @@ def _field(x: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------------------ closed forms
 
 
+def test_a_merged_map_keeps_the_sources_noise_with_its_floor_counted_once():
+    # The sources' noise already holds the floor (model.noise_floor); the merged map takes that whole noise and
+    # keeps its own floor inside it: it once set the whole noise as its learned part, the floor then added again.
+    rng = np.random.default_rng(7)
+    x = rng.uniform(-2, 2, (300, 2))
+    cfg = ModelConfig(device="cpu", num_inducing=30, memory_size=50, noise_floor=0.09)
+    model = _train(cfg, x, 40 + 3 * _field(x))
+    res = merge([source_from_engine(model)], cfg, steps=0)
+    merged = merged_engine(res, cfg, 1)
+    source_noise = model.likelihood.noise_variance.detach() * model.y_std ** 2
+    merged_noise = merged.likelihood.noise_variance.detach() * merged.y_std ** 2
+    assert float(source_noise) >= 0.09
+    assert torch.allclose(merged_noise, source_noise, rtol=1e-9)
+
+
 def test_one_source_taken_as_the_global_model_gives_a_zero_bound_and_the_same_map():
     rng = np.random.default_rng(0)
     x = rng.uniform(-2, 2, (300, 2))
