@@ -143,9 +143,10 @@ def test_the_node_over_dds_goes_warn_then_stale_when_the_sensor_stops_and_ok_whe
     spinner.start()
     t = [1000.0]
 
-    def publish(seconds, mag=True):
+    def publish(seconds, mag=True, until=None):
+        """Publish pose (and magnetometer) at <= 50 Hz for ``seconds``, or until ``until()`` holds."""
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        while time.monotonic() < end and not (until and until()):
             t[0] += 0.02
             pose = PoseStamped()
             pose.header.stamp, pose.header.frame_id = seconds_to_stamp(t[0]), "map"
@@ -161,23 +162,30 @@ def test_the_node_over_dds_goes_warn_then_stale_when_the_sensor_stops_and_ok_whe
     def level_since(start):
         return [(round(at - start, 1), s.level[0], s.message) for at, s in statuses if at >= start]
 
+    def seen(start, level):
+        return lambda: any(lv == level for _, lv, _ in level_since(start))
+
+    # The levels' timing is checked on synthetic ticks above; over DDS the test checks the wiring, and waits for
+    # each level with a deadline that a loaded 2-core CI machine still meets (the node's 1 s diagnostics timer
+    # and its callbacks can run seconds late there; a fixed publishing time made this test flaky).
+    deadline = 12.0
     try:
         publish(4.0)
-        healthy = level_since(time.monotonic() - 1.5)
+        start = time.monotonic()
+        publish(deadline, until=seen(start, OK))
+        healthy = level_since(start)
         assert healthy and healthy[-1][1] == OK, healthy
         stopped = time.monotonic()
-        publish(4.5, mag=False)  # the magnetometer stops; the pose goes on
+        publish(deadline, mag=False, until=seen(stopped, STALE))  # the magnetometer stops; the pose goes on
         after = level_since(stopped)
-        first_warn = next(at for at, level, _ in after if level == WARN)
-        first_stale = next(at for at, level, _ in after if level == STALE)
-        assert first_warn <= 1.0 + 1.2 and first_stale <= 3.0 + 1.2, after
+        levels = [level for _, level, _ in after]
+        assert WARN in levels and STALE in levels and levels.index(WARN) < levels.index(STALE), after
+        assert OK not in levels[levels.index(WARN):], after  # no OK while the magnetometer is silent
         assert any("no magnetometer message" in msg for _, level, msg in after if level == WARN)
         back = time.monotonic()
-        publish(4.0)
+        publish(deadline, until=seen(back, OK))  # the rate check needs the window filled with data again
         again = level_since(back)
-        first_ok = next(at for at, level, _ in again if level == OK)
-        assert first_ok <= 2.0 + 1.5, again  # the rate check needs the window filled with data again
-        assert again[-1][1] == OK, again
+        assert again and again[-1][1] == OK, again
     finally:
         executor.shutdown()
         spinner.join(timeout=10)
