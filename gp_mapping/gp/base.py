@@ -96,8 +96,6 @@ def resolve_device(name: str) -> torch.device:
 
 #: sessions whose offsets a map tells apart (a later one shares the last slot)
 MAX_SESSIONS = 64
-#: side of the cells a session's visited ground is kept in [input units]: about a pass's lateral spread
-SESSION_CELL = 0.3
 
 #: A batch teaches hyperparameters only if its inputs spread over more than this fraction of model.lengthscale
 #: (3 cm for 1 m: above the pose jitter of a robot at rest, below the 9 cm a slow walk covers in a second).
@@ -225,7 +223,7 @@ class Engine(nn.Module, abc.ABC):
         on = config.calibration == "prequential"  # without it the store is empty (a tile's, for one)
         self.calibration = PrequentialCalibration(self.input_dims, self.output_dims,
                                                   config.calibration_records if on else 0)
-        self.sessions = SessionOffsets(self.output_dims, MAX_SESSIONS, SESSION_CELL)
+        self.sessions = SessionOffsets(self.output_dims, MAX_SESSIONS)
         # every engine's counters (num_seen, num_updates), saved with its state
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("num_updates_t", torch.tensor(0, dtype=torch.int64))
@@ -358,7 +356,21 @@ class Engine(nn.Module, abc.ABC):
         """The readings from now on come from a new session (another bag, node run or sensor) whose constant
         offset to the first session's is learned (gp/calibration.py, SessionOffsets); returns its index."""
         self._close_session()
+        # The map of the sessions so far, frozen: the new session's offset is measured against it. Measured
+        # against the map in use, the errors next to the session's own data carry the offset they were
+        # conditioned with, and an early estimate feeds itself (a 5 uT offset on Solin was learned as 5.7). A
+        # full copy (Engine._snapshot, also for a tiled map): the session may go anywhere.
+        self.__dict__["_session_reference_map"] = Engine._snapshot(self) if self.num_seen > 0 else None
         return self.sessions.start()
+
+    def _session_reference(self, device: torch.device) -> "Engine | None":
+        """The map the current session's offset is measured against (:meth:`start_session`): the sessions
+        before it, frozen. None where there is none: a session started on an empty map, or a map loaded from a
+        state file (the copy is not saved; the offset then stays as it was learned)."""
+        ref = self.__dict__.get("_session_reference_map")
+        if ref is not None and ref.device != device:
+            ref = self.__dict__["_session_reference_map"] = ref.to(device)
+        return ref
 
     def _close_session(self) -> None:
         """Called as a new session starts: the data conditioned so far keep the offset they carry for good (an
@@ -392,16 +404,15 @@ class Engine(nn.Module, abc.ABC):
             return yt
         seen = torch.ones_like(yt, dtype=torch.bool) if observed is None else observed
         with torch.no_grad():
-            if sessions.current > 0 and self.num_seen > 0:
-                mean, var, noise = self._reading_moments(xt)
-                # known ground: the latent variance below the reading's other terms, in cells this session has
-                # not visited yet (elsewhere the error is the map's own, or this session's data predict it)
-                floor = self._reading_variance(torch.zeros_like(var), noise)
-                scale = cal.scale if self.calibrates else 1.0
-                known = seen & (scale * var <= floor) & sessions.new_ground(xt)[:, None]
+            reference = self._session_reference(xt.device) if sessions.current > 0 else None
+            if reference is not None:
+                # Readings on ground the earlier sessions know (latent variance below the noise) observe the
+                # offset; their errors are against the earlier sessions' map alone, so this session's own data,
+                # conditioned with an offset estimate that is still moving, never enter them.
+                mean, var, noise = reference._reading_moments(xt)
+                known = seen & (var <= noise)
                 err = torch.where(seen, yt - mean, torch.zeros_like(mean))
-                sessions.observe(err, self._reading_variance(var, noise), known, self._target_variance())
-                sessions.visit(xt)
+                sessions.observe(err, var + noise, known, self._target_variance())
             offset = sessions.offset()
             if sessions.current > 0 and self.reexpresses_sessions and bool((offset != sessions.applied).any()):
                 self._reexpress_session(offset - sessions.applied)
@@ -433,8 +444,9 @@ class Engine(nn.Module, abc.ABC):
         self.calibration.extend_path(xt)
 
     #: bookkeeping of this engine's own updates that a frozen copy does not take: its lagged copies, the state
-    #: an undo would return to (Engine.begin_update) and the tiled model's journal (a copy of the touched tiles)
-    _UPDATE_BOOKKEEPING = ("_lag_copies", "_undo_state", "_journal")
+    #: an undo would return to (Engine.begin_update), the tiled model's journal (a copy of the touched tiles)
+    #: and the map a session's offset is measured against (Engine.start_session)
+    _UPDATE_BOOKKEEPING = ("_lag_copies", "_undo_state", "_journal", "_session_reference_map")
 
     def _snapshot(self) -> "Engine":
         """A frozen copy of this engine, without its update bookkeeping (copied as None where it was set)."""

@@ -41,8 +41,34 @@ def test_refit_is_the_maximum_likelihood_of_the_variance_model():
     assert nll([np.log(float(cal.scale)), np.log(float(cal.extra))]) == pytest.approx(best.fun, abs=2e-4)
     assert float(cal.scale) == pytest.approx(4.0, rel=0.3)
     assert float(cal.extra) == pytest.approx(0.3, rel=0.5)
+    # Gaussian records: +-1.96 SD of the fit already holds about 95 % of them, the widening barely acts
+    assert 1.0 <= float(cal.widen) <= 1.1
     s2 = cal.reading_variance(t([1.0]), t([0.05]))
-    assert float(s2) == pytest.approx(float(cal.scale) + 0.05 + float(cal.extra))
+    assert float(s2) == pytest.approx(float(cal.widen) * (float(cal.scale) + 0.05 + float(cal.extra)))
+
+
+def test_heavy_tailed_records_widen_the_interval_to_hold_95_percent():
+    # Errors with Student-t tails (3 degrees of freedom, the variance of a v + n + tau^2): the Gaussian fit
+    # matches their second moment, and its +-1.96 SD holds fewer than 95 % of them. The widening brings that
+    # to 95 % of the records; records well inside their interval are never narrowed (widen >= 1).
+    rng = np.random.default_rng(3)
+    n = 1000
+    v = rng.uniform(0.001, 1.0, n)
+    noise = np.full(n, 0.05)
+    t_unit = rng.standard_t(3, size=n) / np.sqrt(3.0)  # variance 1
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)[:, None]  # noqa: E731
+    one = torch.ones(1, dtype=torch.float64)
+    for errors, widened in ((t_unit * np.sqrt(4.0 * v + noise + 0.3), True),
+                            (rng.uniform(-1, 1, n) * np.sqrt(4.0 * v + noise + 0.3), False)):
+        cal = PrequentialCalibration(2, 1, records=n)
+        cal.record(t(errors), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool), one)
+        cal.refit(one, one, force=True)
+        s2 = cal.reading_variance(t(v), t(noise))[:, 0].numpy()
+        inside = np.mean(np.abs(errors) <= 1.959964 * np.sqrt(s2))
+        if widened:
+            assert float(cal.widen) > 1.05 and inside == pytest.approx(0.95, abs=0.005)
+        else:  # light tails: the fit's interval holds more than 95 %, and stays as fitted
+            assert float(cal.widen) == 1.0 and inside > 0.97
 
 
 def test_records_are_brought_to_the_prior_variance_of_the_map_now():
@@ -274,3 +300,41 @@ def test_a_state_saved_before_session_reexpression_loads():
     fresh.load_state_dict(old)
     assert torch.equal(fresh.predict(x2[:20])[0], model.predict(x2[:20])[0])
     assert not fresh._holds_session_data() and fresh.mem_in_session.shape == model.mem_in_session.shape
+
+
+def test_a_sessions_offset_is_measured_on_the_earlier_sessions_map():
+    # The offset learns from the second session's readings against the first session's map as it was when the
+    # session started, not the map in use (which holds the session's own data, conditioned with an estimate
+    # still moving: an early estimate then fed itself). So adding 3 units to every reading of the session moves
+    # its learned offset by 3 units, up to the prior's pull (relative weight ~1e-4 here), whatever the estimate
+    # did on the way; and the map in use keeps learning while the copy stays as it was.
+    x1, y1, x2, y2 = _two_session_drive()
+    learned = []
+    for added in (0.0, 3.0):
+        model = build_model(_config(), 2, 1)
+        for i in range(0, 1500, 50):
+            model.update(x1[i:i + 50], y1[i:i + 50])
+        model.start_session()
+        frozen = model._session_reference(model.device)
+        before = frozen.predict(x2[:50])[0].clone()
+        for i in range(0, 1500, 50):
+            model.update(x2[i:i + 50], y2[i:i + 50] + added)
+        assert torch.equal(frozen.predict(x2[:50])[0], before) and frozen.num_seen == 1500
+        assert model.num_seen == 3000
+        learned.append(float(model.session_offset()[0]))
+    assert learned[0] == pytest.approx(5.0, abs=0.3)
+    assert learned[1] - learned[0] == pytest.approx(3.0, abs=0.01)
+
+
+def test_a_state_with_the_retired_session_cells_loads():
+    # States saved while a session kept the cells it had visited ("sessions.visited") load; the cells are dropped.
+    x1, y1, x2, y2 = _two_session_drive()
+    model = build_model(_config(), 2, 1)
+    for i in range(0, 500, 50):
+        model.update(x1[i:i + 50], y1[i:i + 50])
+    old = dict(model.state_dict())
+    old["sessions.visited"] = torch.tensor([17, 23], dtype=torch.int64)
+    fresh = build_model(_config(), 2, 1)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.predict(x2[:20])[0], model.predict(x2[:20])[0])
+    assert fresh._session_reference(fresh.device) is None  # the frozen copy is not saved
