@@ -125,7 +125,10 @@ def test_the_node_over_dds_goes_warn_then_stale_when_the_sensor_stops_and_ok_whe
     params = {"model.num_inducing": 16, "model.learn_hyperparameters": False, "model.device": "cpu",
               "batching.size": 25, "grid.resolution": 0.5, "node.publish_period": 5.0, "node.model_period": 0.0,
               "node.stale_after": 1.0, "node.stale_level_after": 3.0, "node.diagnostics_window": 2.0,
-              "node.expected_mag_rate": 20.0}
+              # the rate check is wired but set well below what the publishing loop below reaches: that loop shares
+              # the GIL with the executor's threads (and, in the full suite, with threads earlier tests leave) and
+              # delivered 3-7 Hz instead of its nominal 50 in CI, which kept the node at WARN for 12 s
+              "node.expected_mag_rate": 2.0}
     context = Context()
     rclpy.init(context=context)
     node = MapperNode(context=context, parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
