@@ -3,6 +3,7 @@ timestamp checks. The rules alone (gp_mapping.mapping.health), then a node over 
 goes WARN then STALE within the configured times, and back to OK when the data return."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 import types
@@ -184,7 +185,13 @@ def test_the_node_over_dds_goes_warn_then_stale_when_the_sensor_stops_and_ok_whe
         levels = [level for _, level, _ in after]
         assert WARN in levels and STALE in levels and levels.index(WARN) < levels.index(STALE), after
         assert OK not in levels[levels.index(WARN):], after  # no OK while the magnetometer is silent
-        assert any("no magnetometer message" in msg for _, level, msg in after if level == WARN)
+        # the node's own clock says when each level came, whatever the load: WARN after node.stale_after (1 s,
+        # the default is 5) and before node.stale_level_after (3 s, the default 30), STALE after it
+        silent = {level: [float(m) for _, lv, msg in after if lv == level
+                          for m in re.findall(r"no magnetometer message for ([0-9.]+) s", msg)]
+                  for level in (WARN, STALE)}
+        assert silent[WARN] and 1.0 <= min(silent[WARN]) and max(silent[WARN]) < 3.0, after
+        assert silent[STALE] and min(silent[STALE]) >= 3.0, after
         back = time.monotonic()
         publish(deadline, until=seen(back, OK))  # the rate check needs the window filled with data again
         again = level_since(back)
