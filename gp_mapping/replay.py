@@ -262,14 +262,16 @@ def _snapshot(writer: MapBagWriter, grid, bag_time: float) -> int:
 
 
 def _rejections(diagnostics: dict[str, Any], counts: dict[str, Any]) -> str:
-    """``accepted 0; rejected: pose_gap 12, ...`` for messages."""
+    """``accepted 0; rejected: pose_gap 12, ...; dropped: spikes 12`` for messages."""
     parts = [f"{k} {v}" for k, v in diagnostics.get("rejected", {}).items() if v]
     if counts.get("tf_lookups_failed"):
         parts.append(f"no tf transform {counts['tf_lookups_failed']}")
     if counts.get("pose_frame_mismatch"):
         parts.append(f"poses not in grid.frame_id {counts['pose_frame_mismatch']}")
+    dropped = [f"{k[len('dropped_'):].replace('_', ' ')} {diagnostics[k]}" for k in
+               ("dropped_spikes", "dropped_overflow", "dropped_failed_update") if diagnostics.get(k)]
     return (f"{counts.get('mag_messages', 0)} magnetometer messages, {diagnostics.get('accepted', 0)} accepted; "
-            f"rejected: {', '.join(parts) or 'none'}")
+            f"rejected: {', '.join(parts) or 'none'}" + (f"; dropped: {', '.join(dropped)}" if dropped else ""))
 
 
 # --------------------------------------------------------------------------------------------- command
@@ -337,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"gp-mapping replay: note: {note}", file=sys.stderr)
     diag = result.counts["mapper"]
     print(f"{result.bag_path}: {result.counts['mag_messages']} magnetometer messages on {result.mag_topic}, pose "
-          f"from {result.pose_source.describe()}; {diag['accepted']} samples mapped in {diag['updates']} updates "
+          f"from {result.pose_source.describe()}; {diag['num_seen']} samples mapped in {diag['updates']} updates "
           f"({_rejections(diag, result.counts)})")
     print(f"{result.bag_duration:.1f} s of bag in {result.processing_seconds:.1f} s "
           f"({result.real_time_factor:.1f}x real time); {result.counts['snapshots']} map snapshots")

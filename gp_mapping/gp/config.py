@@ -71,6 +71,11 @@ class ModelConfig:
     # but left the localization bench's leave-one-out Solin maps at 0.61-0.71 within +-2 SD (0.85-0.92 at 4096)
     calibration_records: int = option(4096, doc="prequential calibration: out-of-sample errors kept (the most "
                                       "recent) to fit the variance model", low=1, high=1_000_000)
+    spike_gate: float = option(6.0, doc="drop a reading (counted as dropped_spikes) that is farther than this many "
+                               "predictive SDs of a reading from the readings both just before and just after it "
+                               "(a magnetometer spike; a session's offset or a real edge of the field moves "
+                               "neighbouring readings together and is kept: docs/calibration.md, Spikes); 0: off",
+                               low=0.0, high=1e6)
     lengthscale: float = option(1.0, doc="initial lengthscale [m]", low=0.0, low_open=True, high=1e4)
     signal_variance: float = option(1.0, doc="initial kernel variance (standardised targets)", low=0.0,
                                   low_open=True, high=1e4)

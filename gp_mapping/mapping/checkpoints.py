@@ -67,6 +67,7 @@ class Checkpoints:
             "dropped": self.dropped,
             "dropped_overflow": self.dropped_overflow,
             "dropped_failed_update": self.dropped_failed_update,
+            "dropped_spikes": self.dropped_spikes,
             "teleports": self._sync.teleports,
             "reanchors": self._sync.reanchors,
             "pauses": self._sync.pauses,
@@ -164,6 +165,7 @@ class Checkpoints:
         self.dropped = int(info["dropped"])
         self.dropped_overflow = int(info.get("dropped_overflow", 0))
         self.dropped_failed_update = int(info.get("dropped_failed_update", 0))
+        self.dropped_spikes = int(info.get("dropped_spikes", 0))
         self._sync.teleports = int(info.get("teleports", 0))
         self._sync.reanchors = int(info.get("reanchors", 0))
         self._sync.pauses = int(info.get("pauses", 0))

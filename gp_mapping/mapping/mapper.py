@@ -9,7 +9,9 @@ the map is published is the caller's business.
 Reliability. A model update that fails numerically (a Cholesky factorisation that even the escalated jitter
 cannot save, bad targets for the likelihood) or that leaves a non-finite prediction is rolled back: the model
 returns to its state before the batch, the batch is dropped and counted (``failed_updates``,
-``dropped_failed_update``), the reason is logged and kept in ``last_error``, and mapping goes on. Any other
+``dropped_failed_update``), the reason is logged and kept in ``last_error``, and mapping goes on. Readings
+that the spike gate (gp/outliers.py, ``model.spike_gate``) finds are left out of their batch, counted
+(``dropped_spikes``) and logged. Any other
 exception from the model (a programming error) is rolled back and counted the same way, then propagates.
 Jitter escalations reported by the model are counted and logged. :meth:`checkpoint` writes the whole state
 atomically (see :mod:`gp_mapping.mapping.state`); :meth:`load` restores it.
@@ -134,6 +136,7 @@ class Mapper(Batching, MapDrawing, Checkpoints):
         self.dropped = 0
         self.dropped_overflow = 0       # pending samples dropped by the batching.max_pending bound
         self.dropped_failed_update = 0  # samples of batches whose update failed (rolled back)
+        self.dropped_spikes = 0  # readings the spike gate left out (gp/outliers.py)
         self.catch_up_updates = 0  # updates that took several full batches at once (a caller that fell behind)
         self.catch_up_samples = 0  # samples those updates took
         self.largest_batch = 0
@@ -192,6 +195,21 @@ class Mapper(Batching, MapDrawing, Checkpoints):
         LOG.warning("model update %d failed and was rolled back (%d samples dropped): %s",
                     self.updates + self.failed_updates, len(batch), why)
 
+    def _drop_spikes(self, batch: Measurements) -> Measurements:
+        """The batch less the readings the spike gate finds (gp/outliers.py), counted and logged."""
+        from gp_mapping.gp.outliers import isolated_spikes
+
+        spikes = isolated_spikes(self.model, batch.x, batch.y, self.config.model.spike_gate)
+        n = int(spikes.sum())
+        if n == 0:
+            return batch
+        self.dropped += n
+        self.dropped_spikes += n
+        LOG.info("%d reading(s) dropped as spikes (more than %g predictive SDs from their neighbours), %d in all",
+                 n, self.config.model.spike_gate, self.dropped_spikes)
+        keep = ~spikes
+        return Measurements(x=batch.x[keep], y=batch.y[keep], t=batch.t[keep], position=batch.position[keep])
+
     def _update(self, batch: Measurements) -> dict[str, Any] | None:
         """One model update; None when it failed numerically and was rolled back (see the module docstring)."""
         import torch
@@ -199,6 +217,7 @@ class Mapper(Batching, MapDrawing, Checkpoints):
         from gp_mapping.gp import GPNumericalError, ModelInputError
 
         start = self._clock()
+        batch = self._drop_spikes(batch)
         # Every engine can undo an update (Engine.begin_update / rollback; the tiled model records only what
         # changes, its state grows with the area).
         self.model.begin_update()
@@ -322,6 +341,7 @@ class Mapper(Batching, MapDrawing, Checkpoints):
             "dropped": self.dropped,
             "dropped_overflow": self.dropped_overflow,
             "dropped_failed_update": self.dropped_failed_update,
+            "dropped_spikes": self.dropped_spikes,
             "catch_up_updates": self.catch_up_updates,
             "catch_up_samples": self.catch_up_samples,
             "largest_batch": self.largest_batch,

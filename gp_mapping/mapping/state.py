@@ -263,8 +263,8 @@ def read_state(path: str | os.PathLike) -> MapState:
 
 # --------------------------------------------------------------------------------- what the contents mean
 
-_COUNTERS = ("accepted", "poses_accepted", "dropped", "dropped_overflow", "dropped_failed_update", "teleports",
-             "reanchors", "pauses", "frame_relatches", "updates", "failed_updates", "jitter_escalations",
+_COUNTERS = ("accepted", "poses_accepted", "dropped", "dropped_overflow", "dropped_failed_update", "dropped_spikes",
+             "teleports", "reanchors", "pauses", "frame_relatches", "updates", "failed_updates", "jitter_escalations",
              "checkpoints", "catch_up_updates", "catch_up_samples", "largest_batch")
 _REQUIRED_INFO = ("accepted", "poses_accepted", "dropped", "updates", "rejected", "last_stamp",
                   "coverage_resolution", "trajectory_spacing")

@@ -74,7 +74,8 @@ class NodeStatus:
     def _log_refusals(self, values: dict[str, Any]) -> None:
         """One throttled warning naming every refusal / drop / failure counter that grew since the last one."""
         keys = [k for k in values if k.startswith(("rejected/", "node/rejected/"))]
-        keys += ["dropped_overflow", "failed_updates", "reanchors", "teleports", "pauses", "field_frame_relatches"]
+        keys += ["dropped_overflow", "dropped_spikes", "failed_updates", "reanchors", "teleports", "pauses",
+                 "field_frame_relatches"]
         grown = {k: int(values[k]) - self._logged_counts.get(k, 0) for k in keys if k in values}
         grown = {k: v for k, v in grown.items() if v > 0}
         if not grown:
