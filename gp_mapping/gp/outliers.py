@@ -16,7 +16,7 @@ exactly there costs one reading, while a spike let through there bent the map an
 (a test stream: the noise SD from 0.36 to 4 uT).
 
 This is the Hampel identifier (Hampel 1974; Pearson 2002, "Outliers in process modeling and identification"),
-scaled by the map's own predictive SD instead of the window's MAD (which is 0 for a quantised sensor, where
+scaled by the map's own predictive SD (at least ``model.noise_floor``'s) instead of the window's MAD (which is 0 for a quantised sensor, where
 every reading would then count as a spike). It compares readings with each other, not with the map's mean: a
 session's constant offset, a moved steel cabinet or a map that is wrong moves neighbouring readings together,
 and a spike that slipped through (at a batch's edge) and bent the map must not make the next batch's good
@@ -49,7 +49,9 @@ def isolated_spikes(model, x, y, gate: float) -> np.ndarray:
         return np.zeros(n, dtype=bool)
     with torch.no_grad():
         _, var = model.predict_reading(x)
-    sd = np.sqrt(np.maximum(var.cpu().numpy(), 1e-300))
+    # never finer than the sensor's noise floor: an engine without it (smc_experts) can state 0.01 uT, and a
+    # reading on a steady slope at a batch's edge then looked like a spike
+    sd = np.sqrt(np.maximum(var.cpu().numpy(), max(float(model.config.noise_floor), 1e-300)))
     # median reading of the neighbours before and after each reading (within the batch), per output
     pad = np.pad(y, ((HALF_WINDOW, HALF_WINDOW), (0, 0)), constant_values=np.nan)
     windows = np.lib.stride_tricks.sliding_window_view(pad, 2 * HALF_WINDOW + 1, axis=0)  # (N, P, W)

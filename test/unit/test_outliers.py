@@ -124,3 +124,22 @@ def test_the_mapper_drops_counts_and_keeps_the_balance():
     assert clean_d["dropped_spikes"] == 0
     _, off_rmse = run(y_spiky, 0.0)
     assert rmse < 1.2 * clean_rmse and off_rmse > 1.5 * clean_rmse, (rmse, clean_rmse, off_rmse)
+
+
+def test_the_scale_is_never_finer_than_the_noise_floor():
+    """An engine without the floor (smc_experts) stated 0.014 uT for a reading on a steady slope at a batch's
+    edge (OptiTrack |B|, judged by one side): with the floor as the least SD it is kept; a spike is not."""
+    import torch
+
+    class Confident:
+        num_seen = 300
+        config = ModelConfig(noise_floor=0.09)
+
+        def predict_reading(self, x):
+            return torch.zeros(len(x), 1), torch.full((len(x), 1), 0.014 ** 2)
+
+    x = np.stack([np.linspace(0.0, 1.0, 50), np.zeros(50)], axis=1)
+    ramp = 44.0 + 0.07 * np.arange(50)[:, None]
+    assert not isolated_spikes(Confident(), x, ramp, 6.0).any()
+    ramp[-1] += 5.0
+    assert np.flatnonzero(isolated_spikes(Confident(), x, ramp, 6.0)).tolist() == [49]
