@@ -16,7 +16,8 @@ exactly there costs one reading, while a spike let through there bent the map an
 (a test stream: the noise SD from 0.36 to 4 uT).
 
 This is the Hampel identifier (Hampel 1974; Pearson 2002, "Outliers in process modeling and identification"),
-scaled by the map's own predictive SD (at least ``model.noise_floor``'s) instead of the window's MAD (which is 0 for a quantised sensor, where
+scaled by the map's own predictive SD (at least ``model.noise_floor``'s and the batch's median step between
+consecutive readings) instead of the window's MAD (which is 0 for a quantised sensor, where
 every reading would then count as a spike). It compares readings with each other, not with the map's mean: a
 session's constant offset, a moved steel cabinet or a map that is wrong moves neighbouring readings together,
 and a spike that slipped through (at a batch's edge) and bent the map must not make the next batch's good
@@ -52,6 +53,13 @@ def isolated_spikes(model, x, y, gate: float) -> np.ndarray:
     # never finer than the sensor's noise floor: an engine without it (smc_experts) can state 0.01 uT, and a
     # reading on a steady slope at a batch's edge then looked like a spike
     sd = np.sqrt(np.maximum(var.cpu().numpy(), max(float(model.config.noise_floor), 1e-300)))
+    # nor finer than the batch's own median step from one reading to the next: on a steady slope an edge reading
+    # lies two steps from the median of its one side, and a map whose learned noise collapsed (`noise_floor: 0`
+    # on OptiTrack |B|: 0.06 uT) dropped such readings by the dozen; a spike moves two of the steps, not the median
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an output with no readings in the batch
+        step = np.nan_to_num(np.nanmedian(np.abs(np.diff(y, axis=0)), axis=0), nan=0.0)
+    sd = np.maximum(sd, step[None, :])
     # median reading of the neighbours before and after each reading (within the batch), per output
     pad = np.pad(y, ((HALF_WINDOW, HALF_WINDOW), (0, 0)), constant_values=np.nan)
     windows = np.lib.stride_tricks.sliding_window_view(pad, 2 * HALF_WINDOW + 1, axis=0)  # (N, P, W)
