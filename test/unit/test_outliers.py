@@ -126,40 +126,43 @@ def test_the_mapper_drops_counts_and_keeps_the_balance():
     assert rmse < 1.2 * clean_rmse and off_rmse > 1.5 * clean_rmse, (rmse, clean_rmse, off_rmse)
 
 
-def test_the_scale_is_never_finer_than_the_noise_floor():
-    """An engine without the floor (smc_experts) stated 0.014 uT for a reading on a steady slope at a batch's
-    edge (OptiTrack |B|, judged by one side): with the floor as the least SD it is kept; a spike is not."""
+def _stating(sd: float, noise_floor: float):
+    """An engine with 300 readings that states the SD ``sd`` for every reading, under ``noise_floor``."""
     import torch
 
-    class Confident:
+    class Stating:
         num_seen = 300
-        config = ModelConfig(noise_floor=0.09)
+        config = ModelConfig(noise_floor=noise_floor)
 
         def predict_reading(self, x):
-            return torch.zeros(len(x), 1), torch.full((len(x), 1), 0.014 ** 2)
+            return torch.zeros(len(x), 1), torch.full((len(x), 1), sd ** 2)
 
-    x = np.stack([np.linspace(0.0, 1.0, 50), np.zeros(50)], axis=1)
+    return Stating()
+
+
+RAMP_X = np.stack([np.linspace(0.0, 1.0, 50), np.zeros(50)], axis=1)
+
+
+def test_the_scale_is_never_finer_than_the_noise_floor():
+    """An engine without the floor (smc_experts) stated 0.014 uT for a reading on a steady slope at a batch's
+    edge (OptiTrack |B|, judged by one side): with the floor as the least SD it is kept; a spike is not. Here the
+    batch's steps are 0 (a quantised sensor holding a value), so only the floor keeps a 1 uT change at the edge."""
+    confident = _stating(0.014, noise_floor=0.09)
+    held = np.full((50, 1), 44.0)
+    held[-1] += 1.0
+    assert not isolated_spikes(confident, RAMP_X, held, 6.0).any()
     ramp = 44.0 + 0.07 * np.arange(50)[:, None]
-    assert not isolated_spikes(Confident(), x, ramp, 6.0).any()
+    assert not isolated_spikes(confident, RAMP_X, ramp, 6.0).any()
     ramp[-1] += 5.0
-    assert np.flatnonzero(isolated_spikes(Confident(), x, ramp, 6.0)).tolist() == [49]
+    assert np.flatnonzero(isolated_spikes(confident, RAMP_X, ramp, 6.0)).tolist() == [49]
 
 
 def test_the_scale_is_never_finer_than_the_batch_s_own_steps():
     """With `noise_floor: 0` the learned noise on OptiTrack |B| collapsed to 0.06 uT and the gate dropped readings
     on steady slopes at batch edges (the map 1.99x the best peer's RMSE, was 1.33x): the batch's median step
     between consecutive readings is the least SD too. A spike still stands out of it."""
-    import torch
-
-    class Collapsed:
-        num_seen = 300
-        config = ModelConfig(noise_floor=0.0)
-
-        def predict_reading(self, x):
-            return torch.zeros(len(x), 1), torch.full((len(x), 1), 0.014 ** 2)
-
-    x = np.stack([np.linspace(0.0, 1.0, 50), np.zeros(50)], axis=1)
+    collapsed = _stating(0.014, noise_floor=0.0)
     ramp = 44.0 + 0.07 * np.arange(50)[:, None]
-    assert not isolated_spikes(Collapsed(), x, ramp, 6.0).any()
+    assert not isolated_spikes(collapsed, RAMP_X, ramp, 6.0).any()
     ramp[[0, 20]] += 5.0
-    assert np.flatnonzero(isolated_spikes(Collapsed(), x, ramp, 6.0)).tolist() == [0, 20]
+    assert np.flatnonzero(isolated_spikes(collapsed, RAMP_X, ramp, 6.0)).tolist() == [0, 20]
