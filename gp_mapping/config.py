@@ -146,6 +146,11 @@ class NodeConfig:
                                   "predicts the whole window)", low=0.05, high=3600.0)
     initial_map: str = _opt("", doc="map state file to start from (empty: start empty); ~/load_map loads it "
                             "while running")
+    new_session_on_load: bool = _opt(True, doc="the readings after a map is started from node.initial_map, loaded "
+                                     "by ~/load_map or given to `gp-mapping replay --initial-map` are a new session: "
+                                     "their constant offset to the loaded map is learned and removed (another day or "
+                                     "sensor; docs/calibration.md); false: they continue the loaded map's session. A "
+                                     "resume from the checkpoint always continues")
     map_directory: str = _opt("", doc="where ~/save_map writes <node name>_<UTC time>.safetensors (empty: "
                               "$ROS_HOME/gp_mapping)")
     queue_depth: int = _opt(50, doc="subscription queue depth (sensor-data QoS)", low=1, high=100_000)

@@ -1,6 +1,10 @@
 """Offline replay: map a recorded bag with the same :class:`~gp_mapping.mapping.mapper.Mapper` as the live node.
 
-``gp-mapping replay BAG [--config FILE] [--out DIR] [--mag-topic T] [--pose-topic T | --tf PARENT CHILD]``
+``gp-mapping replay BAG [--config FILE] [--out DIR] [--mag-topic T] [--pose-topic T | --tf PARENT CHILD]
+[--initial-map FILE [--same-session]] [--save-state FILE]``
+
+Several bags make one map in turn: ``--save-state`` after one, ``--initial-map`` for the next; each bag is then a
+session whose constant offset to the map before it is learned (docs/calibration.md, "Session offsets").
 
 The bag's magnetometer and pose messages are fed to the Mapper in bag-time order, as fast as the machine goes.
 Every ``node.publish_period`` seconds of bag time the current map is recorded, as the node would publish it;
@@ -106,7 +110,7 @@ def _tf_config(config: MapperConfig, source: PoseSource, mag_frame: str, notes: 
 def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = None, out_dir: str | Path | None = None,
                mag_topic: str | None = None, pose_topic: str | None = None,
                tf_frames: tuple[str, str] | list[str] | None = None, progress: bool = False,
-               bare_mcap: bool = False) -> ReplayResult:
+               bare_mcap: bool = False, initial_map: str | Path | None = None) -> ReplayResult:
     """Map the bag at ``bag_path`` with ``config`` (a MapperConfig, a YAML path, or None for the defaults).
 
     Messages go to the Mapper in bag-time order; ``Mapper.process`` runs after each one, so batches close in
@@ -116,6 +120,11 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
     ``out_dir/maps/`` (a rosbag2 folder; ``bare_mcap``: the file ``out_dir/maps.mcap``) and the final map to
     ``out_dir/map.npz`` and ``out_dir/map.png`` (files of those names, and an earlier map bag, are replaced);
     without it no snapshot is predicted, only the final map.
+
+    ``initial_map``: a state file (``--save-state`` of an earlier replay, the node's ``~/save_map``) to map the
+    bag on top of; with ``node.new_session_on_load`` (the default) the bag's readings are a new session, whose
+    constant offset to that map is learned and removed (another day or sensor, docs/calibration.md). Its
+    messages must be newer than the map's last reading (bags replayed in the order they were recorded).
 
     Raises :class:`gp_mapping.bag.BagError` (bag, topic or pose-source problems), ConfigError, or
     ReplayError when no sample could be matched with a pose. A bag that breaks part way (truncated, corrupt, a
@@ -136,7 +145,17 @@ def replay_bag(bag_path: str | Path, config: MapperConfig | str | Path | None = 
         source, tf_buffer = choose_pose_source(bag, pose_topic=pose_topic, tf_frames=tf_frames,
                                                       map_frame=config.grid.frame_id, mag_frame=mag_frame)
         config = _tf_config(config, source, mag_frame, notes)
-        mapper = Mapper(config)
+        if initial_map is None:
+            mapper = Mapper(config)
+        else:
+            from gp_mapping.mapping.state import MapStateError
+
+            try:
+                mapper = Mapper.load(initial_map, config=config, new_session=config.node.new_session_on_load)
+            except (MapStateError, OSError) as err:
+                raise ReplayError(f"--initial-map {initial_map}: {err}") from err
+            if mapper.session:
+                notes.append(f"the bag's readings are session {mapper.session} on the map of {initial_map}")
         topics = [mag_topic] + ([source.topic] if source.kind == "topic" else [])
         counts: dict[str, Any] = {"mag_messages": 0, "pose_messages": 0, "pose_frame_mismatch": 0,
                                   "tf_lookups_failed": 0, "updates": 0, "snapshots": 0}
@@ -291,6 +310,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--tf", nargs=2, metavar=("PARENT", "CHILD"), default=None,
                         help="take the pose from the bag's /tf and /tf_static, PARENT (map frame) to CHILD (the "
                              "magnetometer frame, or the body frame to apply the config's sensor extrinsic)")
+    parser.add_argument("--initial-map", type=Path, default=None, metavar="FILE",
+                        help="map the bag on top of this state file (--save-state of an earlier bag, the node's "
+                             "~/save_map); the bag's readings are a new session whose constant offset to that map "
+                             "is learned and removed (another day or sensor), unless --same-session")
+    parser.add_argument("--same-session", action="store_true",
+                        help="with --initial-map: the bag continues the loaded map's session (the same sensor and "
+                             "day; node.new_session_on_load false)")
     parser.add_argument("--save-state", type=Path, default=None, metavar="FILE",
                         help="also write the mapper's whole state (safetensors) to FILE; the node starts from it "
                              "with node.initial_map, `gp-mapping export FILE` turns it into nav2 map files")
@@ -306,6 +332,10 @@ def run(args: argparse.Namespace) -> int:
     from gp_mapping.mapping.grid import GridError
     from gp_mapping.mapping.state import MapStateError
 
+    if args.same_session and args.initial_map is None:
+        print("gp-mapping replay: error: --same-session goes with --initial-map (the session to continue)",
+              file=sys.stderr)
+        return 1
     # Before minutes of replay: the outputs must be writable where they go.
     state_folder = args.save_state.parent if args.save_state else None
     for option, folder in (("--out", args.out), ("--save-state", state_folder)):
@@ -318,9 +348,12 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     try:
-        result = replay_bag(args.bag, load_config(args.config) if args.config else None, out_dir=args.out,
-                            mag_topic=args.mag_topic, pose_topic=args.pose_topic, tf_frames=args.tf,
-                            progress=not args.no_progress, bare_mcap=args.bare_mcap)
+        config = load_config(args.config) if args.config else MapperConfig()
+        if args.same_session:
+            config = dataclasses.replace(config, node=dataclasses.replace(config.node, new_session_on_load=False))
+        result = replay_bag(args.bag, config, out_dir=args.out, mag_topic=args.mag_topic,
+                            pose_topic=args.pose_topic, tf_frames=args.tf, progress=not args.no_progress,
+                            bare_mcap=args.bare_mcap, initial_map=args.initial_map)
     except IncompleteReplayError as err:
         print(f"gp-mapping replay: error: {err}", file=sys.stderr)
         try:
@@ -341,6 +374,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{result.bag_path}: {result.counts['mag_messages']} magnetometer messages on {result.mag_topic}, pose "
           f"from {result.pose_source.describe()}; {diag['num_seen']} samples mapped in {diag['updates']} updates "
           f"({_rejections(diag, result.counts)})")
+    if diag["session"]:
+        print(f"session {diag['session']}: constant offset to the loaded map "
+              f"{', '.join(f'{v:+.3g}' for v in diag['session_offset'])} {result.mapper.config.sync.field_unit}")
     print(f"{result.bag_duration:.1f} s of bag in {result.processing_seconds:.1f} s "
           f"({result.real_time_factor:.1f}x real time); {result.counts['snapshots']} map snapshots")
     try:

@@ -93,10 +93,15 @@ class Checkpoints:
         return MapState(config=to_dict(self.config), model_state=model_state, arrays=arrays, info=info)
 
     @classmethod
-    def load(cls, path: str | Path, config: MapperConfig | None = None, model=None) -> Self:
+    def load(cls, path: str | Path, config: MapperConfig | None = None, model=None, new_session: bool = False
+             ) -> Self:
         """A Mapper restored from ``path``. With ``config``, that config is used (grid, batching, node settings
         may differ) but it must agree with the saved one on STATE_DEFINING_KEYS; otherwise the saved config.
         ``model`` (optional) is a fresh model to load the saved state into instead of one built from the config.
+        ``new_session``: the readings given from now on are a new session (another node run, bag, day or sensor;
+        ``node.new_session_on_load``): the file's pending samples are conditioned in their own session, then the
+        new session's constant offset to the loaded map is learned (Mapper.start_session). A map with no data
+        has nothing to be offset from and starts none.
         """
         state = read_state(path)
         try:
@@ -132,6 +137,8 @@ class Checkpoints:
         xy = xy if len(xy) else np.zeros((1, 2))
         probe = np.column_stack([xy, np.full(len(xy), mapper.config.grid.height)])[:, :mapper.input_dims]
         check_model(mapper.model, path, probe, mapper.output_dims)  # a loaded model must predict (state.py)
+        if new_session and int(mapper.model.num_seen) + mapper.num_pending > 0:
+            mapper.start_session()
         return mapper
 
     def _restore(self, state: MapState) -> None:

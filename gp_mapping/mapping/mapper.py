@@ -363,9 +363,16 @@ class Mapper(Batching, MapDrawing, Checkpoints):
             "coverage_cells": len(self._coverage),
             "last_stamp": float(self.last_stamp) if math.isfinite(self.last_stamp) else 0.0,
             "device": str(self.model.device),
+            "session": self.session,
+            "session_offset": [float(v) for v in self.model.session_offset().cpu()],
         }
 
     # ------------------------------------------------------------------------------------------------ state
+
+    @property
+    def session(self) -> int:
+        """Index of the session the readings now go to (0: the first; :meth:`start_session`)."""
+        return int(self.model.sessions.current)
 
     def start_session(self) -> int:
         """The readings from now on are a new session (another node run on a loaded map, another sensor or

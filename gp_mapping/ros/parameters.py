@@ -34,7 +34,8 @@ from gp_mapping.ros.process import NodeStartError
 # from it at start.
 LIVE_PARAMETERS = frozenset({"node.publish_period", "grid.unknown_distance", "grid.tile_size", "grid.margin",
                              "grid.window", "grid.height",
-                             "grid.mean_range", "grid.variance_range", "node.initial_map", "node.map_directory",
+                             "grid.mean_range", "grid.variance_range", "node.initial_map", "node.new_session_on_load",
+                             "node.map_directory",
                              "node.stale_after", "node.stale_level_after", "node.expected_mag_rate",
                              "node.expected_pose_rate", "node.max_refused_share", "node.diagnostics_window"})
 

@@ -78,16 +78,27 @@ class Persistence:
         path = node.initial_map
         if path:
             try:
-                mapper = Mapper.load(path, config=self.config)
+                mapper = self._load_mapper(path)
             except Exception as err:  # any failure to read the file is a bad parameter value
                 raise NodeStartError(shorten(f"bad parameter: node.initial_map = {shorten(repr(path), 120)}: {err}",
                                              600)) from err
-            self.get_logger().info(f"started from the map in {shorten(path)}")
+            self.get_logger().info(f"started from the map in {shorten(path)}{self._session_note(mapper)}")
             return mapper
         try:
             return Mapper(self.config)
         except Exception as err:
             raise NodeStartError(f"cannot build the mapper from the parameters: {err}") from err
+
+    def _load_mapper(self, path: str | Path) -> Mapper:
+        """The Mapper of the state file ``path`` that this node run's readings go on (node.initial_map,
+        ~/load_map): with ``node.new_session_on_load`` they are a new session, whose constant offset to the
+        loaded map is learned (docs/calibration.md); a resume from the checkpoint continues instead."""
+        return Mapper.load(path, config=self.config, new_session=self.config.node.new_session_on_load)
+
+    @staticmethod
+    def _session_note(mapper: Mapper) -> str:
+        session = mapper.session
+        return f"; this run's readings are session {session}" if session else ""
 
     def _on_checkpoint_timer(self) -> None:
         self._submit("checkpoint", self.write_checkpoint)

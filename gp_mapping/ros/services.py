@@ -10,6 +10,11 @@ Services (std_srvs/Trigger; the paths are parameters)
                      with the start-up checks: an unreadable or incompatible file is refused with the reason and
                      the current map stays. Buffered messages are dropped; the loaded map is published at once.
     ``~/reset``      forgets the map and the buffered messages; publishes all-unknown grids of the last geometry.
+    ``~/start_session``  the readings from now on are a new session (the sensor was swapped, re-mounted or
+                     recalibrated): what was received is conditioned first, then the new session's constant offset
+                     to the map so far is learned and removed (docs/calibration.md). ``node.initial_map`` and
+                     ``~/load_map`` start one by themselves (``node.new_session_on_load``). The response message
+                     names the session.
 
 nav2's services (``nav2_msgs/srv/SaveMap``, ``nav2_msgs/srv/LoadMap``, the types of nav2's map_saver and
 map_server), served only where ``nav2_msgs`` is importable (a robot with nav2 has it; without it the node logs
@@ -148,13 +153,14 @@ class ServiceHost:
 
 
 class MapServices:
-    """Mixin of the mapping node: ``~/save_map``, ``~/load_map`` and ``~/reset`` (Trigger), and where nav2_msgs is
+    """Mixin of the mapping node: ``~/save_map``, ``~/load_map``, ``~/reset`` and ``~/start_session`` (Trigger), and
+    where nav2_msgs is
     importable ``~/nav2/save_map`` and ``~/nav2/load_map``; each a job on the update thread (``_submit``)
     answered with its result or with why it failed."""
 
     def _create_services(self) -> ServiceHost:
         callbacks: dict[str, Any] = {"save_map": self.on_save_map, "reset": self.on_reset,
-                                     "load_map": self.on_load_map}
+                                     "load_map": self.on_load_map, "start_session": self.on_start_session}
         nav2 = nav2_service_types()
         if nav2 is None:
             self.get_logger().info(f"nav2_msgs is not installed: ~/{NAV2_SAVE_MAP} and ~/{NAV2_LOAD_MAP} are not "
@@ -209,7 +215,7 @@ class MapServices:
         of a start (raises before anything changes); buffered messages are dropped and the loaded map goes out at
         once."""
         if mapper is None:
-            mapper = Mapper.load(path, config=self.config)  # raises before anything changes
+            mapper = self._load_mapper(path)  # raises before anything changes
         with self._lock:
             dropped = self._drop_inbox()
             self.mapper = mapper
@@ -217,7 +223,7 @@ class MapServices:
             self._publish_due = True  # the loaded map (changed, for the Mapper) goes out at once
             self._last_error = ""
         return (f"loaded {Path(path).resolve()} ({self._mapper_diagnostics.get('num_seen', 0)} samples in the "
-                f"model; {dropped} buffered messages dropped)")
+                f"model; {dropped} buffered messages dropped){self._session_note(mapper)}")
 
     # ---------------------------------------------------------------------------------- Trigger services
 
@@ -238,6 +244,19 @@ class MapServices:
             return self._load_state(path)
 
         return self._call_on_update_thread("load_map", load, response)
+
+    def on_start_session(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        """The readings from now on are a new session (the sensor was swapped, re-mounted or recalibrated): the
+        messages received so far are conditioned in the old one, then the new one's constant offset is learned."""
+        def start() -> str:
+            with self._lock:
+                self._feed_inbox()
+                self._run_updates(flush=True)
+                session = self.mapper.start_session()
+                self._mapper_diagnostics = self.mapper.diagnostics()
+            return f"session {session} started; its constant offset to the map so far is learned as it comes"
+
+        return self._call_on_update_thread("start_session", start, response)
 
     def on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         def reset() -> str:
@@ -331,7 +350,7 @@ class MapServices:
                         "or from ~/save_map)")
 
         def load() -> tuple[str, Any]:
-            mapper = Mapper.load(path, config=self.config)
+            mapper = self._load_mapper(path)
             grid_msg = self._nav2_map(mapper)  # before the swap: a map that cannot be answered changes nothing
             return self._load_state(path, mapper), grid_msg
 
