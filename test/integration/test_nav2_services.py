@@ -229,7 +229,8 @@ def test_without_nav2_msgs_the_trigger_services_are_served_alone(monkeypatch, tm
     client_node = rclpy.create_node("trigger_client", context=context)
     try:
         own = node.get_fully_qualified_name()
-        assert _served(node) == {f"{own}/save_map", f"{own}/load_map", f"{own}/reset"}
+        assert _served(node) == {f"{own}/save_map", f"{own}/load_map", f"{own}/reset",
+                                  f"{own}/start_session"}
         answer = _call(client_node, Trigger, f"{own}/save_map", Trigger.Request())
         assert answer.success and Path(answer.message).is_file()
     finally:
