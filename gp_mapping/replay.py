@@ -348,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     try:
-        config = load_config(args.config) if args.config else MapperConfig()
+        config = load_config(args.config)  # None: the defaults
         if args.same_session:
             config = dataclasses.replace(config, node=dataclasses.replace(config.node, new_session_on_load=False))
         result = replay_bag(args.bag, config, out_dir=args.out, mag_topic=args.mag_topic,

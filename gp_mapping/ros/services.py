@@ -154,9 +154,8 @@ class ServiceHost:
 
 class MapServices:
     """Mixin of the mapping node: ``~/save_map``, ``~/load_map``, ``~/reset`` and ``~/start_session`` (Trigger), and
-    where nav2_msgs is
-    importable ``~/nav2/save_map`` and ``~/nav2/load_map``; each a job on the update thread (``_submit``)
-    answered with its result or with why it failed."""
+    where nav2_msgs is importable ``~/nav2/save_map`` and ``~/nav2/load_map``; each a job on the update thread
+    (``_submit``) answered with its result or with why it failed."""
 
     def _create_services(self) -> ServiceHost:
         callbacks: dict[str, Any] = {"save_map": self.on_save_map, "reset": self.on_reset,

@@ -6,6 +6,7 @@ is mapped without it.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import numpy as np
@@ -74,7 +75,8 @@ def test_a_bag_replayed_on_an_earlier_map_is_a_session_whose_offset_is_learned(t
     one = replay_bag(folder / "second", _replay_config(new_session_on_load=False), initial_map=state)
     diag = sessions.counts["mapper"]
     assert diag["session"] == 1 and one.counts["mapper"]["session"] == 0
-    assert diag["num_seen"] == first.counts["mapper"]["num_seen"] + diag["accepted"] - first.counts["mapper"]["accepted"]
+    before = first.counts["mapper"]
+    assert diag["num_seen"] == before["num_seen"] + diag["accepted"] - before["accepted"]  # the map went on
     assert diag["session_offset"][0] == pytest.approx(OFFSET_UT, abs=0.5)
     assert any("session 1" in note for note in sessions.notes)
     with_sessions, without = _shape_error(sessions.mapper, truth), _shape_error(one.mapper, truth)
@@ -85,7 +87,6 @@ def test_a_bag_replayed_on_an_earlier_map_is_a_session_whose_offset_is_learned(t
 
 def test_replay_cli_names_the_session_and_refuses_same_session_alone(two_bags, tmp_path, capsys):
     from gp_mapping.replay import add_arguments, run
-    import argparse
 
     folder, _ = two_bags
     parser = argparse.ArgumentParser()
