@@ -56,9 +56,12 @@ demo: $(STAMP)
 # One torch thread per process: the tests run the node and the test process side by side on small machines,
 # where more threads per process oversubscribe the cores and make updates many times slower. All of test/: unit/,
 # integration/ (DDS, processes) and real_data/ (../shared/data); `pytest test/unit` runs one kind
-# (docs/architecture.md "Tests"). test-gpu: the tests marked gpu, wherever they are.
+# (docs/architecture.md "Tests"). One pytest worker per core (pytest-xdist, at most 8), each test file on one
+# worker so that a module's fixture (the quick bench, the Solin fits) runs once: 15 min on 2 cores against 25 in
+# one process; every worker speaks DDS on its own domain (test/conftest.py). test-gpu: the tests marked gpu,
+# wherever they are.
 test: $(STAMP) $(TF2_MSGS) $(NAV2_MSGS)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q test
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --maxprocesses 8 --dist loadfile test
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu test

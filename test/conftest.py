@@ -9,9 +9,16 @@ import random
 import pytest
 
 # Before any rclpy.init() in this process or in a child process started by a test: DDS stays on this machine,
-# and each pytest run gets its own domain, so parallel runs (and other ROS systems) never see each other.
+# and each pytest run gets its own domain, so parallel runs (and other ROS systems) never see each other. The
+# workers of one `pytest -n N` run (pytest-xdist: `make test` runs two) take every other domain from the run's own,
+# so a test's "another domain" (its own + 1, test_dds.py) is no worker's.
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
-os.environ.setdefault("ROS_DOMAIN_ID", str(random.Random(os.getpid()).randint(1, 100)))
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw") and _worker[2:].isdigit():  # the run's domain: the controller's (inherited) or set
+    _run_domain = int(os.environ.get("ROS_DOMAIN_ID") or 1 + random.Random(os.getppid()).randint(0, 99))
+    os.environ["ROS_DOMAIN_ID"] = str(1 + (_run_domain - 1 + 2 * int(_worker[2:])) % 100)
+else:
+    os.environ.setdefault("ROS_DOMAIN_ID", str(random.Random(os.getpid()).randint(1, 100)))
 
 
 @pytest.fixture
