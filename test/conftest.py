@@ -10,8 +10,8 @@ import pytest
 
 # Before any rclpy.init() in this process or in a child process started by a test: DDS stays on this machine,
 # and each pytest run gets its own domain, so parallel runs (and other ROS systems) never see each other. The
-# workers of one `pytest -n N` run (pytest-xdist: `make test` runs two) take every other domain from the run's own,
-# so a test's "another domain" (its own + 1, test_dds.py) is no worker's.
+# workers of one `pytest -n N` run (pytest-xdist: `make test` runs one per core) take every other domain from the
+# run's own, so a test's "another domain" (its own + 1, test_dds.py) is no worker's.
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _worker.startswith("gw") and _worker[2:].isdigit():  # the run's domain: the controller's (inherited) or set

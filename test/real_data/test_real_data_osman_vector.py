@@ -28,9 +28,11 @@ from scipy.spatial import cKDTree
 from scipy.spatial.transform import Rotation
 
 from gp_mapping.config import ModelConfig
+from gp_mapping.evaluation import calibration as calibration_bench
 from gp_mapping.evaluation.datasets import load_osman2021
 from gp_mapping.gp import build_model
 from gp_mapping.gp.continual_mogp import ContinualMOGP
+from gp_mapping.gp.dual_svgp.model import DualSVGP
 
 SUBSAMPLE = 8
 BATCHES = 2
@@ -109,20 +111,18 @@ def test_osman_world_frame_vector_map_multi_output_vs_independent():
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="known bug (issue 37, docs/calibration.md Limits): with the pivoted-Cholesky "
                    "tolerance at 1e-6, so that M binds, 256 inducing points map z at 1.01 uT against 0.71 at 128 (the "
-                   "same lengthscale; the noise at its floor): the independent-noise likelihood fits the track's shared "
-                   "pose and heading errors as field once it has the points to")
+                   "same lengthscale; the noise at its floor). The exact GP with those hyperparameters maps z as "
+                   "badly: the held-out readings lie below the streamed ones and the model extrapolates the "
+                   "vertical change it fitted; the low-rank map only smooths more")
 def test_more_inducing_points_than_the_tolerance_keeps_do_not_make_the_vector_map_worse():
     """The issue's failure on a recording this repository holds: the shipped dual_svgp on the calibration bench's
     OptiTrack vector split (the first 70 % at 50 Hz streamed in batches of 50, the rest held out). At the default
     tolerance (1e-4) the pivoted Cholesky stops at 124 points whatever M is, which is why the bench's M
     candidates map this recording alike; at 1e-6 M decides."""
-    from gp_mapping.evaluation.calibration import load, shipped
-    from gp_mapping.gp.dual_svgp.model import DualSVGP
-
-    rec = load("optitrack_vector", shared_data("osman2021_optitrack"), {})
+    rec = calibration_bench.load("optitrack_vector", shared_data("osman2021_optitrack"), {})
     per_axis = {}
     for m in (128, 256):
-        model = DualSVGP(shipped(num_inducing=m), 3, 3, inducing_rel_tol=1e-6)
+        model = DualSVGP(calibration_bench.shipped(num_inducing=m), 3, 3, inducing_rel_tol=1e-6)
         for i in range(0, len(rec.x), rec.batch):
             model.update(rec.x[i:i + rec.batch], rec.y[i:i + rec.batch])
         assert model.Z.shape[0] == m  # M binds
