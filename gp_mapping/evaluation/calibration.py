@@ -208,6 +208,7 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               "hyper_lr 0.05": {"hyper_lr": 0.05},
               "records 1024": {"calibration_records": 1024},
               "hyper_points 256": {"hyper_points": 256}, "matern32": {"kernel": "matern32"},
+              "one scale": {"kernel_scales": 1},
               "noise floor 0": {"noise_floor": 0.0}, "noise floor 0.04": {"noise_floor": 0.04},
               "noise floor 0.25": {"noise_floor": 0.25}}
 

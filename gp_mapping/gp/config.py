@@ -55,6 +55,11 @@ class ModelConfig:
                                "isotropic in 2-D) or per_axis (ARD: one each). Per-axis lengthscales learned from "
                                "a robot driving parallel lanes collapse across the lanes and stripe the map",
                                choices=LENGTHSCALE_CHOICES)
+    kernel_scales: int = option(2, doc="dual_svgp: the stationary kernel is a sum of this many, started at "
+                                "lengthscales lengthscale * 2 ** (s - (S - 1) / 2) with the signal variance split "
+                                "evenly, so a smooth trend and local detail each get their own (docs/calibration.md, "
+                                "Several scales); 1: one kernel. continual_mogp spreads its latents' scales instead "
+                                "(latent_lengthscale_ratio); var_gp has one", low=1, high=4)
     constant_kernel: bool = option(True, doc="add a learned constant (bias) kernel")
     calibration: str = option("prequential", doc="variance of a reading (what map.npz's reading_variance, "
                               "the localizer and NLPD use): prequential (each batch is predicted from the map as "

@@ -300,26 +300,53 @@ STATIONARY_KERNELS: dict[str, type[StationaryKernel]] = {
 }
 
 
-def build_kernel(model_config, input_dims: int) -> Kernel:
-    """The kernel a ModelConfig names: a stationary kernel, plus a constant kernel when asked."""
+#: ratio between the starting lengthscales of neighbouring scales (model.kernel_scales)
+SCALE_RATIO = 2.0
+
+
+def spread_lengthscales(lengthscale: float, count: int, ratio: float) -> list[float]:
+    """``count`` lengthscales centred (geometrically) on ``lengthscale``, ``ratio`` apart: lengthscale * ratio **
+    (s - (count - 1) / 2). Starting values for parts that should learn different scales."""
+    return [lengthscale * ratio ** (s - (count - 1) / 2) for s in range(count)]
+
+
+def build_kernel(model_config, input_dims: int, scales: int | None = None) -> Kernel:
+    """The kernel a ModelConfig names: a stationary kernel (a sum of ``scales`` of them, default
+    model.kernel_scales, at spread lengthscales), plus a constant kernel when asked."""
     try:
         cls = STATIONARY_KERNELS[model_config.kernel]
     except KeyError:
         raise ValueError(f"unknown kernel {model_config.kernel!r}; known: {', '.join(STATIONARY_KERNELS)}") from None
-    main = cls(input_dims, lengthscale=model_config.lengthscale, variance=model_config.signal_variance,
-               lengthscales=model_config.lengthscales)
+    scales = int(model_config.kernel_scales if scales is None else scales)
+    parts: list[Kernel] = [cls(input_dims, lengthscale=ls, variance=model_config.signal_variance / scales,
+                               lengthscales=model_config.lengthscales)
+                           for ls in spread_lengthscales(model_config.lengthscale, scales, SCALE_RATIO)]
     if model_config.constant_kernel:
-        return SumKernel(main, ConstantKernel(input_dims, variance=model_config.constant_variance))
-    return main
+        parts.append(ConstantKernel(input_dims, variance=model_config.constant_variance))
+    return parts[0] if len(parts) == 1 else SumKernel(*parts)
+
+
+def scales_in_state(state: dict) -> int:
+    """How many stationary parts a kernel's state_dict holds (a saved map's kernel is rebuilt with as many as it
+    was saved with, whatever model.kernel_scales says now)."""
+    if "lengthscale_param.raw" in state:
+        return 1
+    return max(sum(1 for k in state if k.startswith("parts.") and k.endswith(".lengthscale_param.raw")), 1)
+
+
+def stationary_parts(kernel: Kernel) -> list[StationaryKernel]:
+    """The stationary kernels of ``kernel`` (itself, or the stationary parts of a sum, in order)."""
+    if isinstance(kernel, StationaryKernel):
+        return [kernel]
+    if isinstance(kernel, SumKernel):
+        return [p for p in kernel.parts if isinstance(p, StationaryKernel)]
+    return []
 
 
 def stationary_part(kernel: Kernel) -> StationaryKernel | None:
-    """The stationary kernel of ``kernel`` (itself, or the first stationary part of a sum), or None."""
-    if isinstance(kernel, StationaryKernel):
-        return kernel
-    if isinstance(kernel, SumKernel):
-        return next((p for p in kernel.parts if isinstance(p, StationaryKernel)), None)
-    return None
+    """The first stationary kernel of ``kernel`` (itself, or the first stationary part of a sum), or None."""
+    parts = stationary_parts(kernel)
+    return parts[0] if parts else None
 
 
 def constant_part(kernel: Kernel) -> ConstantKernel | None:

@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 
 # Config keys that decide what the saved model means; a state file refuses a config that changes them.
 STATE_DEFINING_KEYS = (("model", "engine"), ("model", "kernel"), ("model", "likelihood"), ("model", "lengthscales"),
-                       ("model", "constant_kernel"), ("sync", "target"), ("sync", "input_dims"),
-                       ("sync", "field_unit"), ("model", "tile_size"), ("model", "tile_overlap"),
-                       ("model", "tile_height"))
+                       ("model", "constant_kernel"), ("model", "kernel_scales"), ("sync", "target"),
+                       ("sync", "input_dims"), ("sync", "field_unit"), ("model", "tile_size"),
+                       ("model", "tile_overlap"), ("model", "tile_height"))
 
 
 class Checkpoints:
@@ -104,6 +104,10 @@ class Checkpoints:
         has nothing to be offset from and starts none.
         """
         state = read_state(path)
+        model_section = state.config.get("model")
+        if isinstance(model_section, dict) and "kernel_scales" not in model_section:
+            # written before model.kernel_scales existed: its kernel is one, whatever the default is now
+            state.config["model"] = {**model_section, "kernel_scales": 1}
         try:
             saved = config_from_dict(state.config)
         except ConfigError as err:

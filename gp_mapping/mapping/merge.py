@@ -389,7 +389,7 @@ def _expected_tensor(key: str, tiled: bool, tile_keys: list[str]):
 def _decoded_model(tensors: dict, prefix: str, num_seen: int, config: MapperConfig, name: str) -> dict:
     """An engine summary from the tensors named with ``prefix``, checked as a merge reads it (shapes,
     finiteness, a positive definite prior)."""
-    from gp_mapping.gp.kernels import build_kernel
+    from gp_mapping.gp.kernels import build_kernel, scales_in_state
 
     summary = {k: tensors[prefix + k] for k in _MODEL_TENSORS if prefix + k in tensors}
     summary["num_seen"] = int(num_seen)
@@ -397,7 +397,7 @@ def _decoded_model(tensors: dict, prefix: str, num_seen: int, config: MapperConf
                     if k.startswith(prefix + "kernel/")}
     summary["kernel"] = None
     if kernel_state:
-        kernel = build_kernel(config.model, int(summary["z"].shape[1]))
+        kernel = build_kernel(config.model, int(summary["z"].shape[1]), scales=scales_in_state(kernel_state))
         kernel.load_state_dict(kernel_state)
         summary["kernel"] = kernel
     try:

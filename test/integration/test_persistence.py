@@ -111,6 +111,24 @@ def test_a_map_saved_with_the_old_ard_key_loads_with_per_axis_lengthscales(tmp_p
     assert np.array_equal(loaded.model.predict(x)[0].detach().numpy(), mapper.model.predict(x)[0].detach().numpy())
 
 
+def test_a_map_saved_before_kernel_scales_existed_loads_with_one_kernel(tmp_path):
+    """A saved map's config without model.kernel_scales was made with one kernel (the default is now two): it
+    loads as one, predicts as saved, and a config asking for two scales is refused by name."""
+    mapper = Mapper(small_config(model={"kernel_scales": 1}))
+    feed(mapper, 0.0, 10.0)
+    path = tmp_path / "ckpt.safetensors"
+    mapper.checkpoint(path)
+    state = read_state(path)
+    del state.config["model"]["kernel_scales"]
+    write_state(path, state)
+    loaded = Mapper.load(path)
+    assert loaded.config.model.kernel_scales == 1
+    x = np.array([[0.5, 0.2], [1.0, -0.3]])
+    assert np.array_equal(loaded.model.predict(x)[0].detach().numpy(), mapper.model.predict(x)[0].detach().numpy())
+    with pytest.raises(MapStateError, match=r"model.kernel_scales = 1, but the config asks for 2"):
+        Mapper.load(path, small_config())
+
+
 def test_resume_with_an_incompatible_config_names_the_mismatch(tmp_path):
     mapper = Mapper(small_config())
     feed(mapper, 0.0, 10.0)

@@ -252,7 +252,9 @@ def test_demo_map_matches_the_ground_truth(demo):
     shifts |B| by its projection on the field direction, up to 0.54 uT and varying with the heading, so no map
     of |B| from these readings gets much below ~0.3 uT. An exact GP with the same kernel on 3000 of the samples
     gives 0.44 uT within 0.5 m of the path and 0.81 uT on all known cells (measured once, offline); this
-    replay measured 0.41 and 0.75 uT. The bag's 16 spikes (20-100 uT) are dropped by the spike gate
+    replay measured 0.41 and 0.75 uT with one kernel and 0.45 and 0.91 uT with the shipped two kernel scales
+    (model.kernel_scales, docs/calibration.md, Several scales: a trade the defaults table made for the worst
+    recording). The bag's 16 spikes (20-100 uT) are dropped by the spike gate
     (gp/outliers.py; 13 of them, the others at a batch's edge): with the gate off the replay measured 0.51
     and 1.01 uT, so the bounds below fail without it. Known cells reach 1 m beyond the path
     (grid.unknown_distance), where the map extrapolates towards dipoles outside the driven area; hence the
@@ -278,7 +280,7 @@ def test_demo_map_matches_the_ground_truth(demo):
     print(f"demo |B| map: RMSE {rmse_near:.3f} uT within 0.5 m of the path ({near.sum()} cells), {rmse_known:.3f} uT "
           f"on all {known.sum()} known cells; true field std {spread:.2f} uT")
     assert near.sum() > 0.6 * known.sum()
-    assert rmse_near < 0.47 and rmse_known < 0.9
+    assert rmse_near < 0.47 and rmse_known < 0.95
     assert rmse_known < 0.5 * spread
 
 

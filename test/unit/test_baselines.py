@@ -290,7 +290,7 @@ def test_baseline_kernel_shares_lengthscales_like_the_engine(kernel):
     covar = spec.build(3).double()
     covar.base_kernel.lengthscale = torch.tensor([[0.6, 0.25]], dtype=torch.float64)
     assert covar.base_kernel.raw_lengthscale.shape == (1, 2)
-    engine = build_kernel(ModelConfig(kernel=kernel, lengthscales="horizontal", constant_kernel=False), 3)
+    engine = build_kernel(ModelConfig(kernel=kernel, lengthscales="horizontal", constant_kernel=False), 3, scales=1)
     engine.lengthscale_param.set(torch.tensor([0.6, 0.25]))
     x = torch.as_tensor(np.random.default_rng(3).uniform(-1, 1, (9, 3)))
     with torch.no_grad():

@@ -90,7 +90,8 @@ def _toy_2d(rng, n=120):
 def test_single_latent_bound_equals_svgp_elbo_of_dual_engine():
     rng = np.random.default_rng(1)
     x, y = _toy_2d(rng)
-    cfg = config(kernel="matern52", lengthscale=0.7, learn_hyperparameters=False, memory_size=0)
+    cfg = config(kernel="matern52", lengthscale=0.7, learn_hyperparameters=False, memory_size=0,
+                 kernel_scales=1)  # the dual engine with the one kernel a latent has
     dual = DualSVGP(cfg, 2, 1)
     z = rng.uniform(0, 3, size=(15, 2))
     dual.set_inducing_points(z)
@@ -130,7 +131,8 @@ def test_single_latent_bound_equals_svgp_elbo_of_dual_engine():
 def test_analytic_e_step_is_the_optimum_and_matches_dual_posterior():
     rng = np.random.default_rng(2)
     x, y = _toy_2d(rng)
-    cfg = config(kernel="matern52", lengthscale=0.7, learn_hyperparameters=False, memory_size=0, num_inducing=20)
+    cfg = config(kernel="matern52", lengthscale=0.7, learn_hyperparameters=False, memory_size=0, num_inducing=20,
+                 kernel_scales=1)  # the dual engine with the one kernel a latent has
     model = ContinualMOGP(cfg, 2, 1, num_latents=1)
     stats = model.update(x, y)
     z = model.z(0).numpy()

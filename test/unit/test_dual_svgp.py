@@ -236,8 +236,9 @@ def test_student_t_map_ignores_spikes_that_bias_a_gaussian_map():
     truth = field(grid)
 
     def rmse(likelihood, y):
-        model = make(likelihood=likelihood, learn_hyperparameters=False, lengthscale=1.0, noise_variance=0.02,
-                     num_inducing=64, rho=0.7, n_steps=6, memory_per_batch=20)
+        # the prior fixed at one kernel of 1 m (hyperparameters not learned): the likelihoods are what differs
+        model = make(likelihood=likelihood, learn_hyperparameters=False, lengthscale=1.0, kernel_scales=1,
+                     noise_variance=0.02, num_inducing=64, rho=0.7, n_steps=6, memory_per_batch=20)
         for i in range(0, 400, 50):
             model.update(x[i:i + 50], y[i:i + 50])
         mean, _ = model.predict(grid)
@@ -405,7 +406,7 @@ def test_signal_variance_change_keeps_the_old_part_exact():
     # The old part is carried as a pseudo-likelihood on u: exact when K and every k_i scale together.
     x, y = data(50, seed=16)
     z = x[::3]
-    model = make(**FIXED, constant_kernel=False, memory_size=0)
+    model = make(**FIXED, constant_kernel=False, kernel_scales=1, memory_size=0)  # one variance to change
     model.set_inducing_points(z)
     model.update(x, y)
     with model.hyperparameter_change():

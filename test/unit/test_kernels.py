@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gp_mapping.config import ModelConfig
+from gp_mapping.config import ConfigError, ModelConfig, config_from_dict
 from gp_mapping.gp.errors import GPNumericalError
 from gp_mapping.gp.kernels import (ConstantKernel, Matern12Kernel, Matern32Kernel, Matern52Kernel, RBFKernel,
                                    SumKernel, _StationaryKernelFunction, build_kernel)
@@ -54,15 +54,34 @@ def test_shared_lengthscale_and_far_from_origin():
 
 
 def test_sum_with_constant_kernel_and_build_from_config():
-    cfg = ModelConfig(kernel="rbf", lengthscale=0.8, signal_variance=2.0, constant_variance=3.0)
+    cfg = ModelConfig(kernel="rbf", lengthscale=0.8, signal_variance=2.0, constant_variance=3.0, kernel_scales=1)
     k = build_kernel(cfg, 3)
     assert isinstance(k, SumKernel) and isinstance(k.parts[1], ConstantKernel)
     x = torch.randn(6, 3, dtype=torch.float64)
     want = 2.0 * np.exp(-0.5 * _scaled_r(x.numpy(), x.numpy(), [0.8] * 3) ** 2) + 3.0
     np.testing.assert_allclose(k(x, x).detach().numpy(), want, rtol=1e-12)
     np.testing.assert_allclose(k.diag(x).detach().numpy(), np.full(6, 5.0), rtol=1e-14)
-    plain = build_kernel(ModelConfig(kernel="matern32", constant_kernel=False, lengthscales="isotropic"), 2)
+    plain = build_kernel(ModelConfig(kernel="matern32", constant_kernel=False, lengthscales="isotropic", kernel_scales=1), 2)
     assert isinstance(plain, Matern32Kernel) and plain.lengthscale.shape == (1,)
+
+
+def test_kernel_scales_sum_kernels_at_spread_lengthscales_with_the_prior_variance_kept():
+    """model.kernel_scales 3: three Matern-5/2 parts started at lengthscale * 2^(-1, 0, 1), each a third of the
+    signal variance, so k(x, x) (the prior variance) is what one kernel states; the sum is their sum."""
+    cfg = ModelConfig(kernel="matern52", lengthscale=0.8, signal_variance=2.0, constant_variance=3.0, kernel_scales=3)
+    k = build_kernel(cfg, 3)
+    assert isinstance(k, SumKernel) and isinstance(k.parts[3], ConstantKernel) and len(k.parts) == 4
+    np.testing.assert_allclose([float(p.lengthscale_param.value[0]) for p in k.parts[:3]], [0.4, 0.8, 1.6],
+                               rtol=1e-12)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    np.testing.assert_allclose(k.diag(x).detach().numpy(), np.full(5, 5.0), rtol=1e-12)
+    want = sum(build_kernel(ModelConfig(kernel="matern52", lengthscale=ls, signal_variance=2.0 / 3,
+                                        constant_kernel=False), 3, scales=1)(x, x) for ls in (0.4, 0.8, 1.6)) + 3.0
+    np.testing.assert_allclose(k(x, x).detach().numpy(), want.detach().numpy(), rtol=1e-12)
+    one = build_kernel(ModelConfig(kernel="matern52", constant_kernel=False, kernel_scales=3), 3, scales=1)
+    assert isinstance(one, Matern52Kernel)  # an engine with its own scales (continual_mogp) asks for one
+    with pytest.raises(ConfigError, match="kernel_scales"):
+        config_from_dict({"model": {"kernel_scales": 0}})
 
 
 @pytest.mark.parametrize("cls", list(CLOSED_FORMS))
@@ -180,7 +199,7 @@ def test_the_in_place_path_without_gradients_equals_the_differentiable_one(name)
     x2 = torch.cat([x1[:5], torch.as_tensor(rng.uniform(-3, 3, (20, 3)))])
     for constant in (False, True):
         kernel = build_kernel(ModelConfig(kernel=name, lengthscale=0.7, signal_variance=2.0, constant_kernel=constant,
-                                          constant_variance=0.3), 3)
+                                          constant_variance=0.3), 3, scales=1)
         tracked = kernel(x1, x2)
         assert tracked.requires_grad
         with torch.no_grad():
@@ -200,7 +219,7 @@ def test_closed_form_kernel_gradients_equal_autograd_through_the_formula(name, m
     formula for lengthscales, variance and both inputs (learned inducing points), coincident points included,
     and finite differences away from them (gradcheck)."""
     rng = np.random.default_rng(11)
-    cls = type(build_kernel(ModelConfig(kernel=name, constant_kernel=False), 3))
+    cls = type(build_kernel(ModelConfig(kernel=name, constant_kernel=False, kernel_scales=1), 3))
     k = cls(3, lengthscale=0.8, variance=1.7, lengthscales=mode)
     with torch.no_grad():
         k.lengthscale_param.raw.add_(torch.as_tensor(rng.normal(0.0, 0.3, k.lengthscale_param.raw.shape)))

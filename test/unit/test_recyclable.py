@@ -400,7 +400,7 @@ def test_initial_kernel_averages_source_lengthscales_per_axis_then_over_each_sha
     from gp_mapping.gp.merging import initial_kernel
 
     def source(lengthscales, num_data):
-        kernel = build_kernel(ModelConfig(lengthscales="per_axis", constant_kernel=False), 3)
+        kernel = build_kernel(ModelConfig(lengthscales="per_axis", constant_kernel=False, kernel_scales=1), 3)
         kernel.lengthscale_param.set(torch.tensor(lengthscales, dtype=torch.float64))
         one = torch.ones(1, dtype=torch.float64)
         return Source(z=torch.zeros(1, 3, dtype=torch.float64), prior_mean=one, prior_chol=torch.ones(1, 1, 1),
@@ -408,7 +408,7 @@ def test_initial_kernel_averages_source_lengthscales_per_axis_then_over_each_sha
                       num_data=num_data, kernel=kernel)
 
     sources = [source([1.0, 4.0, 0.5], 100), source([2.0, 2.0, 2.0], 300)]
-    kernel = initial_kernel(ModelConfig(lengthscales="horizontal", constant_kernel=False), sources, 3,
+    kernel = initial_kernel(ModelConfig(lengthscales="horizontal", constant_kernel=False, kernel_scales=1), sources, 3,
                             torch.ones(1, dtype=torch.float64))
     w = np.array([0.25, 0.75])
     xy = np.exp(w @ np.log([[1.0, 4.0], [2.0, 2.0]]).mean(1))

@@ -28,7 +28,7 @@ class _OSGPRState(torch.nn.Module):
         super().__init__()
         from gp_mapping.gp.kernels import PositiveParameter, build_kernel
 
-        self.kernel = build_kernel(spec, input_dims)  # the engine's own kernel code (same parameterisation)
+        self.kernel = build_kernel(spec, input_dims, scales=1)  # the engine's kernel code (same parameterisation)
         self.noise = PositiveParameter(spec.noise_variance)
         self.jitter = float(jitter)
         self.Z: torch.Tensor | None = None          # (M, D) inducing inputs of the current posterior

@@ -53,7 +53,7 @@ from ..base import Engine, difference_noise_estimate, merge_moments, moments_sca
 from ..config import MIXING_LEARNING_CHOICES, ModelConfig
 from ..errors import GPNumericalError, ModelInputError
 from ..inducing import DEFAULT_REL_TOL
-from ..kernels import Kernel, build_kernel, stationary_part
+from ..kernels import Kernel, build_kernel, spread_lengthscales, stationary_part
 from ..likelihoods import GaussianLikelihood, Likelihood, build_likelihood
 from ..linalg import jittered_cholesky, symmetrise, tril_solve
 from .bound import ContinualBound, LatentPosterior
@@ -112,11 +112,13 @@ class ContinualMOGP(ContinualBound, InducingPlacement, UpdateMemo, Engine):
         device = resolve_device(config.device)
         qn = self.num_latents
         self.kernels = nn.ModuleList()
-        for q in range(qn):
-            kernel = build_kernel(config, d)
+        # The latents are this engine's several scales: each one kernel (model.kernel_scales is dual_svgp's and
+        # var_gp's way to the same end), started at spread lengthscales.
+        for lengthscale in spread_lengthscales(config.lengthscale, qn, ratio):
+            kernel = build_kernel(config, d, scales=1)
             main = stationary_part(kernel)
-            if main is not None and qn > 1:
-                main.lengthscale_param.set(config.lengthscale * ratio ** (q - (qn - 1) / 2))
+            if main is not None:
+                main.lengthscale_param.set(lengthscale)
             self.kernels.append(kernel)
         self.likelihood: Likelihood = self._own_likelihood(build_likelihood(config, p))
         gen = torch.Generator().manual_seed(int(config.seed))

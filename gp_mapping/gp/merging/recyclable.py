@@ -59,7 +59,7 @@ from torch import nn
 
 from ..errors import GPNumericalError
 from ..inducing import DEFAULT_REL_TOL, pivoted_cholesky
-from ..kernels import Kernel, build_kernel, constant_part, stationary_part
+from ..kernels import Kernel, build_kernel, constant_part, stationary_parts
 from ..linalg import jittered_cholesky, symmetrise
 from .sources import MergeError, Source
 
@@ -208,23 +208,25 @@ def _weighted(values: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
 
 def initial_kernel(model_config, sources: Sequence[Source], input_dims: int, target_scale: torch.Tensor) -> Kernel:
     """The global kernel the config names, started from the sources' kernels where they have one: geometric
-    mean of the lengthscales and mean variances in the global units (weighted by the data they hold)."""
+    mean of the lengthscales and mean variances in the global units (weighted by the data they hold), each
+    stationary part from the sources' part of the same rank (model.kernel_scales: a sum of several scales)."""
     kernel = build_kernel(model_config, input_dims)
-    main, const = stationary_part(kernel), constant_part(kernel)
-    with_k = [s for s in sources if s.kernel is not None and stationary_part(s.kernel) is not None]
-    if not with_k or main is None:
+    mains, const = stationary_parts(kernel), constant_part(kernel)
+    with_k = [s for s in sources if s.kernel is not None and stationary_parts(s.kernel)]
+    if not with_k or not mains:
         return kernel
     weights = [max(s.num_data, 1) for s in with_k]
-    # Per input axis, then averaged over the axes that share a lengthscale in the global kernel (the sources
-    # may have been built with other lengthscale groups).
-    per_axis = _weighted([torch.log(stationary_part(s.kernel).lengthscale.detach().cpu()).expand(input_dims)
-                          for s in with_k], weights)
-    groups = torch.tensor(main.groups)
-    main.lengthscale_param.set(torch.exp(torch.stack([per_axis[groups == g].mean()
-                                                      for g in range(main.num_lengthscales)])))
     ratio = [float(((s.scale / target_scale) ** 2).mean()) for s in with_k]
-    main.variance_param.set(_weighted([stationary_part(s.kernel).variance.detach().cpu() * r
-                                       for s, r in zip(with_k, ratio)], weights))
+    for rank, main in enumerate(mains):
+        # a source with fewer scales lends its last (longest) one
+        parts = [stationary_parts(s.kernel)[min(rank, len(stationary_parts(s.kernel)) - 1)] for s in with_k]
+        # Per input axis, then averaged over the axes that share a lengthscale in the global kernel (the sources
+        # may have been built with other lengthscale groups).
+        per_axis = _weighted([torch.log(p.lengthscale.detach().cpu()).expand(input_dims) for p in parts], weights)
+        groups = torch.tensor(main.groups)
+        main.lengthscale_param.set(torch.exp(torch.stack([per_axis[groups == g].mean()
+                                                          for g in range(main.num_lengthscales)])))
+        main.variance_param.set(_weighted([p.variance.detach().cpu() * r for p, r in zip(parts, ratio)], weights))
     if const is not None:
         consts = [(constant_part(s.kernel).variance.detach().cpu() * r) for s, r in zip(with_k, ratio)
                   if constant_part(s.kernel) is not None]

@@ -97,7 +97,8 @@ class VARGP(BlockFactors, RegionBlocks, Engine):
         if cfg.inducing != "pivoted_cholesky":
             raise ConfigError("var_gp places its blocks' points by pivoted Cholesky; use 'pivoted_cholesky'",
                               "inducing")
-        self.kernel = build_kernel(cfg, d)
+        # one kernel: model.kernel_scales is measured for dual_svgp only (q(theta) over a sum's parameters is not)
+        self.kernel = build_kernel(cfg, d, scales=1)
         self.kernel.requires_grad_(False)  # holds the q(theta) mean; q(theta) itself is q_mu, q_logsd
         self.likelihood = self._own_likelihood(build_likelihood(cfg, p))
         self._theta_layout = [(name, tuple(t.shape), t.numel()) for name, t in self.kernel.named_parameters()]
