@@ -2,8 +2,9 @@
 
 Stationary kernels (Matern-1/2, 3/2, 5/2 and RBF) whose input axes share lengthscales as
 :func:`lengthscale_groups` says (one for all, one for the horizontal plane and one for height, or one per axis),
-a constant (bias) kernel, and their sum. Positive hyperparameters are stored as logarithms so that Adam
-steps are multiplicative (a lengthscale moves from 1 m to 0.5 m in as many steps as from 0.1 m to 0.05 m).
+a constant (bias) kernel, and their sum (with several stationary kernels at spread lengthscales when
+model.kernel_scales asks). Positive hyperparameters are stored as logarithms so that Adam steps are
+multiplicative (a lengthscale moves from 1 m to 0.5 m in as many steps as from 0.1 m to 0.05 m).
 """
 from __future__ import annotations
 

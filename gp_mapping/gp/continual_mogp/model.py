@@ -112,8 +112,8 @@ class ContinualMOGP(ContinualBound, InducingPlacement, UpdateMemo, Engine):
         device = resolve_device(config.device)
         qn = self.num_latents
         self.kernels = nn.ModuleList()
-        # The latents are this engine's several scales: each one kernel (model.kernel_scales is dual_svgp's and
-        # var_gp's way to the same end), started at spread lengthscales.
+        # The latents are this engine's several scales: each one kernel (model.kernel_scales is dual_svgp's way
+        # to the same end), started at spread lengthscales.
         for lengthscale in spread_lengthscales(config.lengthscale, qn, ratio):
             kernel = build_kernel(config, d, scales=1)
             main = stationary_part(kernel)
