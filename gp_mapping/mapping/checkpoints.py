@@ -104,10 +104,6 @@ class Checkpoints:
         has nothing to be offset from and starts none.
         """
         state = read_state(path)
-        model_section = state.config.get("model")
-        if isinstance(model_section, dict) and "kernel_scales" not in model_section:
-            # written before model.kernel_scales existed: its kernel is one, whatever the default is now
-            state.config["model"] = {**model_section, "kernel_scales": 1}
         try:
             saved = config_from_dict(state.config)
         except ConfigError as err:

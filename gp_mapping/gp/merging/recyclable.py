@@ -217,9 +217,9 @@ def initial_kernel(model_config, sources: Sequence[Source], input_dims: int, tar
         return kernel
     weights = [max(s.num_data, 1) for s in with_k]
     ratio = [float(((s.scale / target_scale) ** 2).mean()) for s in with_k]
+    source_parts = [stationary_parts(s.kernel) for s in with_k]
     for rank, main in enumerate(mains):
-        # a source with fewer scales lends its last (longest) one
-        parts = [stationary_parts(s.kernel)[min(rank, len(stationary_parts(s.kernel)) - 1)] for s in with_k]
+        parts = [sp[min(rank, len(sp) - 1)] for sp in source_parts]  # fewer scales: the last (longest) one lends
         # Per input axis, then averaged over the axes that share a lengthscale in the global kernel (the sources
         # may have been built with other lengthscale groups).
         per_axis = _weighted([torch.log(p.lengthscale.detach().cpu()).expand(input_dims) for p in parts], weights)
