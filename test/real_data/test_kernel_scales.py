@@ -21,3 +21,17 @@ def test_two_kernel_scales_map_held_out_passes_better_and_cover_them(recording, 
     assert two["rmse"] < gain * one["rmse"], (one, two)
     assert 0.90 <= two["within_2sd"] <= 0.98 and 0.8 <= two["z_std"] <= 1.25, two
     assert two["nlpd"] <= one["nlpd"] + 0.01, (one["nlpd"], two["nlpd"])
+
+
+@pytest.mark.xfail(strict=True, reason="two scales with a noise floor below the default diverge on Solin protocol 1: "
+                   "floor 0.04 maps it at 26.2 uT (0.58 within +-2 SD) against 7.29 at the default 0.09 and 7.51 "
+                   "with one kernel at 0.04; the break comes in one update near the stream's end, where 20 "
+                   "hyperparameter steps move both lengthscales (0.53 -> 0.77, 0.99 -> 1.30 m) and the map of the "
+                   "streamed data itself goes from 0.37 to 1.23 uT (docs/calibration.md, Noise floor)")
+def test_a_quieter_sensor_floor_does_not_break_the_two_scale_map():
+    """A user whose sensor is quieter than 0.3 uT is told to lower model.noise_floor: the map must stay a map.
+    Bound: 10 % above the default floor's 7.29 uT (one kernel at this floor maps 7.51)."""
+    rec = calibration_bench.load("solin_p1", shared_data("solin2018_invensense").parent, {})
+    quiet = calibration_bench.engine_scores(calibration_bench.shipped(noise_floor=0.04), rec)
+    assert quiet["rmse"] < 1.1 * 7.29, quiet
+    assert quiet["within_2sd"] >= 0.90, quiet
