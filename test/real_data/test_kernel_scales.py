@@ -25,8 +25,9 @@ def test_two_kernel_scales_map_held_out_passes_better_and_cover_them(recording, 
 
 @pytest.mark.xfail(strict=True, reason="two scales with a noise floor below the default diverge on Solin protocol 1: "
                    "floor 0.04 maps it at 26.2 uT (0.58 within +-2 SD) against 7.29 at the default 0.09 and 7.51 "
-                   "with one kernel at 0.04; the break comes in one update near the stream's end, where 20 "
-                   "hyperparameter steps move both lengthscales (0.53 -> 0.77, 0.99 -> 1.30 m) and the map of the "
+                   "with one kernel at 0.04; the break comes in the second of two updates near the stream's end "
+                   "that take 20 hyperparameter steps each: both lengthscales move (0.53 -> 0.77, 0.99 -> 1.30 m) and "
+                   "the map of the "
                    "streamed data itself goes from 0.37 to 1.23 uT; in updates of 50 readings, or with at most 5 "
                    "steps per update, it maps at 7.51 and 7.29 (docs/calibration.md, Noise floor)")
 def test_a_quieter_sensor_floor_does_not_break_the_two_scale_map():
