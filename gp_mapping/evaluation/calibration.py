@@ -210,7 +210,8 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               "hyper_points 256": {"hyper_points": 256}, "matern32": {"kernel": "matern32"},
               "one scale": {"kernel_scales": 1},
               "noise floor 0": {"noise_floor": 0.0}, "noise floor 0.04": {"noise_floor": 0.04},
-              "noise floor 0.25": {"noise_floor": 0.25}}
+              "noise floor 0.25": {"noise_floor": 0.25}, "memory objective": {"hyper_objective": "memory"},
+              "memory objective, floor 0.04": {"hyper_objective": "memory", "noise_floor": 0.04}}
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:

@@ -92,8 +92,7 @@ class ModelConfig:
     noise_floor: float = option(0.09, doc="gaussian likelihood: the least noise variance of a reading, in the "
                                 "targets' units (uT^2 for a magnetometer in uT): the learned noise is this plus a "
                                 "learned part. 0.09 = (0.3 uT)^2, the RMS noise of common MEMS magnetometers; set "
-                                "your sensor's; below 0.09 with updates of hundreds of readings, also kernel_scales: 1 "
-                                "(docs/calibration.md, Noise floor)", low=0.0, high=1e4)
+                                "your sensor's (docs/calibration.md, Noise floor)", low=0.0, high=1e4)
     student_t_dof: float = option(4.0, doc="Student-t degrees of freedom", low=0.0, low_open=True, high=1e3)
     num_inducing: int = option(256, doc="number of inducing points M (var_gp: the most over all its blocks; "
                                "above it the oldest blocks are distilled)", low=1, high=8192)
@@ -125,12 +124,17 @@ class ModelConfig:
     # and mapped at 0.99 uT (0.63 at 1024, exact GP 0.48); worst case over the calibration recordings in
     # docs/calibration.md. Costs about 1.5x the stream time of Solin protocol 2.
     hyper_points: int = option(1024, doc="dual_svgp and var_gp: hyperparameter steps see at most this many "
-                                        "held samples (a uniform sample of the memory and of the batch, weighted to stand for "
-                                        "the rest, whose information stays in q), so a step costs the same "
+                                        "held samples (a uniform sample of the memory and of the batch; the rest's information "
+                                        "stays in q, in the old data's pseudo-likelihood), so a step costs the same "
                                         "however large the batch", low=1, high=1_000_000)
     hyper_tol: float = option(1e-4, doc="stop a full update's hyperparameter steps when the objective per "
                                         "datum rose by less than this in the last step; 0: always hyper_steps",
                               low=0.0, high=1.0)
+    hyper_objective: str = option("streaming", doc="dual_svgp: what the hyperparameter steps maximise. "
+                                  "streaming: the streaming ELBO (Bui et al. 2017), each held datum once and the old "
+                                  "data through their pseudo-likelihood on u; memory: the paper's dual-fixed "
+                                  "objective, the memory scaled to stand for all old data (docs/calibration.md, "
+                                  "Hyperparameter objective). With learn_inducing, memory", choices=("streaming", "memory"))
     hyper_lr: float = option(0.01, doc="Adam learning rate for the hyperparameters", low=0.0, low_open=True,
                            high=10.0)
     learn_inducing: bool = option(False, doc="move the inducing inputs by gradient steps on an ELBO that keeps the old "

@@ -98,8 +98,8 @@ class HyperparameterSteps:
         W_u = torch.linalg.solve_triangular(L0.T, half.transpose(-1, -2), upper=True)
         return a_u, symmetrise(W_u)
 
-    def _fixed_z_bound(self, a_u: torch.Tensor, W_u: torch.Tensor, hx, hy, lam1, lam2, weights
-                       ) -> tuple[torch.Tensor, Callable[[float], None]]:
+    def _fixed_z_bound(self, a_u: torch.Tensor, W_u: torch.Tensor, hx, hy, lam1, lam2, weights,
+                       with_old_term: bool = False) -> tuple[torch.Tensor, Callable[[float], None]]:
         """l_theta of _hyper_objective with Z fixed, and a function that sets the hyperparameters' .grad to the
         gradient of -scale * l_theta.
 
@@ -112,6 +112,9 @@ class HyperparameterSteps:
         Backward: with gm, gv = dl/dmean, dl/dvar, dl/dm = V gm - m and dl/dS = V diag(gv) V^T - I/2, so
         dl/da = S dl/dm and dl/dA = -(dl/da) m^T - S (dl/dS) S - S/2; then through A and a to L and V,
         through V = L^{-1} K_ZX to K_ZX and L, and from L to K_ZZ.
+        with_old_term (the streaming ELBO): l also holds E_q[log t_old(u)] = a_o^T m - tr(W_o (S + m m^T)) / 2,
+        with a_o = L^T a_u and W_o = L^T W_u L, which adds a_o - W_o m to dl/dm and -W_o / 2 to dl/dS, and
+        directly a_u m^T - X (S + m m^T) to dl/dL.
         """
         z = self.Z
         with torch.enable_grad():
@@ -129,6 +132,11 @@ class HyperparameterSteps:
             var = kxx.detach()[:, None] - (V * V).sum(0)[:, None] + (V * SV).sum(1).T
             kl = (torch.log(torch.diagonal(R, dim1=-2, dim2=-1)).sum()
                   + 0.5 * (torch.diagonal(S, dim1=-2, dim2=-1).sum() - S.shape[0] * S.shape[-1] + (m * m).sum()))
+            if with_old_term:
+                a_o = (L.T @ a_u).T  # (P, M)
+                W_o = L.T @ X  # (P, M, M)
+                W_o_m = (W_o @ m[..., None])[..., 0]
+                kl = kl - ((a_o * m).sum() - 0.5 * ((W_o * S).sum() + (m * W_o_m).sum()))
         mean_in = mean.requires_grad_(True)
         var_in = var.clamp_min(0.0).requires_grad_(True)
         with torch.enable_grad():
@@ -141,13 +149,16 @@ class HyperparameterSteps:
             gm, gv, *g_lik = torch.autograd.grad(ell, [mean_in, var_in] + lik_params, allow_unused=True)
             with torch.no_grad():
                 gv = gv * (var >= 0)  # clamp_min(0)'s gradient
-                a_bar = (S @ ((V @ gm).T - m)[..., None])[..., 0]  # (P, M): S dl/dm
+                m_bar = (V @ gm).T - m + (a_o - W_o_m if with_old_term else 0.0)
+                a_bar = (S @ m_bar[..., None])[..., 0]  # (P, M): S dl/dm
                 SVg = SV * gv.T[:, None, :]
                 # dl/dA, symmetric: S S / 2 - S / 2 - S V diag(gv) V^T S - sym(a_bar m^T). (S is exactly symmetric
                 # and column-major, so S.mT is S in the row-major layout of S @ S.)
                 A_bar = torch.baddbmm(0.5 * (S @ S - S.mT), SVg, SV.transpose(-1, -2), alpha=-1.0)
                 A_bar.baddbmm_(a_bar[:, :, None], m[:, None, :], alpha=-0.5)
                 A_bar.baddbmm_(m[:, :, None], a_bar[:, None, :], alpha=-0.5)
+                if with_old_term:  # dl/dS's -W_o / 2, through S = A^{-1}
+                    A_bar.add_(S @ W_o @ S, alpha=0.5)
                 # dl/dV = a_bar lam1^T + m gm^T + 2 (S V diag(gv) - V diag(gv) + sum_p A_bar_p V diag(lam2_p)), every
                 # term in V's column-major layout (A_bar V as (V^T A_bar)^T, A_bar symmetric)
                 V_bar = (torch.cat([lam1, gm], 1) @ torch.cat([a_bar, m])).T
@@ -155,6 +166,8 @@ class HyperparameterSteps:
                                                             for p in range(A_bar.shape[0])), alpha=2.0)
                 kzx_bar = torch.linalg.solve_triangular(L.T, V_bar, upper=True)
                 L_bar = a_u @ a_bar + 2.0 * (X @ A_bar).sum(0) - kzx_bar @ V.T
+                if with_old_term:  # a_o and W_o's own dependence on L
+                    L_bar.add_(a_u @ m - (X @ (S + m[:, :, None] * m[:, None, :])).sum(0))
                 # The bound depends on K alone, not on which square root L of it whitens (L -> L U, U orthogonal,
                 # leaves it unchanged), so dl/dL = 2 K_bar L and K_bar = L_bar L^{-1} / 2 (one solve; the general
                 # Cholesky adjoint L^{-T} Phi(L^T L_bar) L^{-1} takes two and equals it here).
@@ -191,6 +204,10 @@ class HyperparameterSteps:
         good_z = z0.clone()
         steps, value = 0, 0.0
         old_part_on_u = None if learn_z else self._old_part_on_u(L0, fixed)
+        # the streaming ELBO: every held datum counts once and the old data speak through t_old (with learned Z,
+        # l_theta stays the memory-scaled objective)
+        streaming = cfg.hyper_objective == "streaming" and not learn_z
+        ell_weights = torch.ones_like(weights) if streaming else weights
         with torch.enable_grad():
             for _ in range(budget):
                 optimiser.zero_grad()
@@ -198,7 +215,8 @@ class HyperparameterSteps:
                     if learn_z:
                         l_theta, l_z = self._hyper_objective(L0, z0, z, hx, hy, lam1, lam2, weights, fixed)
                     else:
-                        l_theta, theta_gradients = self._fixed_z_bound(*old_part_on_u, hx, hy, lam1, lam2, weights)
+                        l_theta, theta_gradients = self._fixed_z_bound(*old_part_on_u, hx, hy, lam1, lam2,
+                                                                       ell_weights, with_old_term=streaming)
                         l_z = None
                     finite = bool(torch.isfinite(l_theta)) and (l_z is None or bool(torch.isfinite(l_z)))
                     # Converged: the last step gained less than hyper_tol per datum, so stop where this value
