@@ -124,9 +124,9 @@ class ModelConfig:
     # and mapped at 0.99 uT (0.63 at 1024, exact GP 0.48); worst case over the calibration recordings in
     # docs/calibration.md. Costs about 1.5x the stream time of Solin protocol 2.
     hyper_points: int = option(1024, doc="dual_svgp and var_gp: hyperparameter steps see at most this many "
-                                        "held samples (a uniform sample of the memory and of the batch; the rest's information "
-                                        "stays in q, in the old data's pseudo-likelihood), so a step costs the same "
-                                        "however large the batch", low=1, high=1_000_000)
+                                        "held samples (a uniform sample of the memory and of the batch; the "
+                                        "rest's information stays in q, in the old data's pseudo-likelihood), so a "
+                                        "step costs the same however large the batch", low=1, high=1_000_000)
     hyper_tol: float = option(1e-4, doc="stop a full update's hyperparameter steps when the objective per "
                                         "datum rose by less than this in the last step; 0: always hyper_steps",
                               low=0.0, high=1.0)
@@ -134,7 +134,8 @@ class ModelConfig:
                                   "streaming: the streaming ELBO (Bui et al. 2017), each held datum once and the old "
                                   "data through their pseudo-likelihood on u; memory: the paper's dual-fixed "
                                   "objective, the memory scaled to stand for all old data (docs/calibration.md, "
-                                  "Hyperparameter objective). With learn_inducing, memory", choices=("streaming", "memory"))
+                                  "Hyperparameter objective). With learn_inducing, memory",
+                                  choices=("streaming", "memory"))
     hyper_lr: float = option(0.01, doc="Adam learning rate for the hyperparameters", low=0.0, low_open=True,
                            high=10.0)
     learn_inducing: bool = option(False, doc="move the inducing inputs by gradient steps on an ELBO that keeps the old "
