@@ -309,19 +309,18 @@ def test_objective_with_all_data_held_is_the_collapsed_titsias_bound():
     assert float(fast) == pytest.approx(bound, rel=1e-9)
 
 
-@pytest.mark.parametrize("outputs, likelihood", [(1, "gaussian"), (3, "gaussian"), (1, "student_t")])
-def test_hyperparameter_gradient_by_hand_equals_autograd(outputs, likelihood):
-    """The steps on theta (Z fixed) take their gradient from adjoints written out by hand (_fixed_z_bound);
-    autograd through the general objective (_hyper_objective, the one learned Z uses) must give the same value
-    and gradient, with an old part, memory weights and sites away from the current theta."""
-    x, y = data(300, seed=31)
+def held_data_away_from_theta(outputs: int, likelihood: str, seed: int):
+    """A model with an old part and a full memory, theta moved away from where its sites were fitted, and the
+    held data of a full update (memory, then 60 new samples with made-up sites): (model, hx, hy, lam1, lam2,
+    n_mem)."""
+    x, y = data(300, seed=seed)
     ys = np.column_stack([y, 0.5 * y + 0.2, -y])[:, :outputs]
     model = make(p=outputs, num_inducing=40, memory_size=60, memory_per_batch=20, hyper_steps=2,
                  likelihood=likelihood)
     for lo in range(0, 240, 40):
         model.update(x[lo:lo + 40], ys[lo:lo + 40])
     assert float(model.W_old.abs().sum()) > 0 and model.memory_size == 60
-    with torch.no_grad():  # theta moved away from where the sites were fitted
+    with torch.no_grad():
         for p in model.kernel.parameters():
             p.add_(0.1)
     n_mem = model.memory_size
@@ -329,6 +328,15 @@ def test_hyperparameter_gradient_by_hand_equals_autograd(outputs, likelihood):
     hy = torch.cat([model.mem_y, torch.as_tensor(standardised(model, ys[240:]))])
     lam1 = torch.cat([model.mem_lam1, 0.3 * hy[n_mem:]])
     lam2 = torch.cat([model.mem_lam2, torch.full_like(hy[n_mem:], 2.0)])
+    return model, hx, hy, lam1, lam2, n_mem
+
+
+@pytest.mark.parametrize("outputs, likelihood", [(1, "gaussian"), (3, "gaussian"), (1, "student_t")])
+def test_hyperparameter_gradient_by_hand_equals_autograd(outputs, likelihood):
+    """The steps on theta (Z fixed) take their gradient from adjoints written out by hand (_fixed_z_bound);
+    autograd through the general objective (_hyper_objective, the one learned Z uses) must give the same value
+    and gradient, with an old part, memory weights and sites away from the current theta."""
+    model, hx, hy, lam1, lam2, n_mem = held_data_away_from_theta(outputs, likelihood, seed=31)
     weights = torch.ones(hx.shape[0], dtype=torch.float64)
     weights[:n_mem] = 4.0
     params = model._hyper_parameters()
@@ -373,21 +381,7 @@ def test_streaming_objective_and_its_hand_written_gradient_match_the_elbo_on_u(o
     """model.hyper_objective: streaming. The fixed-Z bound with the old term (_fixed_z_bound, with_old_term) must
     equal the streaming ELBO written out on u (above) in value and, through autograd, in gradient, with an old
     part and sites away from the current theta; every held datum counts once."""
-    x, y = data(300, seed=32)
-    ys = np.column_stack([y, 0.5 * y + 0.2, -y])[:, :outputs]
-    model = make(p=outputs, num_inducing=40, memory_size=60, memory_per_batch=20, hyper_steps=2,
-                 likelihood=likelihood)
-    for lo in range(0, 240, 40):
-        model.update(x[lo:lo + 40], ys[lo:lo + 40])
-    assert float(model.W_old.abs().sum()) > 0 and model.memory_size == 60
-    with torch.no_grad():  # theta moved away from where the sites were fitted
-        for p in model.kernel.parameters():
-            p.add_(0.1)
-    n_mem = model.memory_size
-    hx = torch.cat([model.mem_x, torch.as_tensor(x[240:])])
-    hy = torch.cat([model.mem_y, torch.as_tensor(standardised(model, ys[240:]))])
-    lam1 = torch.cat([model.mem_lam1, 0.3 * hy[n_mem:]])
-    lam2 = torch.cat([model.mem_lam2, torch.full_like(hy[n_mem:], 2.0)])
+    model, hx, hy, lam1, lam2, _ = held_data_away_from_theta(outputs, likelihood, seed=32)
     params = model._hyper_parameters()
     with torch.no_grad():
         a_u, W_u = model._old_part_on_u(model._chol_K(), None)
