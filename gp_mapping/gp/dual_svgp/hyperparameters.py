@@ -146,16 +146,18 @@ class HyperparameterSteps:
             var = kxx.detach()[:, None] - (V * V).sum(0)[:, None] + (V * SV).sum(1).T
             kl = (torch.log(torch.diagonal(R, dim1=-2, dim2=-1)).sum()
                   + 0.5 * (torch.diagonal(S, dim1=-2, dim2=-1).sum() - S.shape[0] * S.shape[-1] + (m * m).sum()))
+            # what the bound subtracts from the data term: the KL, less E_q[log t_old(u)] in the streaming ELBO
+            penalty = kl
             if with_old_term:
                 a_o = (L.T @ a_u).T  # (P, M)
                 W_o = L.T @ X  # (P, M, M)
                 W_o_m = (W_o @ m[..., None])[..., 0]
-                kl = kl - ((a_o * m).sum() - 0.5 * ((W_o * S).sum() + (m * W_o_m).sum()))
+                penalty = kl - ((a_o * m).sum() - 0.5 * ((W_o * S).sum() + (m * W_o_m).sum()))
         mean_in = mean.requires_grad_(True)
         var_in = var.clamp_min(0.0).requires_grad_(True)
         with torch.enable_grad():
             ell = (self.likelihood.expected_log_lik(hy, mean_in, var_in) * weights[:, None]).sum()
-        value = ell.detach() - kl
+        value = ell.detach() - penalty
 
         def gradients(scale: float) -> None:
             lik_params = [p for p in self.likelihood.parameters() if p.requires_grad]
