@@ -91,8 +91,9 @@ class ModelConfig:
                                  high=1e2)
     noise_floor: float = option(0.09, doc="gaussian likelihood: the least noise variance of a reading, in the "
                                 "targets' units (uT^2 for a magnetometer in uT): the learned noise is this plus a "
-                                "learned part. 0.09 = (0.3 uT)^2, the RMS noise of common MEMS magnetometers; set "
-                                "your sensor's (docs/calibration.md, Noise floor)", low=0.0, high=1e4)
+                                "learned part. 0.09 = (0.3 uT)^2: a sensor's noise and the pose and orientation errors "
+                                "that scatter readings at one place; keep it with a quieter sensor unless the "
+                                "positions are exact too (docs/calibration.md, Noise floor)", low=0.0, high=1e4)
     student_t_dof: float = option(4.0, doc="Student-t degrees of freedom", low=0.0, low_open=True, high=1e3)
     num_inducing: int = option(256, doc="number of inducing points M (var_gp: the most over all its blocks; "
                                "above it the oldest blocks are distilled)", low=1, high=8192)
