@@ -294,6 +294,32 @@ def _line(s: dict) -> str:
             f"(uncalibrated NLPD {s['uncalibrated']['nlpd']:.3f} +-2SD {s['uncalibrated']['within_2sd']:.3f})")
 
 
+#: the defaults table's candidates that differ from the shipped engine by M alone, and the shipped one: (name, M)
+#: in increasing M
+M_LADDER = tuple(sorted([("shipped", ModelConfig.num_inducing)] + [
+    (name, overrides["num_inducing"]) for name, overrides in CANDIDATES.items() if set(overrides) == {"num_inducing"}],
+    key=lambda rung: rung[1]))
+#: issue 37's bar: a larger M maps no worse than this RMSE ratio and NLPD gap to the next smaller one
+M_RMSE_RATIO, M_NLPD_GAP = 1.01, 0.02
+
+
+def inducing_ladder(defaults: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per recording, RMSE and NLPD at M = 128 / 256 / 512 (the defaults table's candidates) and whether each
+    larger M maps no worse than the next smaller one (RMSE within M_RMSE_RATIO, NLPD within M_NLPD_GAP); {} when
+    the table lacks a rung."""
+    if not all(name in defaults for name, _ in M_LADDER):
+        return {}
+    out = {}
+    for rec in defaults["shipped"]["per_recording"]:
+        rungs = [defaults[name]["per_recording"].get(rec) for name, _ in M_LADDER]
+        if any(r is None for r in rungs):
+            continue
+        holds = all(b["rmse"] <= M_RMSE_RATIO * a["rmse"] and b["nlpd"] <= a["nlpd"] + M_NLPD_GAP
+                    for a, b in zip(rungs, rungs[1:]))
+        out[rec] = {"rmse": [r["rmse"] for r in rungs], "nlpd": [r["nlpd"] for r in rungs], "holds": holds}
+    return out
+
+
 def markdown(sec: dict[str, Any]) -> list[str]:
     lines = ["## Calibration: a reading's predictive distribution on held-out passes", "",
              "Predictive distribution of a reading (latent variance plus noise, calibrated prequentially where the "
@@ -342,6 +368,17 @@ def markdown(sec: dict[str, Any]) -> list[str]:
             lines.append(f"| {cand} | " + " | ".join(cells) + f" | {d['worst_rmse_ratio']:.2f} | "
                          f"{d['worst_nlpd_gap']:+.2f} | {d['worst_coverage_miss']:.2f} |")
         lines.append("")
+        ladder = inducing_ladder(sec["defaults"])
+        if ladder:
+            sizes = " / ".join(str(m) for _, m in M_LADDER)
+            lines += [f"### More inducing points (dual_svgp, M = {sizes})", "",
+                      f"A larger M must map no worse than the next smaller one: RMSE within "
+                      f"{100 * (M_RMSE_RATIO - 1):.0f} %, NLPD within {M_NLPD_GAP} nats.", "",
+                      f"| recording | RMSE at M = {sizes} | NLPD at M = {sizes} | holds |", "|:---|---:|---:|:---|"]
+            for rec, r in ladder.items():
+                lines.append(f"| {rec} | " + " / ".join(f"{v:.3f}" for v in r["rmse"]) + " | "
+                             + " / ".join(f"{v:.3f}" for v in r["nlpd"]) + f" | {'yes' if r['holds'] else 'no'} |")
+            lines.append("")
     return lines
 
 

@@ -338,3 +338,26 @@ def test_a_state_with_the_retired_session_cells_loads():
     fresh.load_state_dict(old)
     assert torch.equal(fresh.predict(x2[:20])[0], model.predict(x2[:20])[0])
     assert fresh._session_reference(fresh.device) is None  # the frozen copy is not saved
+
+
+def test_the_inducing_ladder_says_where_a_larger_m_maps_worse():
+    """The bench's "More inducing points" table (issue 37's bar: a larger M within 1 % RMSE and 0.02 nats NLPD
+    of the next smaller one), from the defaults table's M candidates and the shipped engine."""
+    def cand(**recs):  # a defaults-table row; only RMSE and NLPD matter here
+        return {"per_recording": {name: {"rmse": r, "nlpd": n, "rmse_ratio": 1.0, "nlpd_gap": 0.0, "within_2sd": 0.95}
+                                  for name, (r, n) in recs.items()},
+                "worst_rmse_ratio": 1.0, "worst_nlpd_gap": 0.0, "worst_coverage_miss": 0.0}
+
+    defaults = {"shipped": cand(a=(1.00, 1.00), b=(1.00, 1.00), c=(1.00, 1.00)),
+                "M = 128": cand(a=(1.00, 1.00), b=(0.98, 1.00), c=(1.00, 0.97)),
+                "M = 512": cand(a=(1.005, 1.01), b=(0.99, 0.99), c=(1.00, 1.00))}
+    ladder = bench.inducing_ladder(defaults)
+    assert [m for _, m in bench.M_LADDER] == [128, 256, 512]
+    assert ladder["a"]["holds"]  # within both bounds at every rung
+    assert not ladder["b"]["holds"]  # 256 maps 2 % worse than 128
+    assert not ladder["c"]["holds"]  # 256's NLPD 0.03 above 128's
+    assert ladder["b"]["rmse"] == [0.98, 1.00, 0.99]
+    table = "\n".join(bench.markdown({"recordings": {}, "defaults": defaults}))
+    assert "| b | 0.980 / 1.000 / 0.990 | 1.000 / 1.000 / 0.990 | no |" in table
+    del defaults["M = 512"]
+    assert bench.inducing_ladder(defaults) == {}  # a table without every rung has no ladder
