@@ -304,7 +304,7 @@ M_RMSE_RATIO, M_NLPD_GAP = 1.01, 0.02
 
 
 def inducing_ladder(defaults: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per recording, RMSE and NLPD at M = 128 / 256 / 512 (the defaults table's candidates) and whether each
+    """Per recording, RMSE and NLPD at each M of M_LADDER (the defaults table's candidates) and whether each
     larger M maps no worse than the next smaller one (RMSE within M_RMSE_RATIO, NLPD within M_NLPD_GAP); {} when
     the table lacks a rung."""
     if not all(name in defaults for name, _ in M_LADDER):
