@@ -39,12 +39,14 @@ def standardised(model: DualSVGP, y: np.ndarray) -> np.ndarray:
 
 def titsias(model: DualSVGP, z, x, y, xs, noise=None):
     """Optimal sparse posterior (Titsias 2009) in the model's standardised units, by the direct formula,
-    returned in original units: mean = s^-2 K_*z Sigma K_zx y, var = k** - Q** + K_*z Sigma K_z*."""
+    returned in original units: mean = s^-2 K_*z Sigma K_zx y, var = k** - Q** + K_*z Sigma K_z*. ``noise``: a
+    noise variance, or one per reading (N,)."""
     noise = float(model.likelihood.noise_variance[0]) if noise is None else noise
+    noise = np.broadcast_to(np.asarray(noise, dtype=float), (len(x),))
     kzz, kzx, ksz = kmat(model, z, z), kmat(model, z, x), kmat(model, xs, z)
-    sigma = np.linalg.inv(kzz + model.jitter * np.eye(len(z)) + kzx @ kzx.T / noise)
+    sigma = np.linalg.inv(kzz + model.jitter * np.eye(len(z)) + (kzx / noise) @ kzx.T)
     ys = standardised(model, y)[:, 0]
-    mean = ksz @ sigma @ kzx @ ys / noise
+    mean = ksz @ sigma @ kzx @ (ys / noise)
     kzz_j = kzz + model.jitter * np.eye(len(z))
     var = (np.diag(kmat(model, xs, xs)) - np.einsum("ij,ji->i", ksz, np.linalg.solve(kzz_j, ksz.T))
            + np.einsum("ij,jk,ki->i", ksz, sigma, ksz.T))
@@ -134,18 +136,35 @@ def test_streaming_equals_the_batch_posterior_without_double_counting(memory_siz
     assert model.memory_size == min(memory_size, 6 * per_batch)
 
 
+def residual_variance(model: DualSVGP, z, x) -> np.ndarray:
+    """k(x, x) - K_xz K_zz^{-1} K_zx: the prior variance of f(x) that u = f(Z) does not explain."""
+    kzz, kzx = kmat(model, z, z) + model.jitter * np.eye(len(z)), kmat(model, z, x)
+    return np.diag(kmat(model, x, x)) - np.einsum("ij,ij->j", kzx, np.linalg.solve(kzz, kzx))
+
+
 def test_fast_updates_then_full_update_equal_the_batch_posterior():
+    """After a full update the map is the Titsias posterior of every reading. A fast update's readings (pending
+    until the next full one) count with their residual variance given Z added to their noise (the FITC site,
+    sites.residual_weighted_sites), so until then the map is the sparse posterior with that noise for them."""
     x, y = data(80, seed=6)
     z = x[::5]
     model = make(**FIXED, full_update_every=3, memory_size=7, memory_per_batch=3)
     model.set_inducing_points(z)
+    residual = np.zeros(len(x))  # what a pending reading adds to its noise
     xs, _ = data(20, seed=7)
     modes = []
     for i in range(0, 80, 10):
         stats = model.update(x[i:i + 10], y[i:i + 10])
         modes.append(stats["mode"])
+        if stats["mode"] == "full":
+            residual[:] = 0.0
+        else:
+            residual[i:i + 10] = residual_variance(model, z, x[i:i + 10])
+        per_reading = float(model.likelihood.noise_variance[0]) + residual[:i + 10]
         mean, _ = model.predict(xs)
-        assert rel_err(mean, titsias(model, z, x[:i + 10], y[:i + 10], xs)[0]) < 1e-8
+        assert rel_err(mean, titsias(model, z, x[:i + 10], y[:i + 10], xs, per_reading)[0]) < 1e-8
+        if stats["mode"] == "fast":  # the residual counts: the variational sites give another map
+            assert rel_err(mean, titsias(model, z, x[:i + 10], y[:i + 10], xs)[0]) > 1e-4
     assert modes == ["full", "fast", "fast"] * 2 + ["full", "fast"]
     assert model.update(x[:5], y[:5], mode="fast")["pending"] == 15
 
@@ -759,3 +778,40 @@ def test_growth_that_keeps_every_point_pads_the_old_part_with_zeros_and_equals_t
     padding.update(x, field(x)[:, None], mode="fast")
     escalated.update(x, field(x)[:, None], mode="fast")
     assert float(padding.jitter_t) == padding.config.jitter and torch.equal(padding.W_old, escalated.W_old)
+
+
+def test_a_fast_update_that_a_full_z_reaches_in_part_leaves_the_covered_map_near_the_exact_gp(monkeypatch):
+    """A full Z over a mapped square, then a fast update with a row 0.9 m past it over a strong anomaly: each
+    reading's site counts the prior variance that Z cannot explain as noise (sites.residual_weighted_sites), so
+    the row moves the map inside the square, where Z covers, little. With the variational sites (all of a reading
+    on u) the same row pulls the covered map twice as far from the exact GP of all readings (same
+    hyperparameters)."""
+    import gp_mapping.gp.dual_svgp.model as engine_module
+
+    rng = np.random.default_rng(3)
+
+    def truth(x):
+        return field(x) + 4.0 * np.exp(-((x[:, 1] - 4.2) ** 2) / 0.3)
+
+    x0 = rng.uniform(0.0, 3.0, (300, 2))
+    y0 = truth(x0) + 0.05 * rng.standard_normal(300)
+    row = np.c_[np.linspace(0.2, 2.8, 30), np.full(30, 3.9)]
+    y_row = truth(row) + 0.05 * rng.standard_normal(30)
+    inside = np.c_[rng.uniform(0.3, 2.7, 200), rng.uniform(0.3, 2.3, 200)]
+
+    def error_to_exact() -> float:
+        model = make(learn_hyperparameters=False, lengthscale=0.7, noise_variance=0.002, num_inducing=30,
+                     full_update_every=10**6, full_update_samples=10**6, calibration="none")
+        model.update(x0, y0[:, None], mode="full")
+        assert model.num_inducing == 30  # full: the fast update cannot grow Z over the row
+        assert model.update(row, y_row[:, None], mode="fast")["z_moved"] == 0
+        x, y = np.vstack([x0, row]), np.r_[y0, y_row]
+        noise, s, m = float(model.likelihood.noise_variance[0]), float(model.y_std[0]), float(model.y_mean[0])
+        exact = kmat(model, inside, x) @ np.linalg.solve(kmat(model, x, x) + noise * np.eye(len(x)), (y - m) / s)
+        mean, _ = model.predict(inside)
+        return float(np.sqrt(np.mean((mean.numpy()[:, 0] - (exact * s + m)) ** 2)))
+
+    residual_weighted = error_to_exact()
+    monkeypatch.setattr(engine_module, "residual_weighted_sites", lambda lam1, lam2, residual: (lam1, lam2))
+    variational = error_to_exact()
+    assert residual_weighted < 0.12 and variational > 0.18, (residual_weighted, variational)

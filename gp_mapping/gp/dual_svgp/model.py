@@ -53,7 +53,7 @@ from .hyperparameters import HyperparameterSteps
 from .memory import DualMemory
 from .placement import InducingPlacement
 from .recyclable import RecyclableDual
-from .sites import DualSites, site_sums
+from .sites import DualSites, residual_weighted_sites, site_sums
 
 #: Pending (fast-mode) points kept before the oldest are folded into the old part.
 DEFAULT_MAX_PENDING = 8192
@@ -403,8 +403,10 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         L, R, c = self._cache
         # the cover check's features, unless the prior factor changed since (Z grew, or a target rescaling)
         V = cover[1] if cover is not None and cover[0] is L else self._features(L, x)
-        mean, var, _ = self._marginals(V, R, c, self.kernel.diag(x))
+        kxx = self.kernel.diag(x)
+        mean, var, _ = self._marginals(V, R, c, kxx)
         lam1, lam2 = self.likelihood.dual_sites(ys, mean, var)  # one undamped dual step
+        lam1, lam2 = residual_weighted_sites(lam1, lam2, kxx - (V * V).sum(0))
         a_n, W_n = site_sums(V, lam1, lam2)
         self.a_w = self.a_w + a_n
         self.W = self.W + W_n

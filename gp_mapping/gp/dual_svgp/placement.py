@@ -161,10 +161,9 @@ class InducingPlacement:
 
     def _leaves_the_cover(self, x: torch.Tensor, V: torch.Tensor) -> bool:
         """Whether a batch reaches where a full Z no longer covers it: some input keeps more than COVER_LOST of
-        its prior variance given Z (V = L^{-1} K_Zx from _cover_features). Conditioning such data with frozen
-        hyperparameters overfits (the noise was learned where Z covered the data, and the missing variance is
-        nobody's), so the scheduler promotes that update to a full one, which exchanges inducing points and
-        re-learns."""
+        its prior variance given Z (V = L^{-1} K_Zx from _cover_features). A fast update would count that variance
+        as the readings' noise (sites.residual_weighted_sites) and so learn little from them; the scheduler
+        promotes the update to a full one, which exchanges inducing points and re-learns."""
         with torch.no_grad():
             kxx = self.kernel.diag(x)
             lost = (kxx - (V * V).sum(0)) / kxx

@@ -22,6 +22,22 @@ def site_sums(V: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor) -> tuple[
     return a_w, symmetrise(W)
 
 
+def residual_weighted_sites(lam1: torch.Tensor, lam2: torch.Tensor, residual: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sites (N, P) of readings that Z represents only in part: each site's pseudo-noise 1 / lambda2 grows by the
+    reading's residual prior variance given Z, ``residual`` (N,) = k(x, x) - K_xZ K_ZZ^{-1} K_Zx, its pseudo-
+    observation lambda1 / lambda2 kept. This is the FITC site (Snelson and Ghahramani 2006; power EP with
+    alpha = 1, Bui, Yan and Turner 2017, "A unifying framework for Gaussian process pseudo-point approximations
+    using power expectation propagation"). Why: a fast update conditions a batch on a Z that is full and may cover
+    it only in part; the variational site puts all of a reading on u = f(Z), so a reading that Z can hardly reach
+    moves u, and with it the map where Z *does* reach, as far as its small noise asks (a lawnmower's last row,
+    2 m past a full tile's points, pulled a quiet sensor's map 2 uT off on the rows before it). The residual is
+    the variance that u cannot explain; counting it as the reading's noise leaves such a reading the weight it
+    has. Where Z covers the reading (residual 0) the site is the variational one."""
+    shrink = 1.0 + lam2 * residual.clamp_min(0.0)[:, None]
+    return lam1 / shrink, lam2 / shrink
+
+
 class DualSites:
     """Mixin of :class:`~.model.DualSVGP`: the posterior from the whitened duals, the held data's sites."""
 
@@ -83,4 +99,4 @@ class DualSites:
         self.W = self.W_old + W_h
 
 
-__all__ = ["DualSites", "site_sums"]
+__all__ = ["DualSites", "residual_weighted_sites", "site_sums"]
