@@ -35,7 +35,7 @@ from gp_mapping.evaluation.common import default_results_dir, jsonable, machine_
 SECTIONS = ("accuracy", "calibration", "speed", "growth", "cuda", "large", "explore", "merge", "forgetting")
 #: sections run only when named (--only): the localization section filters the real recordings for minutes, the
 #: memory section drives a 30-minute random walk (issue 38: resident memory must level off), the variants section
-#: maps eight simulated worlds at three M each with its peers (about 25 minutes)
+#: maps eight simulated worlds at three M each with its peers (an hour on a shared two-core machine)
 OPTIONAL_SECTIONS = ("localization", "memory", "variants")
 JSON_NAME = "bench.json"
 MD_NAME = "bench.md"
