@@ -314,10 +314,16 @@ def inducing_ladder(defaults: dict[str, Any]) -> dict[str, dict[str, Any]]:
         rungs = [defaults[name]["per_recording"].get(rec) for name, _ in M_LADDER]
         if any(r is None for r in rungs):
             continue
-        holds = all(b["rmse"] <= M_RMSE_RATIO * a["rmse"] and b["nlpd"] <= a["nlpd"] + M_NLPD_GAP
-                    for a, b in zip(rungs, rungs[1:]))
-        out[rec] = {"rmse": [r["rmse"] for r in rungs], "nlpd": [r["nlpd"] for r in rungs], "holds": holds}
+        out[rec] = {"rmse": [r["rmse"] for r in rungs], "nlpd": [r["nlpd"] for r in rungs],
+                    "holds": larger_m_holds(rungs)}
     return out
+
+
+def larger_m_holds(rungs: list[dict[str, Any]]) -> bool:
+    """Whether each of ``rungs`` (scores at increasing M) maps no worse than the one before it: RMSE within
+    M_RMSE_RATIO and NLPD within M_NLPD_GAP."""
+    return all(b["rmse"] <= M_RMSE_RATIO * a["rmse"] and b["nlpd"] <= a["nlpd"] + M_NLPD_GAP
+               for a, b in zip(rungs, rungs[1:]))
 
 
 def markdown(sec: dict[str, Any]) -> list[str]:

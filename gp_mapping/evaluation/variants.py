@@ -105,9 +105,7 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
             row["dual_svgp"][str(m)] = {key: s[key] for key in ("rmse", "nlpd", "within_2sd", "z_std")}
             log(f"  {name} M={m}: RMSE {s['rmse']:.3f} NLPD {s['nlpd']:.3f} +-2 SD {s['within_2sd']:.3f}")
         rungs = [row["dual_svgp"][str(m)] for _, m in calibration.M_LADDER]
-        row["ladder_holds"] = all(b["rmse"] <= calibration.M_RMSE_RATIO * a["rmse"]
-                                  and b["nlpd"] <= a["nlpd"] + calibration.M_NLPD_GAP
-                                  for a, b in zip(rungs, rungs[1:]))
+        row["ladder_holds"] = calibration.larger_m_holds(rungs)
         if peers:
             row["peers"] = calibration.peer_scores(rec, calibration.shipped(), plan)
         out["variants"][name] = row
