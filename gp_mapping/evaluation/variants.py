@@ -121,7 +121,7 @@ def markdown(sec: dict[str, Any]) -> list[str]:
              "smaller one.", ""]
     if "skipped" in sec or "error" in sec:
         return lines + [f"Skipped: {sec['skipped']}" if "skipped" in sec else f"Failed: {sec['error']}", ""]
-    sizes = [m for m in next(iter(sec["variants"].values()))["dual_svgp"]]
+    sizes = list(next(iter(sec["variants"].values()))["dual_svgp"])
     lines += ["| variant | RMSE at M = " + " / ".join(sizes) + " | NLPD | +-2 SD | z-std | larger M ok | "
               "nearest neighbour | offline SVGP RMSE / NLPD | exact GP RMSE / NLPD |",
               "|:---|---:|---:|---:|---:|:---:|---:|---:|---:|"]
