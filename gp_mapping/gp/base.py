@@ -479,7 +479,9 @@ class Engine(nn.Module, abc.ABC):
         xt = self._check_x(x)
         yt = self._check_y(y, xt.shape[0])
         with torch.no_grad():
-            if self.calibrates or self.sessions.current > 0:
+            # a Gaussian reading's density is that of predict_reading's variance (which also holds a noise that
+            # varies over space, such as dual_svgp's position noise)
+            if self.calibrates or self.sessions.current > 0 or hasattr(self.likelihood, "noise_variance"):
                 mean, s2 = self._reading(xt)
                 return -0.5 * (math.log(2.0 * math.pi) + torch.log(s2) + (yt - mean) ** 2 / s2)
             mean, var = self._latent(xt)

@@ -94,6 +94,17 @@ class ModelConfig:
                                 "learned part. 0.09 = (0.3 uT)^2: a sensor's noise and the pose and orientation errors "
                                 "that scatter readings at one place; keep it with a quieter sensor unless the "
                                 "positions are exact too (docs/calibration.md, Noise floor)", low=0.0, high=1e4)
+    position_noise: float = option(0.0, doc="dual_svgp, gaussian likelihood: the standard deviation of the error "
+                                   "of the positions readings are placed with, on every input axis [m]. A reading "
+                                   "then carries the map's slope times that error as noise of its own, "
+                                   "position_noise^2 |grad m(x)|^2 (a noisy-input GP, McHutchon and Rasmussen 2011): "
+                                   "readings where the field is steep count for less, and a reading's predicted "
+                                   "variance grows there. Set it to your localisation's error; 0: off, the default "
+                                   "(it maps OptiTrack |B| 7 % better and Solin worse at some M: docs/calibration.md, "
+                                   "Position noise)", low=0.0, high=1e2)
+    learn_position_noise: bool = option(True, doc="dual_svgp with position_noise: learn the positions' error "
+                                        "variance with the other hyperparameters, starting at position_noise "
+                                        "(false: held at it)")
     student_t_dof: float = option(4.0, doc="Student-t degrees of freedom", low=0.0, low_open=True, high=1e3)
     num_inducing: int = option(256, doc="number of inducing points M (var_gp: the most over all its blocks; "
                                "above it the oldest blocks are distilled)", low=1, high=8192)

@@ -134,8 +134,10 @@ class GaussianLikelihood(Likelihood):
         s2 = self._per_output(self.noise_variance, f)
         return -0.5 * (math.log(2 * math.pi) + torch.log(s2) + (y - f) ** 2 / s2)
 
-    def expected_log_lik(self, y, mu, var):
-        s2 = self.noise_variance
+    def expected_log_lik(self, y, mu, var, extra=None):
+        """``extra`` (N, P), optional: each reading's own noise variance on top of the learned one (a noisy
+        input's, dual_svgp's position_noise)."""
+        s2 = self.noise_variance if extra is None else self.noise_variance + extra
         return -0.5 * (math.log(2 * math.pi) + torch.log(s2) + ((y - mu) ** 2 + var) / s2)
 
     def log_predictive_density(self, y, mu, var):

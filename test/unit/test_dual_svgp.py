@@ -169,6 +169,76 @@ def test_fast_updates_then_full_update_equal_the_batch_posterior():
     assert model.update(x[:5], y[:5], mode="fast")["pending"] == 15
 
 
+def slope_noise(model: DualSVGP, x: np.ndarray, position_sd: float, h: float = 1e-5) -> np.ndarray:
+    """position_sd^2 |grad m(x)|^2 (N,) in the targets' units, the map's mean differentiated by central
+    differences of model.predict (independent of the engine's autograd slope)."""
+    slope = np.zeros(len(x))
+    for d in range(x.shape[1]):
+        step = np.zeros(x.shape[1])
+        step[d] = h
+        up, _ = model.predict(x + step)
+        down, _ = model.predict(x - step)
+        slope += ((up - down).numpy()[:, 0] / (2 * h)) ** 2
+    return position_sd ** 2 * slope
+
+
+def test_position_noise_adds_the_maps_slope_to_each_readings_noise():
+    """model.position_noise (a noisy-input GP, first order): a reading counts with position_noise^2 |grad m|^2
+    added to its noise, m the map before the update that conditions on it. A full update sets it for every held
+    reading (here all are held), a fast one for its batch (with its residual given Z, as without position
+    noise), so the map is the sparse posterior with those per-reading noises; and a reading's predicted variance
+    holds the same term at the place asked."""
+    x, y = data(80, seed=6)
+    z = x[::5]
+    sd = 0.25
+    held = dict(full_update_every=3, memory_size=10_000, memory_per_batch=30, calibration="none")  # all held
+    model = make(**FIXED, **held, position_noise=sd)
+    plain = make(**FIXED, **held)
+    model.set_inducing_points(z)
+    plain.set_inducing_points(z)
+    extra = np.zeros(len(x))  # each reading's added noise, targets' units
+    xs, _ = data(20, seed=7)
+    for i in range(0, 80, 10):
+        before = slope_noise(model, x[:i + 10], sd)
+        stats = model.update(x[i:i + 10], y[i:i + 10])
+        plain.update(x[i:i + 10], y[i:i + 10])
+        scale2 = float(model.y_std[0]) ** 2
+        if stats["mode"] == "full":
+            extra[:i + 10] = before
+        else:
+            extra[i:i + 10] = before[i:] + residual_variance(model, z, x[i:i + 10]) * scale2
+        per_reading = float(model.likelihood.noise_variance.detach()[0]) + extra[:i + 10] / scale2
+        mean, _ = model.predict(xs)
+        assert rel_err(mean, titsias(model, z, x[:i + 10], y[:i + 10], xs, per_reading)[0]) < 1e-6, i
+    assert extra.max() > 0.05 and rel_err(mean, plain.predict(xs)[0]) > 1e-3  # the slope did count
+    latent_mean, latent_var = model.predict(xs)
+    reading_mean, reading_var = model.predict_reading(xs)
+    noise = float(model.likelihood.noise_variance.detach()[0]) * float(model.y_std[0]) ** 2
+    np.testing.assert_allclose(reading_mean.numpy(), latent_mean.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(reading_var.numpy()[:, 0], latent_var.numpy()[:, 0] + noise + slope_noise(model, xs, sd),
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("true_sd", [0.1, 0.0])
+def test_the_learned_position_noise_follows_the_positions_error(true_sd):
+    """learn_position_noise (the default with position_noise): the positions' error variance is learned with the
+    other hyperparameters on the same bound. On a steep field read along a lawnmower whose positions are off by
+    independent 0.1 m errors it grows from its 0.05 m start; with exact positions it shrinks."""
+    def steep(x):
+        return 3.0 * np.sin(1.5 * x[:, 0]) * np.cos(1.2 * x[:, 1]) + 0.5 * x[:, 0]
+
+    rows, along = np.arange(0.25, 6.0, 0.5), np.linspace(0.0, 6.0, 100)
+    x = np.concatenate([np.c_[along[::(-1) ** k], np.full(100, r)] for k, r in enumerate(rows)])
+    rng = np.random.default_rng(0)
+    seen = x + true_sd * rng.standard_normal(x.shape)
+    y = steep(x) + 0.05 * rng.standard_normal(len(x))
+    model = make(noise_floor=0.0, position_noise=0.05, num_inducing=128, calibration="none")
+    for i in range(0, len(x), 100):
+        model.update(seen[i:i + 100], y[i:i + 100, None])
+    learned = float(model.position_variance.detach().sqrt())
+    assert (learned > 0.055) if true_sd > 0 else (learned < 0.045), learned
+
+
 # ----------------------------------------------------------------------------------------------- 4. leverage
 def test_bayesian_leverage_equals_ridge_leverage_for_a_gaussian_likelihood():
     x, y = data(30, seed=8)

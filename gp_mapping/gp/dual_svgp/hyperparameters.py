@@ -56,11 +56,25 @@ class HyperparameterSteps:
     """Mixin of :class:`~.model.DualSVGP`: learning theta (and Z) on the streaming or the dual-fixed objective."""
 
     # ------------------------------------------------------------------ hyperparameters
+    def _observation_parameters(self) -> list[nn.Parameter]:
+        """What a reading's likelihood depends on besides f: the likelihood's and, where learned, the position
+        noise's variance."""
+        learned = self.position_param.raw
+        return list(self.likelihood.parameters()) + ([learned] if learned.requires_grad else [])
+
     def _hyper_parameters(self) -> list[nn.Parameter]:
-        return list(self.kernel.parameters()) + list(self.likelihood.parameters())
+        return list(self.kernel.parameters()) + self._observation_parameters()
+
+    def _held_log_lik(self, y, mean, var, slope2: torch.Tensor | None) -> torch.Tensor:
+        """E_q[log p(y_i|f_i)] (N, P) of held data; ``slope2`` (N, P): their squared slopes, whose product with
+        the position variance is each one's own noise (model._slope_noise)."""
+        if slope2 is None:
+            return self.likelihood.expected_log_lik(y, mean, var)
+        return self.likelihood.expected_log_lik(y, mean, var, extra=self._slope_noise(slope2))
 
     def _hyper_objective(self, L0, z0, z, hx, hy, lam1, lam2, weights,
-                         fixed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         fixed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         slope2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dual-fixed objectives at (theta, Z) for autograd, used when Z is learned (with Z fixed, _fixed_z_bound
         gives l_theta and its gradient at a third of the cost); held sites fixed, the old part fixed as a
         pseudo-likelihood t_old on v0 = L0^{-1} f(Z0), carried to u = f(Z) by A_p (whitened: G = L0^{-1} Cov(u0, u)
@@ -84,7 +98,7 @@ class HyperparameterSteps:
         W_old = symmetrise(G.T @ W_fixed @ G)
         R, c = self._posterior(a_old + a_h, W_old + W_h)
         mean, var, _ = self._marginals(V, R, c, self.kernel.diag(hx))
-        ell = self.likelihood.expected_log_lik(hy, mean, var)
+        ell = self._held_log_lik(hy, mean, var, slope2)
         eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
         R_inv = torch.linalg.solve_triangular(R, eye.expand_as(R), upper=False)
         mean_w = torch.linalg.solve_triangular(R.transpose(-1, -2), c[..., None], upper=True)[..., 0]
@@ -113,7 +127,8 @@ class HyperparameterSteps:
         return a_u, symmetrise(W_u)
 
     def _fixed_z_bound(self, a_u: torch.Tensor, W_u: torch.Tensor, hx, hy, lam1, lam2, weights,
-                       with_old_term: bool = False) -> tuple[torch.Tensor, Callable[[float], None]]:
+                       with_old_term: bool = False, slope2: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, Callable[[float], None]]:
         """l_theta of _hyper_objective with Z fixed, and a function that sets the hyperparameters' .grad to the
         gradient of -scale * l_theta.
 
@@ -156,11 +171,11 @@ class HyperparameterSteps:
         mean_in = mean.requires_grad_(True)
         var_in = var.clamp_min(0.0).requires_grad_(True)
         with torch.enable_grad():
-            ell = (self.likelihood.expected_log_lik(hy, mean_in, var_in) * weights[:, None]).sum()
+            ell = (self._held_log_lik(hy, mean_in, var_in, slope2) * weights[:, None]).sum()
         value = ell.detach() - penalty
 
         def gradients(scale: float) -> None:
-            lik_params = [p for p in self.likelihood.parameters() if p.requires_grad]
+            lik_params = [p for p in self._observation_parameters() if p.requires_grad]
             kernel_params = [p for p in self.kernel.parameters() if p.requires_grad]
             gm, gv, *g_lik = torch.autograd.grad(ell, [mean_in, var_in] + lik_params, allow_unused=True)
             with torch.no_grad():
@@ -198,9 +213,11 @@ class HyperparameterSteps:
         return value, gradients
 
     def _learn_hyperparameters(self, hx, hy, lam1, lam2, weights, budget: int,
-                               fixed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[int, float]:
+                               fixed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                               slope2: torch.Tensor | None = None) -> tuple[int, float]:
         """Adam steps on theta (l_theta) and, if configured, on Z (l_Z); returns (steps, final l_theta per
-        datum). ``fixed``: the whitened pseudo-likelihood held fixed during the steps (default the old part).
+        datum). ``fixed``: the whitened pseudo-likelihood held fixed during the steps (default the old part);
+        ``slope2`` (N, P): the held data's squared slopes (position noise), held fixed.
         At the end the old part is carried to the new prior and Z; held contributions are the caller's."""
         cfg = self.config
         params = self._hyper_parameters() if cfg.learn_hyperparameters else []
@@ -229,10 +246,12 @@ class HyperparameterSteps:
                 optimiser.zero_grad()
                 try:
                     if learn_z:
-                        l_theta, l_z = self._hyper_objective(L0, z0, z, hx, hy, lam1, lam2, weights, fixed)
+                        l_theta, l_z = self._hyper_objective(L0, z0, z, hx, hy, lam1, lam2, weights, fixed,
+                                                             slope2)
                     else:
                         l_theta, theta_gradients = self._fixed_z_bound(*old_part_on_u, hx, hy, lam1, lam2,
-                                                                       ell_weights, with_old_term=streaming)
+                                                                       ell_weights, with_old_term=streaming,
+                                                                       slope2=slope2)
                         l_z = None
                     finite = bool(torch.isfinite(l_theta)) and (l_z is None or bool(torch.isfinite(l_z)))
                     # Converged: the last step gained less than hyper_tol per datum, so stop where this value
@@ -282,17 +301,19 @@ class HyperparameterSteps:
             self._transport_old_part(L0, self._cross(z0, z_new), L_new)
         return steps, value
 
-    def _hyper_sample(self, V, hx, hy, lam1, lam2, weights, n_mem: int) -> tuple:
+    def _hyper_sample(self, V, hx, hy, lam1, lam2, weights, n_mem: int, slope2: torch.Tensor | None = None
+                      ) -> tuple:
         """What the hyperparameter steps see: at most model.hyper_points held samples, drawn uniformly within
         the memory and within the batch and weighted to stand for their group (an unbiased estimate of the
         data term, as minibatches are in SVGP training); the others' sites join the old part as the fixed
         pseudo-likelihood on u, so q keeps their information. Each step then costs O(hyper_points M^2)
         however many samples a full update holds. With learned Z (l_Z needs the old part alone) everything is
-        seen. Returns the arguments (hx, hy, lam1, lam2, weights, fixed) of _learn_hyperparameters."""
+        seen. Returns the arguments (hx, hy, lam1, lam2, weights, fixed, slope2) of _learn_hyperparameters
+        (``slope2``, the held data's squared slopes, for the samples kept)."""
         n = hx.shape[0]
         cap = self.config.hyper_points
         if n <= cap or self.config.learn_inducing:
-            return hx, hy, lam1, lam2, weights, None
+            return hx, hy, lam1, lam2, weights, None, slope2
         groups = [torch.arange(0, n_mem, device=self.device), torch.arange(n_mem, n, device=self.device)]
         quota = [round(cap * len(g) / n) for g in groups]
         chosen, w = [], weights.clone()
@@ -306,7 +327,7 @@ class HyperparameterSteps:
         keep[torch.cat(chosen)] = True
         a_r, W_r = site_sums(V[:, ~keep], lam1[~keep], lam2[~keep])
         return (hx[keep], hy[keep], lam1[keep], lam2[keep], w[keep],
-                (self.a_w_old + a_r, self.W_old + W_r))
+                (self.a_w_old + a_r, self.W_old + W_r), None if slope2 is None else slope2[keep])
 
 
 __all__ = ["HyperparameterSteps"]

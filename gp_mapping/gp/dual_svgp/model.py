@@ -46,7 +46,7 @@ from ..base import Engine, difference_noise_estimate, resolve_device, spans_spac
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..inducing import DEFAULT_REL_TOL, grid_points
-from ..kernels import build_kernel
+from ..kernels import PositiveParameter, build_kernel
 from ..likelihoods import build_likelihood
 from ..linalg import jittered_cholesky, symmetrise
 from .hyperparameters import HyperparameterSteps
@@ -77,6 +77,9 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         device = resolve_device(config.device)
         self.kernel = build_kernel(config, d)
         self.likelihood = self._own_likelihood(build_likelihood(config, p))
+        # the variance of the positions' error [m^2] (model.position_noise; _slope_noise)
+        self.position_param = PositiveParameter(max(float(config.position_noise), 1e-3) ** 2)
+        self.position_param.raw.requires_grad_(config.position_noise > 0 and config.learn_position_noise)
         f64 = dict(dtype=torch.float64)
         z_fixed = config.inducing == "grid"
         if z_fixed:
@@ -317,6 +320,47 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         var = kxx[:, None] + torch.stack([((Kxz @ Q[p]) * Kxz).sum(1) for p in range(Q.shape[0])], dim=1)
         return mean, var.clamp_min(0.0)
 
+    #: rows per pass of the position-noise gradient (its kernel matrix and adjoints are a few (rows, M) buffers)
+    SLOPE_CHUNK = 8192
+
+    @property
+    def position_variance(self) -> torch.Tensor:
+        """The variance of the positions' error on each input axis [m^2] (model.position_noise)."""
+        return self.position_param.value
+
+    def _squared_slope(self, x: torch.Tensor) -> torch.Tensor | None:
+        """|grad m(x)|^2 (N, P), m the posterior mean now (standardised, per metre^2), or None where position
+        noise is off, with no inducing points yet (a flat prior mean) or with a non-conjugate likelihood."""
+        if self.config.position_noise <= 0.0 or self.num_inducing == 0 or not self.likelihood.conjugate \
+                or x.shape[0] == 0:
+            return None
+        if self._cache is None:
+            self._refresh_cache()
+        L, R, c = self._cache
+        mean_w = torch.linalg.solve_triangular(R.transpose(-1, -2), c[..., None], upper=True)[..., 0]  # (P, M)
+        alpha = torch.linalg.solve_triangular(L.T, mean_w.T, upper=True)  # (M, P): m(x) = k(x, Z) alpha
+        parts = []
+        for rows in torch.split(x.detach(), self.SLOPE_CHUNK):
+            with torch.enable_grad():
+                xg = rows.clone().requires_grad_(True)
+                kxz = self.kernel(xg, self.Z)
+                slopes = [torch.autograd.grad(kxz, xg, alpha[:, p].expand_as(kxz), retain_graph=True)[0]
+                          for p in range(alpha.shape[1])]
+            parts.append(torch.stack([(g * g).sum(1) for g in slopes], dim=1).detach())
+        return torch.cat(parts)
+
+    def _slope_noise(self, slope2: torch.Tensor | None) -> torch.Tensor | None:
+        """The noise (N, P, standardised) a reading adds through its position's error, to first order:
+        position_variance |grad m(x)|^2, from :meth:`_squared_slope`. A noisy-input GP (McHutchon and Rasmussen
+        2011, "Gaussian process training with input noise", NIPS): a position off by delta reads the field at
+        x + delta, m(x) + grad m(x)^T delta."""
+        return None if slope2 is None else self.position_variance * slope2
+
+    def _noise_variance(self, x: torch.Tensor) -> torch.Tensor:
+        noise = super()._noise_variance(x)
+        moved = self._slope_noise(self._squared_slope(x))
+        return noise if moved is None else noise + moved.detach()
+
     # ------------------------------------------------------------------ updates
     def update(self, x, y, mode: str | None = None) -> dict:
         """Condition on a batch (x (N, D), y (N, P)); mode 'fast', 'full' or None (follow full_update_every)."""
@@ -375,6 +419,9 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        # maps saved before position noise existed: at the configured value
+        if prefix + "position_param.raw" not in state_dict and prefix + "num_seen_t" in state_dict:
+            state_dict[prefix + "position_param.raw"] = self.position_param.raw.detach().clone()
         # maps saved before the sample count of the schedule existed: as if their last update was full
         if prefix + "seen_at_full_t" not in state_dict and prefix + "num_seen_t" in state_dict:
             state_dict[prefix + "seen_at_full_t"] = state_dict[prefix + "num_seen_t"].clone()
@@ -406,7 +453,9 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         kxx = self.kernel.diag(x)
         mean, var, _ = self._marginals(V, R, c, kxx)
         lam1, lam2 = self.likelihood.dual_sites(ys, mean, var)  # one undamped dual step
-        lam1, lam2 = residual_weighted_sites(lam1, lam2, kxx - (V * V).sum(0))
+        extra = (kxx - (V * V).sum(0)).clamp_min(0.0)[:, None]
+        moved = self._slope_noise(self._squared_slope(x))
+        lam1, lam2 = residual_weighted_sites(lam1, lam2, extra if moved is None else extra + moved)
         a_n, W_n = site_sums(V, lam1, lam2)
         self.a_w = self.a_w + a_n
         self.W = self.W + W_n
@@ -439,6 +488,9 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         zeros = x.new_zeros(x.shape[0], self.output_dims)
         n_b = bx.shape[0]
         z_moved = 0
+        # each held reading's squared slope, from the map before this update (NIGP's fixed-point iteration: the
+        # slope of the last posterior, held fixed while the sites and hyperparameters are fitted)
+        slope2 = self._squared_slope(torch.cat([self.mem_x, bx]))
         informative = cfg.hyper_steps > 0 and spans_space(bx, cfg.lengthscale)
         if informative and cfg.learn_hyperparameters and not bool(self.hyper_learned) and n_b > 2:
             # The first batch that can teach hyperparameters starts the noise at the data's own estimate.
@@ -456,7 +508,8 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         kxx = self.kernel.diag(hx)
         L = self._chol_K()
         V = self._features(L, hx)
-        lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, fresh, cfg.n_steps, cfg.rho)
+        lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, fresh, cfg.n_steps, cfg.rho,
+                                     extra=self._slope_noise(slope2))
         steps, objective = 0, 0.0
         # _learn_hyperparameters decides what (theta, Z or nothing) is learned; nothing from a batch at rest
         if informative:
@@ -465,15 +518,15 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
             if n_mem:
                 weights[:n_mem] = n_old / n_mem
             budget = self._hyper_budget(n_b)
-            *seen, fixed = self._hyper_sample(V, hx, hy, lam1, lam2, weights, n_mem)
-            steps, objective = self._learn_hyperparameters(*seen, budget, fixed=fixed)
+            *seen, fixed, slope2_seen = self._hyper_sample(V, hx, hy, lam1, lam2, weights, n_mem, slope2)
+            steps, objective = self._learn_hyperparameters(*seen, budget, fixed=fixed, slope2=slope2_seen)
             if steps:
                 self.hyper_learned.fill_(True)
                 kxx = self.kernel.diag(hx)
                 L = self._chol_K()
                 V = self._features(L, hx)
                 lam1, lam2 = self._fit_sites(V, kxx, hy, lam1, lam2, torch.zeros_like(fresh), cfg.n_steps,
-                                             cfg.rho)
+                                             cfg.rho, extra=self._slope_noise(slope2))
         in_session = torch.cat([self.mem_in_session, self.pend_in_session,
                                 x.new_ones(x.shape[0], dtype=torch.bool)])
         folded = self._renew_memory(V, kxx, hx, hy, lam1, lam2, n_mem, in_session)

@@ -22,19 +22,24 @@ def site_sums(V: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor) -> tuple[
     return a_w, symmetrise(W)
 
 
-def residual_weighted_sites(lam1: torch.Tensor, lam2: torch.Tensor, residual: torch.Tensor
+def residual_weighted_sites(lam1: torch.Tensor, lam2: torch.Tensor, extra: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sites (N, P) of readings that Z represents only in part: each site's pseudo-noise 1 / lambda2 grows by the
-    reading's residual prior variance given Z, ``residual`` (N,) = k(x, x) - K_xZ K_ZZ^{-1} K_Zx, its pseudo-
-    observation lambda1 / lambda2 kept. This is the FITC site (Snelson and Ghahramani 2006; power EP with
-    alpha = 1, Bui, Yan and Turner 2017, "A unifying framework for Gaussian process pseudo-point approximations
-    using power expectation propagation"). Why: a fast update conditions a batch on a Z that is full and may cover
-    it only in part; the variational site puts all of a reading on u = f(Z), so a reading that Z can hardly reach
-    moves u, and with it the map where Z *does* reach, as far as its small noise asks (a lawnmower's last row,
-    2 m past a full tile's points, pulled a quiet sensor's map 2 uT off on the rows before it). The residual is
-    the variance that u cannot explain; counting it as the reading's noise leaves such a reading the weight it
-    has. Where Z covers the reading (residual 0) the site is the variational one."""
-    shrink = 1.0 + lam2 * residual.clamp_min(0.0)[:, None]
+    """Sites (N, P) of readings with a noise variance of their own on top of the likelihood's: each site's
+    pseudo-noise 1 / lambda2 grows by ``extra`` ((N,) or (N, P), clamped at 0), its pseudo-observation
+    lambda1 / lambda2 kept. Two uses:
+
+    * the residual prior variance given Z, k(x, x) - K_xZ K_ZZ^{-1} K_Zx, of a reading that Z represents only in
+      part: the FITC site (Snelson and Ghahramani 2006; power EP with alpha = 1, Bui, Yan and Turner 2017, "A
+      unifying framework for Gaussian process pseudo-point approximations using power expectation propagation").
+      Why: a fast update conditions a batch on a Z that is full and may cover it only in part; the variational
+      site puts all of a reading on u = f(Z), so a reading that Z can hardly reach moves u, and with it the map
+      where Z *does* reach, as far as its small noise asks (a lawnmower's last row, 2 m past a full tile's
+      points, pulled a quiet sensor's map 2 uT off on the rows before it). Where Z covers the reading (residual
+      0) the site is the variational one;
+    * the noise a reading's position error adds where the field is steep (position_noise^2 |grad m(x)|^2,
+      DualSVGP._input_noise_variance)."""
+    extra = extra.clamp_min(0.0)
+    shrink = 1.0 + lam2 * (extra[:, None] if extra.dim() == 1 else extra)
     return lam1 / shrink, lam2 / shrink
 
 
@@ -67,16 +72,18 @@ class DualSites:
 
     # ------------------------------------------------------------------ site fitting
     def _fit_sites(self, V: torch.Tensor, kxx: torch.Tensor, y: torch.Tensor, lam1: torch.Tensor,
-                   lam2: torch.Tensor, fresh: torch.Tensor, n_steps: int, rho: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   lam2: torch.Tensor, fresh: torch.Tensor, n_steps: int, rho: float,
+                   extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Damped BLR steps (eq. 23) on the held data's sites, the old part fixed; V = L^{-1} K_ZH.
 
         ``fresh`` marks data without a site yet (lambda = 0): their first step is undamped. A conjugate
         likelihood's sites do not depend on q, so they are set to that fixed point at once (what the damped steps
-        converge to, without the posterior each step needs).
+        converge to, without the posterior each step needs); ``extra`` (N, P): each datum's own noise variance
+        on top of the likelihood's (position noise; conjugate likelihoods only).
         """
         if self.likelihood.conjugate:
-            return self.likelihood.dual_sites(y, None, None)
+            sites = self.likelihood.dual_sites(y, None, None)
+            return sites if extra is None else residual_weighted_sites(*sites, extra)
         for step in range(n_steps):
             a_h, W_h = site_sums(V, lam1, lam2)
             R, c = self._posterior(self.a_w_old + a_h, self.W_old + W_h)
