@@ -189,23 +189,35 @@ def test_no_seam_across_tile_borders(drive):
 
 # ----------------------------------------------------------------------------------------------- state
 
-def test_state_dict_round_trip_with_any_number_of_tiles(drive):
+@pytest.mark.parametrize("position_noise", [0.0, 0.05])
+def test_state_dict_round_trip_with_any_number_of_tiles(drive, position_noise):
+    """Also with position noise, whose learned variance the tiles share like the kernel's hyperparameters."""
     x, y = (a[::2] for a in samples(drive))
-    cfg = model_config()
+    cfg = model_config(position_noise=position_noise)
     a = stream(build_model(cfg, 2, 1), x[:150], y[:150])
     few = {k: v.clone() for k, v in a.state_dict().items()}
     stream(a, x[150:], y[150:])
+    if position_noise:
+        shared = a.prior.position_param
+        assert a.num_tiles > 1 and all(t.engine.position_param is shared for t in a.tiles.values())
+        assert abs(float(shared.value.detach()) - position_noise ** 2) > 1e-5  # learned
+    else:
+        assert not hasattr(a.prior, "position_param")
     b = build_model(cfg, 2, 1)
     b.load_state_dict(a.state_dict())  # an empty model takes every tile
     assert b.tile_indices() == a.tile_indices()
     test_x, truth = held_out(drive)
     for ta, tb in zip(a.predict(test_x), b.predict(test_x)):
         assert torch.equal(ta, tb)
+    for ta, tb in zip(a.predict_reading(test_x), b.predict_reading(test_x)):
+        assert torch.equal(ta, tb)
     # Continuing from the copy gives bit-identical maps (stale tiles carry their own hyperparameters).
     more_x, more_y = x[::3] + 0.02, y[::3]
     stream(a, more_x, more_y)
     stream(b, more_x, more_y)
     for ta, tb in zip(a.predict(test_x), b.predict(test_x)):
+        assert torch.equal(ta, tb)
+    for ta, tb in zip(a.predict_reading(test_x), b.predict_reading(test_x)):
         assert torch.equal(ta, tb)
     # A state with fewer tiles loaded into a model with more: the extra tiles go.
     b.load_state_dict(few)

@@ -59,8 +59,9 @@ class HyperparameterSteps:
     def _observation_parameters(self) -> list[nn.Parameter]:
         """What a reading's likelihood depends on besides f: the likelihood's and, where learned, the position
         noise's variance."""
-        learned = self.position_param.raw
-        return list(self.likelihood.parameters()) + ([learned] if learned.requires_grad else [])
+        position = getattr(self, "position_param", None)
+        learned = [position.raw] if position is not None and position.raw.requires_grad else []
+        return list(self.likelihood.parameters()) + learned
 
     def _hyper_parameters(self) -> list[nn.Parameter]:
         return list(self.kernel.parameters()) + self._observation_parameters()

@@ -77,9 +77,9 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         device = resolve_device(config.device)
         self.kernel = build_kernel(config, d)
         self.likelihood = self._own_likelihood(build_likelihood(config, p))
-        # the variance of the positions' error [m^2] (model.position_noise; _slope_noise)
-        self.position_param = PositiveParameter(max(float(config.position_noise), 1e-3) ** 2)
-        self.position_param.raw.requires_grad_(config.position_noise > 0 and config.learn_position_noise)
+        if config.position_noise > 0:  # the variance of the positions' error [m^2] (_slope_noise)
+            self.position_param = PositiveParameter(float(config.position_noise) ** 2)
+            self.position_param.raw.requires_grad_(config.learn_position_noise)
         f64 = dict(dtype=torch.float64)
         z_fixed = config.inducing == "grid"
         if z_fixed:
@@ -325,7 +325,9 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
 
     @property
     def position_variance(self) -> torch.Tensor:
-        """The variance of the positions' error on each input axis [m^2] (model.position_noise)."""
+        """The variance of the positions' error on each input axis [m^2] (model.position_noise; 0 when off)."""
+        if not hasattr(self, "position_param"):
+            return torch.zeros((), dtype=torch.float64, device=self.device)
         return self.position_param.value
 
     def _squared_slope(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -419,8 +421,9 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        # maps saved before position noise existed: at the configured value
-        if prefix + "position_param.raw" not in state_dict and prefix + "num_seen_t" in state_dict:
+        # maps saved without position noise, loaded with it: at the configured value
+        if hasattr(self, "position_param") and prefix + "position_param.raw" not in state_dict \
+                and prefix + "num_seen_t" in state_dict:
             state_dict[prefix + "position_param.raw"] = self.position_param.raw.detach().clone()
         # maps saved before the sample count of the schedule existed: as if their last update was full
         if prefix + "seen_at_full_t" not in state_dict and prefix + "num_seen_t" in state_dict:

@@ -43,8 +43,9 @@ from torch import nn
 from ..base import moments_scale, scale_drifted
 
 #: the hyperparameter attributes tiles share, by engine class name (an engine may declare its own with a
-#: class attribute ``SHARED_HYPERPARAMETERS``)
-_SHARED_BY_ENGINE = {"DualSVGP": ("kernel", "likelihood"),
+#: class attribute ``SHARED_HYPERPARAMETERS``); one that an engine's configuration leaves out (dual_svgp's
+#: position_param without position noise) is skipped
+_SHARED_BY_ENGINE = {"DualSVGP": ("kernel", "likelihood", "position_param"),
                      "ContinualMOGP": ("kernels", "likelihood", "mixing_raw")}
 #: prediction versions (TiledModel.prediction_versions): drawn from one counter for every model in the process,
 #: so a number is never reused (not after a tile is removed, a state loaded, or another model built)
@@ -84,7 +85,9 @@ class SharedHyperparameters:
         if self._shared_list is None:
             out = []
             for name in self._shared_names:
-                part = getattr(self.prior, name)
+                part = getattr(self.prior, name, None)
+                if part is None:
+                    continue
                 out.extend(part.parameters() if isinstance(part, nn.Module) else [part])
             self._shared_list = out
         return self._shared_list
@@ -144,7 +147,9 @@ class SharedHyperparameters:
 
     def _share(self, engine: nn.Module) -> None:
         for name in self._shared_names:
-            part = getattr(self.prior, name)
+            part = getattr(self.prior, name, None)
+            if part is None:
+                continue
             if isinstance(part, nn.Parameter):
                 engine._parameters[name] = part
             else:
