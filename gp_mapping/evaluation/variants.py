@@ -19,7 +19,9 @@ loop over the same ground, with one thing changed:
 
 Per variant: the shipped dual SVGP at each M of the calibration section's inducing ladder, whether each larger M
 maps no worse than the next smaller one (the same bar as there), and the peers of the calibration section
-(nearest neighbour, offline SVGP, exact GP) with RMSE, NLPD, the share within +-2 SD and the std of z.
+(nearest neighbour, offline SVGP, exact GP) with RMSE, NLPD, the share within +-2 SD and the std of z. A variant
+with a track error also runs the dual SVGP with ``model.position_noise`` set to that error's standard deviation
+(learned from there), as a user who knows the localisation's error would set it.
 """
 from __future__ import annotations
 
@@ -106,6 +108,15 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
             log(f"  {name} M={m}: RMSE {s['rmse']:.3f} NLPD {s['nlpd']:.3f} +-2 SD {s['within_2sd']:.3f}")
         rungs = [row["dual_svgp"][str(m)] for _, m in calibration.M_LADDER]
         row["ladder_holds"] = calibration.larger_m_holds(rungs)
+        error_sd = VARIANTS[name].get("track_error", (0.0, 1.0))[0]
+        if error_sd > 0 and plan.get("variants_position_noise", True):
+            known = {"track_error_sd": error_sd}
+            for _, m in calibration.M_LADDER:
+                s = calibration.engine_scores(calibration.shipped(num_inducing=m, position_noise=error_sd), rec)
+                known[str(m)] = {key: s[key] for key in ("rmse", "nlpd", "within_2sd", "z_std")}
+                log(f"  {name} M={m}, position noise {error_sd} m: RMSE {s['rmse']:.3f} NLPD {s['nlpd']:.3f}")
+            known["ladder_holds"] = calibration.larger_m_holds([known[str(m)] for _, m in calibration.M_LADDER])
+            row["position_noise"] = known
         if peers:
             row["peers"] = calibration.peer_scores(rec, calibration.shipped(), plan)
         out["variants"][name] = row
@@ -140,4 +151,19 @@ def markdown(sec: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | {cells('rmse', '.3f')} | {cells('nlpd', '.3f')} | {cells('within_2sd', '.3f')} | "
                      f"{cells('z_std', '.2f')} | {'yes' if row['ladder_holds'] else 'no'} | {nn} | "
                      f"{peer('offline_svgp')} | {peer('exact_gp')} |")
+    known = {name: row["position_noise"] for name, row in sec["variants"].items() if "position_noise" in row}
+    if known:
+        lines += ["", "With `model.position_noise` set to the world's track error (learned from there; "
+                  "docs/calibration.md, Position noise):", "",
+                  "| variant | position noise [m] | RMSE at M = " + " / ".join(sizes) + " | NLPD | +-2 SD | z-std | "
+                  "larger M ok |", "|:---|---:|---:|---:|---:|---:|:---:|"]
+        for name, k in known.items():
+            d = [k[m] for m in sizes]
+
+            def cells_known(key: str, fmt: str) -> str:
+                return " / ".join(format(r[key], fmt) for r in d)
+
+            lines.append(f"| {name} | {k['track_error_sd']:g} | {cells_known('rmse', '.3f')} | "
+                         f"{cells_known('nlpd', '.3f')} | {cells_known('within_2sd', '.3f')} | "
+                         f"{cells_known('z_std', '.2f')} | {'yes' if k['ladder_holds'] else 'no'} |")
     return lines + [""]

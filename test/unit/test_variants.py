@@ -45,5 +45,10 @@ def test_the_section_is_opt_in_and_reports_each_variant_at_each_m(monkeypatch):
     holds = row["dual_svgp"]["16"]["rmse"] <= 1.01 * row["dual_svgp"]["8"]["rmse"] and \
         row["dual_svgp"]["16"]["nlpd"] <= row["dual_svgp"]["8"]["nlpd"] + 0.02
     assert row["ladder_holds"] == holds
+    # a world with a track error is also mapped with position noise set to it
+    known = row["position_noise"]
+    assert known["track_error_sd"] == 0.2 and set(known) == {"track_error_sd", "8", "16", "ladder_holds"}
+    assert all(np.isfinite(known[m]["nlpd"]) for m in ("8", "16"))
     text = "\n".join(variants.markdown(out))
     assert "| pose_drift |" in text and f"| {'yes' if holds else 'no'} |" in text
+    assert "| pose_drift | 0.2 |" in text
