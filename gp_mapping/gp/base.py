@@ -333,24 +333,36 @@ class Engine(nn.Module, abc.ABC):
         scale2 = self.y_std ** 2
         return mean * self.y_std + self.y_mean, var * scale2, noise * scale2
 
-    def predict_reading(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+    def predict_reading(self, x, with_slope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and variance (G, P) of a *reading* at x, in the original target units: the latent variance
         plus the noise, calibrated on the engine's own out-of-sample errors where it calibrates
         (:attr:`calibrates`; gp/calibration.py), plus the spread of the session offsets (a reading of a session
         not seen yet; 0 with one session). The mean is the reference session's level. What a localizer's
-        measurement model and NLPD need."""
+        measurement model and NLPD need. ``with_slope=False`` leaves out the calibration's slope term, the
+        error a reading's position adds where the map is steep: neighbouring readings share it (a track's
+        error is smooth), so the spike gate, which compares a reading with its neighbours, asks without it."""
         xt = self._check_x(x)
         with torch.no_grad():
-            return self._reading(xt)
+            return self._reading(xt, with_slope)
 
-    def _reading(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reading(self, xt: torch.Tensor, with_slope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`predict_reading` at checked inputs."""
         mean, var, noise = self._reading_moments(xt)
-        return mean + self.sessions.level(), self._reading_variance(var, noise)
+        return mean + self.sessions.level(), self._reading_variance(var, noise, xt if with_slope else None)
 
-    def _reading_variance(self, var: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        s2 = self.calibration.reading_variance(var, noise) if self.calibrates else var + noise
-        return s2 + self.sessions.spread()
+    def _reading_variance(self, var: torch.Tensor, noise: torch.Tensor, xt: torch.Tensor | None) -> torch.Tensor:
+        """A reading's variance from its latent and noise variances; ``xt``: where, for the calibration's slope
+        term (None: without it)."""
+        if not self.calibrates:
+            return var + noise + self.sessions.spread()
+        slope = xt is not None and bool((self.calibration.position > 0).any())
+        slope2 = self._reading_slope2(xt) if slope else None
+        return self.calibration.reading_variance(var, noise, slope2) + self.sessions.spread()
+
+    def _reading_slope2(self, xt: torch.Tensor) -> torch.Tensor | None:
+        """(N, P) |grad m(x)|^2 of the map's mean at checked inputs, targets' units per m^2, for the calibration's
+        slope term (gp/calibration.py); None where the engine does not state it."""
+        return None
 
     def start_session(self) -> int:
         """The readings from now on come from a new session (another bag, node run or sensor) whose constant
@@ -424,7 +436,8 @@ class Engine(nn.Module, abc.ABC):
                 if lagged is not None and float(lagged.calibration.path) >= 2.0 * self.config.calibration_lag:
                     mean, var, noise = lagged._reading_moments(xt)
                     err = torch.where(seen, yt - offset - mean, torch.zeros_like(mean))
-                    cal.record(err, var, noise, seen, lagged._prior_latent_variance())
+                    slope2 = lagged._reading_slope2(xt) if self.config.calibration_slope else None
+                    cal.record(err, var, noise, seen, lagged._prior_latent_variance(), slope2)
                     cal.refit(self._target_variance(), self._prior_latent_variance())
                 self._keep_lagged(xt)
             return torch.where(seen, yt - offset, yt)

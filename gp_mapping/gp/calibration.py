@@ -64,6 +64,8 @@ SCALE_BOUNDS = (1.0, 1000.0)
 COVERED = 0.95
 COVERED_Z = 1.959964
 EXTRA_BOUNDS = (1e-8, 10.0)
+#: bounds of b, the variance of the positions' error that the slope term stands for [m^2]: 1 mm to 1 m
+POSITION_BOUNDS = (1e-6, 1.0)
 
 
 class _OptionalState(nn.Module):
@@ -112,6 +114,9 @@ class PrequentialCalibration(_OptionalState):
         # the prior (no-data) latent variance of the map that made each record; 0: unknown (a state saved
         # before it was kept), the record taken as it is
         self.register_buffer("prior_var", torch.zeros(self.records, output_dims, **f64))
+        # the squared slope |grad m|^2 of the predicting map at the record (targets' units per m^2; 0 where the
+        # engine states none)
+        self.register_buffer("slope2", torch.zeros(self.records, output_dims, **f64))
         self.register_buffer("filled", torch.zeros(self.records, output_dims, dtype=torch.bool))
         self.register_buffer("record_count", torch.zeros((), dtype=torch.int64))
         self.register_buffer("fitted_at", torch.zeros((), dtype=torch.int64))  # record_count at the last refit
@@ -119,13 +124,15 @@ class PrequentialCalibration(_OptionalState):
         self.register_buffer("path", torch.zeros((), **f64))
         self.register_buffer("last_x", torch.zeros(input_dims, **f64))
         self.register_buffer("has_last_x", torch.zeros((), dtype=torch.bool))
-        # The fitted model: s^2 = scale * v + noise + extra (extra in the targets' squared units).
+        # The fitted model: s^2 = scale * v + noise + position * slope^2 + extra (extra in the targets' squared
+        # units, position in m^2).
         self.register_buffer("scale", torch.ones(output_dims, **f64))
         self.register_buffer("extra", torch.zeros(output_dims, **f64))
+        self.register_buffer("position", torch.zeros(output_dims, **f64))
         # and the whole widened so that +-2 SD holds 95 % of the records (>= 1; module docstring)
         self.register_buffer("widen", torch.ones(output_dims, **f64))
 
-    ADDED_LATER = ("prior_var", "widen")
+    ADDED_LATER = ("prior_var", "widen", "slope2", "position")
 
     @property
     def active(self) -> bool:
@@ -144,18 +151,22 @@ class PrequentialCalibration(_OptionalState):
         self.has_last_x.fill_(True)
 
     def record(self, err: torch.Tensor, latent_var: torch.Tensor, noise_var: torch.Tensor,
-               observed: torch.Tensor, prior_var: torch.Tensor) -> None:
+               observed: torch.Tensor, prior_var: torch.Tensor, slope2: torch.Tensor | None = None) -> None:
         """Store (N, P) out-of-sample errors with their predicted variances; ``observed`` (N, P) masks channels;
-        ``prior_var`` (P,): the latent variance the predicting map states where it has no data."""
+        ``prior_var`` (P,): the latent variance the predicting map states where it has no data; ``slope2``
+        (N, P): its squared slope there (None: the engine states none)."""
         if err.shape[0] == 0:
             return
-        err, latent_var, noise_var, observed = (t[-self.records:] for t in (err, latent_var, noise_var, observed))
+        slope2 = torch.zeros_like(latent_var) if slope2 is None else slope2
+        err, latent_var, noise_var, observed, slope2 = (t[-self.records:] for t in (err, latent_var, noise_var,
+                                                                                   observed, slope2))
         start = int(self.record_count) % self.records
         idx = (torch.arange(err.shape[0], device=err.device) + start) % self.records
         self.err2[idx] = (err * err).to(self.err2.dtype)
         self.latent_var[idx] = latent_var.to(self.err2.dtype)
         self.noise_var[idx] = noise_var.to(self.err2.dtype)
         self.prior_var[idx] = prior_var.to(self.err2.dtype).reshape(1, -1).expand(idx.shape[0], -1)
+        self.slope2[idx] = slope2.to(self.err2.dtype)
         self.filled[idx] = observed
         self.record_count += err.shape[0]
 
@@ -171,43 +182,47 @@ class PrequentialCalibration(_OptionalState):
         for p in range(self.err2.shape[1]):
             keep = self.filled[:, p]
             if int(keep.sum()) < CALIBRATION_MIN_RECORDS:
-                self.scale[p], self.extra[p], self.widen[p] = 1.0, 0.0, 1.0
+                self.scale[p], self.extra[p], self.widen[p], self.position[p] = 1.0, 0.0, 1.0, 0.0
                 continue
-            e2, v, s = self.err2[keep, p], self.latent_var[keep, p], self.noise_var[keep, p]
+            e2, v, s, g = self.err2[keep, p], self.latent_var[keep, p], self.noise_var[keep, p], self.slope2[keep, p]
             then = self.prior_var[keep, p]
             if e2.shape[0] > FIT_RECORDS:
                 pick = torch.linspace(0, e2.shape[0] - 1, FIT_RECORDS, device=e2.device).round().long()
-                e2, v, s, then = e2[pick], v[pick], s[pick], then[pick]
+                e2, v, s, g, then = e2[pick], v[pick], s[pick], g[pick], then[pick]
             v = torch.where(then > 0, v * (float(prior_var[p]) / then.clamp_min(1e-300)), v)
             unit = max(float(target_var[p]), 1e-12)
-            log_a = torch.linspace(math.log(SCALE_BOUNDS[0]), math.log(SCALE_BOUNDS[1]), 15, dtype=e2.dtype,
-                                   device=e2.device)
-            log_t = torch.linspace(math.log(EXTRA_BOUNDS[0] * unit), math.log(EXTRA_BOUNDS[1] * unit), 15,
-                                   dtype=e2.dtype, device=e2.device)
+            grids = [torch.linspace(math.log(lo), math.log(hi), n, dtype=e2.dtype, device=e2.device)
+                     for lo, hi, n in (SCALE_BOUNDS + (15,), (EXTRA_BOUNDS[0] * unit, EXTRA_BOUNDS[1] * unit, 15),
+                                       POSITION_BOUNDS + (11 if bool((g > 0).any()) else 1,))]
             for _ in range(5):  # a coarse grid, then four finer ones around the best cell (each twice as fine)
-                best_a, best_t = self._best(e2, v, s, log_a, log_t)
-                step_a, step_t = float(log_a[1] - log_a[0]), float(log_t[1] - log_t[0])
-                log_a = torch.linspace(best_a - step_a, best_a + step_a, 5, dtype=e2.dtype, device=e2.device)
-                log_a = log_a.clamp(math.log(SCALE_BOUNDS[0]), math.log(SCALE_BOUNDS[1]))
-                log_t = torch.linspace(best_t - step_t, best_t + step_t, 5, dtype=e2.dtype, device=e2.device)
-            self.scale[p] = math.exp(best_a)
-            self.extra[p] = math.exp(best_t)
-            z2 = e2 / (self.scale[p] * v + s + self.extra[p])
+                best = self._best(e2, v, s, g, *grids)
+                grids = [grid if len(grid) == 1 else
+                         torch.linspace(b - float(grid[1] - grid[0]), b + float(grid[1] - grid[0]), 5, dtype=e2.dtype,
+                                        device=e2.device) for grid, b in zip(grids, best)]
+                grids[0] = grids[0].clamp(math.log(SCALE_BOUNDS[0]), math.log(SCALE_BOUNDS[1]))
+            self.scale[p], self.extra[p] = math.exp(best[0]), math.exp(best[1])
+            self.position[p] = math.exp(best[2]) if len(grids[2]) > 1 else 0.0
+            z2 = e2 / (self.scale[p] * v + s + self.position[p] * g + self.extra[p])
             self.widen[p] = max(1.0, float(torch.quantile(z2, COVERED)) / COVERED_Z ** 2)
 
     @staticmethod
-    def _best(e2, v, s, log_a, log_t) -> tuple[float, float]:
-        """The grid cell (log a, log tau^2) of the smallest Gaussian negative log likelihood."""
-        a = log_a.exp()[:, None, None]
-        t = log_t.exp()[None, :, None]
-        total = a * v[None, None, :] + s[None, None, :] + t
-        nll = (total.log() + e2[None, None, :] / total).mean(-1)
+    def _best(e2, v, s, g, log_a, log_t, log_b) -> tuple[float, float, float]:
+        """The grid cell (log a, log tau^2, log b) of the smallest Gaussian negative log likelihood."""
+        a = log_a.exp()[:, None, None, None]
+        t = log_t.exp()[None, :, None, None]
+        b = log_b.exp()[None, None, :, None]
+        total = a * v + s + b * g + t
+        nll = (total.log() + e2 / total).mean(-1)
         i = int(torch.argmin(nll))
-        return float(log_a[i // log_t.shape[0]]), float(log_t[i % log_t.shape[0]])
+        n_t, n_b = log_t.shape[0], log_b.shape[0]
+        return float(log_a[i // (n_t * n_b)]), float(log_t[(i // n_b) % n_t]), float(log_b[i % n_b])
 
-    def reading_variance(self, latent_var: torch.Tensor, noise_var: torch.Tensor) -> torch.Tensor:
-        """s^2 (N, P) of a reading from the latent and noise variances (targets' units)."""
-        return self.widen * (self.scale * latent_var + noise_var + self.extra)
+    def reading_variance(self, latent_var: torch.Tensor, noise_var: torch.Tensor,
+                         slope2: torch.Tensor | None = None) -> torch.Tensor:
+        """s^2 (N, P) of a reading from the latent and noise variances (targets' units) and, where the engine
+        states it, the map's squared slope there (targets' units per m^2)."""
+        moved = 0.0 if slope2 is None else self.position * slope2
+        return self.widen * (self.scale * latent_var + noise_var + moved + self.extra)
 
     def _loaded(self) -> None:
         self.records = self.err2.shape[0]

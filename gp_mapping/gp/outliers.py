@@ -49,7 +49,7 @@ def isolated_spikes(model, x, y, gate: float) -> np.ndarray:
     if gate <= 0 or n < MIN_READINGS or int(model.num_seen) == 0:
         return np.zeros(n, dtype=bool)
     with torch.no_grad():
-        _, var = model.predict_reading(x)
+        _, var = model.predict_reading(x, with_slope=False)  # neighbours share a position's error
     # never finer than the sensor's noise floor: an engine without it (smc_experts) can state 0.01 uT, and a
     # reading on a steady slope at a batch's edge then looked like a spike
     sd = np.sqrt(np.maximum(var.cpu().numpy(), max(float(model.config.noise_floor), 1e-300)))

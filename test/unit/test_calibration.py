@@ -47,6 +47,41 @@ def test_refit_is_the_maximum_likelihood_of_the_variance_model():
     assert float(s2) == pytest.approx(float(cal.widen) * (float(cal.scale) + 0.05 + float(cal.extra)))
 
 
+def test_the_slope_term_is_fitted_with_the_others_where_the_map_states_its_slope():
+    """Records with the map's squared slope g (a position error reads as slope times that error): errors drawn
+    from N(0, a v + n + b g + tau^2) with a = 2, b = 0.04 m^2 (a 0.2 m error), tau^2 = 0.1. The grid search lands
+    on the optimum of an independent optimiser and near the truth; a reading's variance holds b g. Without slopes
+    (an engine that states none) b stays 0."""
+    from scipy.optimize import minimize
+
+    rng = np.random.default_rng(1)
+    n = 1000
+    v, g = rng.uniform(0.001, 1.0, n), rng.uniform(0.0, 40.0, n)
+    noise = np.full(n, 0.05)
+    err = rng.normal(size=n) * np.sqrt(2.0 * v + noise + 0.04 * g + 0.1)
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)[:, None]  # noqa: E731
+    one = torch.ones(1, dtype=torch.float64)
+    cal = PrequentialCalibration(2, 1, records=n)
+    cal.record(t(err), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool), one, t(g))
+    cal.refit(one, one, force=True)
+
+    def nll(p):
+        total = np.exp(p[0]) * v + noise + np.exp(p[2]) * g + np.exp(p[1])
+        return np.mean(np.log(total) + err ** 2 / total)
+
+    best = minimize(nll, [0.0, -1.0, -3.0], method="Nelder-Mead", options={"xatol": 1e-6, "fatol": 1e-10})
+    fitted = [np.log(float(c)) for c in (cal.scale, cal.extra, cal.position)]
+    assert nll(fitted) == pytest.approx(best.fun, abs=5e-4)
+    assert float(cal.position) == pytest.approx(0.04, rel=0.3) and float(cal.scale) == pytest.approx(2.0, rel=0.4)
+    s2 = cal.reading_variance(t([1.0]), t([0.05]), t([10.0]))
+    assert float(s2) == pytest.approx(float(cal.widen) * (float(cal.scale) + 0.05 + 10.0 * float(cal.position)
+                                                          + float(cal.extra)))
+    plain = PrequentialCalibration(2, 1, records=n)
+    plain.record(t(err), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool), one)
+    plain.refit(one, one, force=True)
+    assert float(plain.position) == 0.0
+
+
 def test_heavy_tailed_records_widen_the_interval_to_hold_95_percent():
     # Errors with Student-t tails (3 degrees of freedom, the variance of a v + n + tau^2): the Gaussian fit
     # matches their second moment, and its +-1.96 SD holds fewer than 95 % of them. The widening brings that

@@ -331,10 +331,19 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         return self.position_param.value
 
     def _squared_slope(self, x: torch.Tensor) -> torch.Tensor | None:
-        """|grad m(x)|^2 (N, P), m the posterior mean now (standardised, per metre^2), or None where position
-        noise is off, with no inducing points yet (a flat prior mean) or with a non-conjugate likelihood."""
-        if self.config.position_noise <= 0.0 or self.num_inducing == 0 or not self.likelihood.conjugate \
-                or x.shape[0] == 0:
+        """|grad m(x)|^2 (N, P) where position noise is on (:meth:`_mean_slope2`), else None."""
+        if self.config.position_noise <= 0.0 or not self.likelihood.conjugate:
+            return None
+        return self._mean_slope2(x)
+
+    def _reading_slope2(self, xt: torch.Tensor) -> torch.Tensor | None:
+        slope2 = self._mean_slope2(xt)
+        return None if slope2 is None else slope2 * self.y_std ** 2
+
+    def _mean_slope2(self, x: torch.Tensor) -> torch.Tensor | None:
+        """|grad m(x)|^2 (N, P), m the posterior mean now (standardised, per metre^2); None with no inducing
+        points yet (a flat prior mean)."""
+        if self.num_inducing == 0 or x.shape[0] == 0:
             return None
         if self._cache is None:
             self._refresh_cache()

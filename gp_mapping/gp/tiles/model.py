@@ -408,6 +408,17 @@ class TiledModel(SharedHyperparameters, Engine):
             noise.index_add_(0, rows, w[:, None] * engine._noise_variance(xt[rows]) * engine.y_std ** 2)
         return mean, var, noise
 
+    def _reading_slope2(self, xt: torch.Tensor) -> torch.Tensor | None:
+        """The tiles' squared slopes weighted as their means are (targets' units per m^2); None where no tile
+        states one."""
+        slope2, stated = torch.zeros(xt.shape[0], self.output_dims, dtype=torch.float64, device=xt.device), False
+        for rows, engine, w in self._each_tile(xt):
+            part = engine._reading_slope2(xt[rows])
+            if part is not None:
+                slope2.index_add_(0, rows, w[:, None] * part)
+                stated = True
+        return slope2 if stated else None
+
     def _target_variance(self) -> torch.Tensor:
         return self.target_m2 / self.target_count.clamp_min(1.0)
 
