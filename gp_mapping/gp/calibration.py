@@ -13,10 +13,12 @@ where older passes mapped the ground they test the map's confidence at a revisit
 on new ground; the track just driven, whose errors the batch shares, is not in them. A bounded store keeps
 (squared error, latent variance, noise variance) per output, and a two-parameter variance model of a reading
 
-    s^2 = a * v_latent + sigma_noise^2 + tau^2
+    s^2 = a * v_latent + sigma_noise^2 + b * |grad m(x)|^2 + tau^2
 
 is fitted by maximum likelihood (a: how far the latent variance is off; tau^2: the error a new pass adds that
-no part of the model sees). The Gaussian fit matches the records' second moment, but their tails are heavier
+no part of the model sees; b, where the engine states its mean's slope (dual_svgp) and model.calibration_slope
+is on: the variance of a position error [m^2], which reads as slope times that error, so a steep place errs
+more than a flat one; 0 otherwise). The Gaussian fit matches the records' second moment, but their tails are heavier
 than a Gaussian's (a few passes' pose errors, a wall not yet seen), so its +-1.96 SD holds fewer than 95 % of
 them (Solin protocol 1: 92 %, and 89 % of the held-out readings). The fitted variance is therefore widened by the
 factor w >= 1 that makes +-1.96 SD hold 95 % of the records: the records' 95 % quantile of z^2 over 1.96^2, a
