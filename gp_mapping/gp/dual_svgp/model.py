@@ -330,13 +330,15 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return self.position_param.value
 
-    def _squared_slope(self, x: torch.Tensor) -> torch.Tensor | None:
-        """|grad m(x)|^2 (N, P) where position noise is on (:meth:`_mean_slope2`), else None."""
+    def _fit_slope2(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The squared slope (N, P) that the fit's position noise uses (:meth:`_mean_slope2`); None where position
+        noise is off or the likelihood is not conjugate. (The calibration's slope term asks _reading_slope2.)"""
         if self.config.position_noise <= 0.0 or not self.likelihood.conjugate:
             return None
         return self._mean_slope2(x)
 
     def _reading_slope2(self, xt: torch.Tensor) -> torch.Tensor | None:
+        """|grad m(x)|^2 in the targets' units per m^2 (Engine._reading_slope2)."""
         slope2 = self._mean_slope2(xt)
         return None if slope2 is None else slope2 * self.y_std ** 2
 
@@ -362,14 +364,14 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
 
     def _slope_noise(self, slope2: torch.Tensor | None) -> torch.Tensor | None:
         """The noise (N, P, standardised) a reading adds through its position's error, to first order:
-        position_variance |grad m(x)|^2, from :meth:`_squared_slope`. A noisy-input GP (McHutchon and Rasmussen
+        position_variance |grad m(x)|^2, from :meth:`_fit_slope2`. A noisy-input GP (McHutchon and Rasmussen
         2011, "Gaussian process training with input noise", NIPS): a position off by delta reads the field at
         x + delta, m(x) + grad m(x)^T delta."""
         return None if slope2 is None else self.position_variance * slope2
 
     def _noise_variance(self, x: torch.Tensor) -> torch.Tensor:
         noise = super()._noise_variance(x)
-        moved = self._slope_noise(self._squared_slope(x))
+        moved = self._slope_noise(self._fit_slope2(x))
         return noise if moved is None else noise + moved.detach()
 
     # ------------------------------------------------------------------ updates
@@ -466,7 +468,7 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         mean, var, _ = self._marginals(V, R, c, kxx)
         lam1, lam2 = self.likelihood.dual_sites(ys, mean, var)  # one undamped dual step
         extra = (kxx - (V * V).sum(0)).clamp_min(0.0)[:, None]
-        moved = self._slope_noise(self._squared_slope(x))
+        moved = self._slope_noise(self._fit_slope2(x))
         lam1, lam2 = residual_weighted_sites(lam1, lam2, extra if moved is None else extra + moved)
         a_n, W_n = site_sums(V, lam1, lam2)
         self.a_w = self.a_w + a_n
@@ -502,7 +504,7 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         z_moved = 0
         # each held reading's squared slope, from the map before this update (NIGP's fixed-point iteration: the
         # slope of the last posterior, held fixed while the sites and hyperparameters are fitted)
-        slope2 = self._squared_slope(torch.cat([self.mem_x, bx]))
+        slope2 = self._fit_slope2(torch.cat([self.mem_x, bx]))
         informative = cfg.hyper_steps > 0 and spans_space(bx, cfg.lengthscale)
         if informative and cfg.learn_hyperparameters and not bool(self.hyper_learned) and n_b > 2:
             # The first batch that can teach hyperparameters starts the noise at the data's own estimate.
