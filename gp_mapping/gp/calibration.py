@@ -186,7 +186,8 @@ class PrequentialCalibration(_OptionalState):
             if int(keep.sum()) < CALIBRATION_MIN_RECORDS:
                 self.scale[p], self.extra[p], self.widen[p], self.position[p] = 1.0, 0.0, 1.0, 0.0
                 continue
-            e2, v, s, g = self.err2[keep, p], self.latent_var[keep, p], self.noise_var[keep, p], self.slope2[keep, p]
+            e2, v, s = self.err2[keep, p], self.latent_var[keep, p], self.noise_var[keep, p]
+            g = self.slope2[keep, p]
             then = self.prior_var[keep, p]
             if e2.shape[0] > FIT_RECORDS:
                 pick = torch.linspace(0, e2.shape[0] - 1, FIT_RECORDS, device=e2.device).round().long()
@@ -202,8 +203,11 @@ class PrequentialCalibration(_OptionalState):
                          torch.linspace(b - float(grid[1] - grid[0]), b + float(grid[1] - grid[0]), 5, dtype=e2.dtype,
                                         device=e2.device) for grid, b in zip(grids, best)]
                 grids[0] = grids[0].clamp(math.log(SCALE_BOUNDS[0]), math.log(SCALE_BOUNDS[1]))
+                grids[2] = grids[2].clamp(math.log(POSITION_BOUNDS[0]), math.log(POSITION_BOUNDS[1]))
             self.scale[p], self.extra[p] = math.exp(best[0]), math.exp(best[1])
-            self.position[p] = math.exp(best[2]) if len(grids[2]) > 1 else 0.0
+            # at the grid's low end (1 mm) the term is off: no slope, or none that the records show
+            at_floor = len(grids[2]) == 1 or best[2] <= math.log(POSITION_BOUNDS[0]) + 1e-9
+            self.position[p] = 0.0 if at_floor else math.exp(best[2])
             z2 = e2 / (self.scale[p] * v + s + self.position[p] * g + self.extra[p])
             self.widen[p] = max(1.0, float(torch.quantile(z2, COVERED)) / COVERED_Z ** 2)
 
