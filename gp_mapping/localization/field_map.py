@@ -38,8 +38,7 @@ MAX_LOOKUP_CELLS = 50_000_000
 
 def reading_moments(model, x):
     """The predictive mean and variance (G, P) of a *reading* at inputs ``x``: latent variance plus the noise, in
-    the targets' units, from ``model.predict_reading`` (the engine contract, :class:`gp_mapping.gp.base.Engine`),
-    without the calibration's slope term (a reading taken exactly at x: the particles are the position's error).
+    the targets' units, from ``model.predict_reading`` (the engine contract, :class:`gp_mapping.gp.base.Engine`).
 
     An engine without ``predict_reading`` (a model object from outside the package, or an older engine) falls
     back to its Gaussian log predictive density at the mean, ``log p(y = m | x) = -log(2 pi v) / 2``, which gives
@@ -47,12 +46,6 @@ def reading_moments(model, x):
     of a Student-t likelihood, the Gaussian of the same peak density)."""
     import torch
 
-    from gp_mapping.gp.base import Engine
-
-    if isinstance(model, Engine):
-        # a particle's reading is at the position it stands for: the calibration's slope term, a reading's error
-        # from a position that is off, is what the particles themselves spread over
-        return model.predict_reading(x, with_slope=False)
     predict_reading = getattr(model, "predict_reading", None)
     if callable(predict_reading):
         return predict_reading(x)

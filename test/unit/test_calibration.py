@@ -82,6 +82,30 @@ def test_the_slope_term_is_fitted_with_the_others_where_the_map_states_its_slope
     assert float(plain.position) == 0.0
 
 
+@pytest.mark.parametrize("slope", [True, False])
+def test_the_engine_records_its_slope_only_with_the_slope_term(slope):
+    """model.calibration_slope: the engine keeps the lagged map's squared slope with each record and the fit puts
+    a track error (0.2 m, the variants section's world) into b, which widens a reading's variance where the map is
+    steep; predict_reading(x, with_slope=False) is without it. Off (the default), the records hold no slope and
+    b stays 0."""
+    from gp_mapping.evaluation import variants
+
+    rec = variants.recording("pose_drift", seed=100, seconds=150.0)
+    model = build_model(_config(calibration_slope=slope, num_inducing=64), 2, 1)
+    for i in range(0, len(rec.x), rec.batch):
+        model.update(rec.x[i:i + rec.batch], rec.y[i:i + rec.batch])
+    cal = model.calibration
+    assert int(cal.record_count) > CALIBRATION_MIN_RECORDS
+    _, with_term = model.predict_reading(rec.x_test)
+    _, without = model.predict_reading(rec.x_test, with_slope=False)
+    if slope:
+        assert float(cal.slope2.max()) > 0 and float(cal.position) > 0
+        assert bool((with_term >= without).all()) and bool((with_term > without).any())
+    else:
+        assert float(cal.slope2.abs().max()) == 0 and float(cal.position) == 0
+        assert torch.equal(with_term, without)
+
+
 def test_heavy_tailed_records_widen_the_interval_to_hold_95_percent():
     # Errors with Student-t tails (3 degrees of freedom, the variance of a v + n + tau^2): the Gaussian fit
     # matches their second moment, and its +-1.96 SD holds fewer than 95 % of them. The widening brings that
