@@ -95,32 +95,44 @@ def recording(name: str, seed: int, seconds: float = 400.0, batch: int = 50) -> 
     return calibration.Recording(name, track(drive), targets(drive), track(again), targets(again), batch)
 
 
+def ladder(rec: calibration.Recording, name: str, log: Callable[[str], None], **overrides: Any
+           ) -> tuple[dict[str, dict[str, float]], bool]:
+    """The shipped dual SVGP with ``overrides`` at each M of the calibration section's ladder: its scores by M
+    (RMSE, NLPD, +-2 SD, z-std) and whether each larger M maps no worse (calibration.larger_m_holds)."""
+    rungs: dict[str, dict[str, float]] = {}
+    label = "".join(f", {key} {value}" for key, value in overrides.items())
+    for _, m in calibration.M_LADDER:
+        s = calibration.engine_scores(calibration.shipped(num_inducing=m, **overrides), rec)
+        rungs[str(m)] = {key: s[key] for key in ("rmse", "nlpd", "within_2sd", "z_std")}
+        log(f"  {name} M={m}{label}: RMSE {s['rmse']:.3f} NLPD {s['nlpd']:.3f} +-2 SD {s['within_2sd']:.3f}")
+    return rungs, calibration.larger_m_holds(list(rungs.values()))
+
+
 def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     names = tuple(plan.get("variants", VARIANTS))
     peers = bool(plan.get("variants_peers", True))
     out: dict[str, Any] = {"variants": {}}
     for k, name in enumerate(names):
         rec = recording(name, seed=100 * (k + 1), seconds=float(plan.get("variants_seconds", 400.0)))
-        row: dict[str, Any] = {"streamed": len(rec.x), "held_out": len(rec.x_test), "dual_svgp": {}}
-        for _, m in calibration.M_LADDER:
-            s = calibration.engine_scores(calibration.shipped(num_inducing=m), rec)
-            row["dual_svgp"][str(m)] = {key: s[key] for key in ("rmse", "nlpd", "within_2sd", "z_std")}
-            log(f"  {name} M={m}: RMSE {s['rmse']:.3f} NLPD {s['nlpd']:.3f} +-2 SD {s['within_2sd']:.3f}")
-        rungs = [row["dual_svgp"][str(m)] for _, m in calibration.M_LADDER]
-        row["ladder_holds"] = calibration.larger_m_holds(rungs)
+        row: dict[str, Any] = {"streamed": len(rec.x), "held_out": len(rec.x_test)}
+        row["dual_svgp"], row["ladder_holds"] = ladder(rec, name, log)
         error_sd = VARIANTS[name].get("track_error", (0.0, 1.0))[0]
         if error_sd > 0 and plan.get("variants_position_noise", True):
-            known = {"track_error_sd": error_sd}
-            for _, m in calibration.M_LADDER:
-                s = calibration.engine_scores(calibration.shipped(num_inducing=m, position_noise=error_sd), rec)
-                known[str(m)] = {key: s[key] for key in ("rmse", "nlpd", "within_2sd", "z_std")}
-                log(f"  {name} M={m}, position noise {error_sd} m: RMSE {s['rmse']:.3f} NLPD {s['nlpd']:.3f}")
-            known["ladder_holds"] = calibration.larger_m_holds([known[str(m)] for _, m in calibration.M_LADDER])
-            row["position_noise"] = known
+            rungs, holds = ladder(rec, name, log, position_noise=error_sd)
+            row["position_noise"] = {"track_error_sd": error_sd, **rungs, "ladder_holds": holds}
         if peers:
             row["peers"] = calibration.peer_scores(rec, calibration.shipped(), plan)
         out["variants"][name] = row
     return out
+
+
+def _ladder_cells(rungs: dict[str, dict[str, float]], sizes: list[str], holds: bool) -> str:
+    """A ladder's table cells: RMSE, NLPD, +-2 SD and z-std at each M of ``sizes``, then whether it holds."""
+    def joined(key: str, fmt: str) -> str:
+        return " / ".join(format(rungs[m][key], fmt) for m in sizes)
+
+    return (f"{joined('rmse', '.3f')} | {joined('nlpd', '.3f')} | {joined('within_2sd', '.3f')} | "
+            f"{joined('z_std', '.2f')} | {'yes' if holds else 'no'}")
 
 
 def markdown(sec: dict[str, Any]) -> list[str]:
@@ -137,19 +149,13 @@ def markdown(sec: dict[str, Any]) -> list[str]:
               "nearest neighbour | offline SVGP RMSE / NLPD | exact GP RMSE / NLPD |",
               "|:---|---:|---:|---:|---:|:---:|---:|---:|---:|"]
     for name, row in sec["variants"].items():
-        d = [row["dual_svgp"][m] for m in sizes]
-
-        def cells(key: str, fmt: str) -> str:
-            return " / ".join(format(r[key], fmt) for r in d)
-
         p = row.get("peers", {})
 
         def peer(method: str) -> str:
             return f"{p[method]['rmse']:.3f} / {p[method]['nlpd']:.3f}" if method in p else "-"
 
         nn = f"{p['nearest_neighbour']['rmse']:.3f}" if "nearest_neighbour" in p else "-"
-        lines.append(f"| {name} | {cells('rmse', '.3f')} | {cells('nlpd', '.3f')} | {cells('within_2sd', '.3f')} | "
-                     f"{cells('z_std', '.2f')} | {'yes' if row['ladder_holds'] else 'no'} | {nn} | "
+        lines.append(f"| {name} | {_ladder_cells(row['dual_svgp'], sizes, row['ladder_holds'])} | {nn} | "
                      f"{peer('offline_svgp')} | {peer('exact_gp')} |")
     known = {name: row["position_noise"] for name, row in sec["variants"].items() if "position_noise" in row}
     if known:
@@ -158,12 +164,5 @@ def markdown(sec: dict[str, Any]) -> list[str]:
                   "| variant | position noise [m] | RMSE at M = " + " / ".join(sizes) + " | NLPD | +-2 SD | z-std | "
                   "larger M ok |", "|:---|---:|---:|---:|---:|---:|:---:|"]
         for name, k in known.items():
-            d = [k[m] for m in sizes]
-
-            def cells_known(key: str, fmt: str) -> str:
-                return " / ".join(format(r[key], fmt) for r in d)
-
-            lines.append(f"| {name} | {k['track_error_sd']:g} | {cells_known('rmse', '.3f')} | "
-                         f"{cells_known('nlpd', '.3f')} | {cells_known('within_2sd', '.3f')} | "
-                         f"{cells_known('z_std', '.2f')} | {'yes' if k['ladder_holds'] else 'no'} |")
+            lines.append(f"| {name} | {k['track_error_sd']:g} | {_ladder_cells(k, sizes, k['ladder_holds'])} |")
     return lines + [""]
