@@ -18,7 +18,14 @@ on new ground; the track just driven, whose errors the batch shares, is not in t
 is fitted by maximum likelihood (a: how far the latent variance is off; tau^2: the error a new pass adds that
 no part of the model sees; b, where the engine states its mean's slope (dual_svgp) and model.calibration_slope
 is on: the variance of a position error [m^2], which reads as slope times that error, so a steep place errs
-more than a flat one; 0 otherwise). The Gaussian fit matches the records' second moment, but their tails are heavier
+more than a flat one; 0 otherwise).
+
+Two fits. A position error is not in a reading taken exactly at x, only in one taken where the robot *thought*
+it was. A new pass over mapped ground is the second kind: its variance is the fit with the slope term. A
+localizer's particle, or a map file's cell, is the first: the fit without the term, (a, tau^2) on the same
+records with b = 0. The joint fit's a and tau^2 are narrower, b having taken part of the error, so the first fit
+is not the second with b dropped (the localizer, given that, lost track on Solin sequence 5). Both are refitted
+together; ``predict_reading(x, with_slope=...)`` chooses. The Gaussian fit matches the records' second moment, but their tails are heavier
 than a Gaussian's (a few passes' pose errors, a wall not yet seen), so its +-1.96 SD holds fewer than 95 % of
 them (Solin protocol 1: 92 %, and 89 % of the held-out readings). The fitted variance is therefore widened by the
 factor w >= 1 that makes +-1.96 SD hold 95 % of the records: the records' 95 % quantile of z^2 over 1.96^2, a
@@ -57,6 +64,9 @@ from torch import nn
 CALIBRATION_MIN_RECORDS = 200
 #: the most records one refit uses (evenly spaced over the store), so a refit costs a few milliseconds
 FIT_RECORDS = 1024
+#: records (evenly spaced) the coarse grid of a refit scores: it only has to find the optimum's cell, which the
+#: finer grids then refine on all FIT_RECORDS (the slope term's coarse grid has 15 x 15 x 11 cells)
+COARSE_RECORDS = 256
 #: new records between refits (about a batch: the last revisits must count at once)
 REFIT_EVERY = 50
 #: bounds of the latent-variance factor a and of tau^2 relative to the targets' variance; a >= 1: the
@@ -126,15 +136,31 @@ class PrequentialCalibration(_OptionalState):
         self.register_buffer("path", torch.zeros((), **f64))
         self.register_buffer("last_x", torch.zeros(input_dims, **f64))
         self.register_buffer("has_last_x", torch.zeros((), dtype=torch.bool))
-        # The fitted model: s^2 = scale * v + noise + position * slope^2 + extra (extra in the targets' squared
-        # units, position in m^2).
+        # Two fitted models (module docstring, "two fits"). For a reading taken exactly at x (a localizer's
+        # particle, a map file's cell): s^2 = scale * v + noise + extra (extra in the targets' squared units) ...
         self.register_buffer("scale", torch.ones(output_dims, **f64))
         self.register_buffer("extra", torch.zeros(output_dims, **f64))
-        self.register_buffer("position", torch.zeros(output_dims, **f64))
-        # and the whole widened so that +-2 SD holds 95 % of the records (>= 1; module docstring)
+        # ... and the whole widened so that +-2 SD holds 95 % of the records (>= 1; module docstring).
         self.register_buffer("widen", torch.ones(output_dims, **f64))
+        # For a reading at a reported position (a new pass): the same with the slope term, fitted jointly,
+        # s^2 = reported_widen * (reported_scale * v + noise + position * slope^2 + reported_extra), position in
+        # m^2. Where the records hold no slope (or b fits at its floor) it equals the first.
+        self.register_buffer("reported_scale", torch.ones(output_dims, **f64))
+        self.register_buffer("reported_extra", torch.zeros(output_dims, **f64))
+        self.register_buffer("reported_widen", torch.ones(output_dims, **f64))
+        self.register_buffer("position", torch.zeros(output_dims, **f64))
 
-    ADDED_LATER = ("prior_var", "widen", "slope2", "position")
+    ADDED_LATER = ("prior_var", "widen", "slope2", "position", "reported_scale", "reported_extra", "reported_widen")
+    #: the reported-position fit's buffers and the exact-position ones a state without them loads them from
+    REPORTED = {"reported_scale": "scale", "reported_extra": "extra", "reported_widen": "widen"}
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for reported, exact in self.REPORTED.items():  # a state saved with one fit: both are that fit
+            if prefix + reported not in state_dict and prefix + exact in state_dict:
+                state_dict[prefix + reported] = state_dict[prefix + exact]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     @property
     def active(self) -> bool:
@@ -173,43 +199,54 @@ class PrequentialCalibration(_OptionalState):
         self.record_count += err.shape[0]
 
     def refit(self, target_var: torch.Tensor, prior_var: torch.Tensor, force: bool = False) -> None:
-        """Maximum-likelihood (a, tau^2) per output from the stored records, once REFIT_EVERY records came
-        since the last refit (or ``force``); ``target_var`` (P,) sets the scale of the tau^2 grid;
-        ``prior_var`` (P,) is the map's no-data latent variance now, the scale each record's latent variance is
-        brought to (module docstring). Outputs with fewer than CALIBRATION_MIN_RECORDS records stay
-        uncalibrated."""
+        """Maximum-likelihood fits per output from the stored records (both of them: without the slope term and
+        with it), once REFIT_EVERY records came since the last refit (or ``force``); ``target_var`` (P,) sets the
+        scale of the tau^2 grid; ``prior_var`` (P,) is the map's no-data latent variance now, the scale each
+        record's latent variance is brought to (module docstring). Outputs with fewer than
+        CALIBRATION_MIN_RECORDS records stay uncalibrated."""
         if not force and int(self.record_count) - int(self.fitted_at) < REFIT_EVERY:
             return
         self.fitted_at.copy_(self.record_count)
         for p in range(self.err2.shape[1]):
             keep = self.filled[:, p]
             if int(keep.sum()) < CALIBRATION_MIN_RECORDS:
-                self.scale[p], self.extra[p], self.widen[p], self.position[p] = 1.0, 0.0, 1.0, 0.0
-                continue
-            e2, v, s = self.err2[keep, p], self.latent_var[keep, p], self.noise_var[keep, p]
-            g = self.slope2[keep, p]
-            then = self.prior_var[keep, p]
-            if e2.shape[0] > FIT_RECORDS:
-                pick = torch.linspace(0, e2.shape[0] - 1, FIT_RECORDS, device=e2.device).round().long()
-                e2, v, s, g, then = e2[pick], v[pick], s[pick], g[pick], then[pick]
-            v = torch.where(then > 0, v * (float(prior_var[p]) / then.clamp_min(1e-300)), v)
-            unit = max(float(target_var[p]), 1e-12)
-            grids = [torch.linspace(math.log(lo), math.log(hi), n, dtype=e2.dtype, device=e2.device)
-                     for lo, hi, n in (SCALE_BOUNDS + (15,), (EXTRA_BOUNDS[0] * unit, EXTRA_BOUNDS[1] * unit, 15),
-                                       POSITION_BOUNDS + (11 if bool((g > 0).any()) else 1,))]
-            for _ in range(5):  # a coarse grid, then four finer ones around the best cell (each twice as fine)
-                best = self._best(e2, v, s, g, *grids)
-                grids = [grid if len(grid) == 1 else
-                         torch.linspace(b - float(grid[1] - grid[0]), b + float(grid[1] - grid[0]), 5, dtype=e2.dtype,
-                                        device=e2.device) for grid, b in zip(grids, best)]
-                grids[0] = grids[0].clamp(math.log(SCALE_BOUNDS[0]), math.log(SCALE_BOUNDS[1]))
-                grids[2] = grids[2].clamp(math.log(POSITION_BOUNDS[0]), math.log(POSITION_BOUNDS[1]))
-            self.scale[p], self.extra[p] = math.exp(best[0]), math.exp(best[1])
-            # at the grid's low end (1 mm) the term is off: no slope, or none that the records show
-            at_floor = len(grids[2]) == 1 or best[2] <= math.log(POSITION_BOUNDS[0]) + 1e-9
-            self.position[p] = 0.0 if at_floor else math.exp(best[2])
-            z2 = e2 / (self.scale[p] * v + s + self.position[p] * g + self.extra[p])
-            self.widen[p] = max(1.0, float(torch.quantile(z2, COVERED)) / COVERED_Z ** 2)
+                exact = reported = (1.0, 0.0, 0.0, 1.0)
+            else:
+                e2, v, s = self.err2[keep, p], self.latent_var[keep, p], self.noise_var[keep, p]
+                g = self.slope2[keep, p]
+                then = self.prior_var[keep, p]
+                if e2.shape[0] > FIT_RECORDS:
+                    pick = torch.linspace(0, e2.shape[0] - 1, FIT_RECORDS, device=e2.device).round().long()
+                    e2, v, s, g, then = e2[pick], v[pick], s[pick], g[pick], then[pick]
+                v = torch.where(then > 0, v * (float(prior_var[p]) / then.clamp_min(1e-300)), v)
+                unit = max(float(target_var[p]), 1e-12)
+                exact = self._fit(e2, v, s, torch.zeros_like(g), unit)
+                reported = self._fit(e2, v, s, g, unit) if bool((g > 0).any()) else exact
+            self.scale[p], self.extra[p], _, self.widen[p] = exact
+            self.reported_scale[p], self.reported_extra[p], self.position[p], self.reported_widen[p] = reported
+
+    @classmethod
+    def _fit(cls, e2, v, s, g, unit: float) -> tuple[float, float, float, float]:
+        """(a, tau^2, b, w) of the records (squared errors e2, latent and noise variances v and s, squared slopes
+        g: all 0 for the fit without the slope term); ``unit`` scales the tau^2 grid."""
+        grids = [torch.linspace(math.log(lo), math.log(hi), n, dtype=e2.dtype, device=e2.device)
+                 for lo, hi, n in (SCALE_BOUNDS + (15,), (EXTRA_BOUNDS[0] * unit, EXTRA_BOUNDS[1] * unit, 15),
+                                   POSITION_BOUNDS + (11 if bool((g > 0).any()) else 1,))]
+        coarse = torch.linspace(0, e2.shape[0] - 1, min(e2.shape[0], COARSE_RECORDS), device=e2.device).round().long()
+        for step in range(5):  # a coarse grid, then four finer ones around the best cell (each twice as fine)
+            rows = coarse if step == 0 else slice(None)
+            best = cls._best(e2[rows], v[rows], s[rows], g[rows], *grids)
+            grids = [grid if len(grid) == 1 else
+                     torch.linspace(b - float(grid[1] - grid[0]), b + float(grid[1] - grid[0]), 5, dtype=e2.dtype,
+                                    device=e2.device) for grid, b in zip(grids, best)]
+            grids[0] = grids[0].clamp(math.log(SCALE_BOUNDS[0]), math.log(SCALE_BOUNDS[1]))
+            grids[2] = grids[2].clamp(math.log(POSITION_BOUNDS[0]), math.log(POSITION_BOUNDS[1]))
+        a, t = math.exp(best[0]), math.exp(best[1])
+        # at the grid's low end (1 mm) the term is off: no slope, or none that the records show
+        at_floor = len(grids[2]) == 1 or best[2] <= math.log(POSITION_BOUNDS[0]) + 1e-9
+        b = 0.0 if at_floor else math.exp(best[2])
+        z2 = e2 / (a * v + s + b * g + t)
+        return a, t, b, max(1.0, float(torch.quantile(z2, COVERED)) / COVERED_Z ** 2)
 
     @staticmethod
     def _best(e2, v, s, g, log_a, log_t, log_b) -> tuple[float, float, float]:
@@ -225,10 +262,13 @@ class PrequentialCalibration(_OptionalState):
 
     def reading_variance(self, latent_var: torch.Tensor, noise_var: torch.Tensor,
                          slope2: torch.Tensor | None = None) -> torch.Tensor:
-        """s^2 (N, P) of a reading from the latent and noise variances (targets' units) and, where the engine
-        states it, the map's squared slope there (targets' units per m^2)."""
-        moved = 0.0 if slope2 is None else self.position * slope2
-        return self.widen * (self.scale * latent_var + noise_var + moved + self.extra)
+        """s^2 (N, P) of a reading from the latent and noise variances (targets' units): taken exactly where
+        predicted (``slope2`` None), or at a reported position where the map's squared slope is ``slope2``
+        (targets' units per m^2)."""
+        if slope2 is None:
+            return self.widen * (self.scale * latent_var + noise_var + self.extra)
+        return self.reported_widen * (self.reported_scale * latent_var + noise_var + self.position * slope2
+                                      + self.reported_extra)
 
     def _loaded(self) -> None:
         self.records = self.err2.shape[0]

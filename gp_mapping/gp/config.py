@@ -72,12 +72,12 @@ class ModelConfig:
                                     "it was between one and two lags of this much path earlier (without the track "
                                     "that led to it, whose errors the batch shares: a new pass's prediction) [m]",
                                     low=0.0, low_open=True, high=1e6)
-    calibration_slope: bool = option(False, doc="prequential calibration, dual_svgp: the variance model also has "
-                                     "a term b |grad m(x)|^2, the error a position off by b^(1/2) metres adds where "
-                                     "the map is steep, with b fitted with the others on the out-of-sample errors. "
-                                     "Off by default: it scores held-out readings better on Solin protocol 2 and "
-                                     "on tracks with an error, and the localizer tracked worse with it "
-                                     "(docs/calibration.md, The slope term)")
+    calibration_slope: bool = option(True, doc="prequential calibration, dual_svgp: the variance of a reading at a "
+                                     "reported position (a new pass; predict_reading, NLPD) also has a term "
+                                     "b |grad m(x)|^2, the error a position off by b^(1/2) metres adds where the "
+                                     "map is steep, with b fitted with the others on the out-of-sample errors. A "
+                                     "reading taken exactly at x (the localizer, map.npz) has a fit of its own "
+                                     "without it (docs/calibration.md, The slope term)")
     # 4096: 1024 fixed the simulated sim_revisit (its early records come from a map with far-off hyperparameters)
     # but left the localization bench's leave-one-out Solin maps at 0.61-0.71 within +-2 SD (0.85-0.92 at 4096)
     calibration_records: int = option(4096, doc="prequential calibration: out-of-sample errors kept (the most "

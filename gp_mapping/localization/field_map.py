@@ -36,9 +36,11 @@ from gp_mapping.mapping.grid import GridError, GridSpec, predict_grid, spec_from
 MAX_LOOKUP_CELLS = 50_000_000
 
 
-def reading_moments(model, x):
+def reading_moments(model, x, with_slope: bool = False):
     """The predictive mean and variance (G, P) of a *reading* at inputs ``x``: latent variance plus the noise, in
     the targets' units, from ``model.predict_reading`` (the engine contract, :class:`gp_mapping.gp.base.Engine`).
+    By default of a reading taken exactly at x, as a particle's position is (the calibration's fit without its
+    slope term; ``with_slope``: at a reported position, as a new pass's readings are; gp/calibration.py).
 
     An engine without ``predict_reading`` (a model object from outside the package, or an older engine) falls
     back to its Gaussian log predictive density at the mean, ``log p(y = m | x) = -log(2 pi v) / 2``, which gives
@@ -46,6 +48,10 @@ def reading_moments(model, x):
     of a Student-t likelihood, the Gaussian of the same peak density)."""
     import torch
 
+    from gp_mapping.gp.base import Engine
+
+    if isinstance(model, Engine):
+        return model.predict_reading(x, with_slope=with_slope)
     predict_reading = getattr(model, "predict_reading", None)
     if callable(predict_reading):
         return predict_reading(x)

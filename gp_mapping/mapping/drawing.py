@@ -243,7 +243,7 @@ class MapDrawing:
                         "the newest position instead (the model still holds everything)", err,
                         self.config.grid.window)
             grid = self.grid()
-        if grid is not None:  # a file also holds the variance of a reading (MapGrid.reading_variance)
+        if grid is not None:  # a file also holds the variance of a reading taken there (MapGrid.reading_variance)
             g = self.config.grid
             mean, var = predict_grid(self.model, grid.spec, g.tile_size, height=g.height, input_dims=self.input_dims,
                                      only=grid.known, reading=True)

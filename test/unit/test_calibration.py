@@ -70,40 +70,53 @@ def test_the_slope_term_is_fitted_with_the_others_where_the_map_states_its_slope
         return np.mean(np.log(total) + err ** 2 / total)
 
     best = minimize(nll, [0.0, -1.0, -3.0], method="Nelder-Mead", options={"xatol": 1e-6, "fatol": 1e-10})
-    fitted = [np.log(float(c)) for c in (cal.scale, cal.extra, cal.position)]
+    fitted = [np.log(float(c)) for c in (cal.reported_scale, cal.reported_extra, cal.position)]
     assert nll(fitted) == pytest.approx(best.fun, abs=5e-4)
-    assert float(cal.position) == pytest.approx(0.04, rel=0.3) and float(cal.scale) == pytest.approx(2.0, rel=0.4)
+    assert float(cal.position) == pytest.approx(0.04, rel=0.3)
+    assert float(cal.reported_scale) == pytest.approx(2.0, rel=0.4)
     s2 = cal.reading_variance(t([1.0]), t([0.05]), t([10.0]))
-    assert float(s2) == pytest.approx(float(cal.widen) * (float(cal.scale) + 0.05 + 10.0 * float(cal.position)
-                                                          + float(cal.extra)))
+    assert float(s2) == pytest.approx(float(cal.reported_widen) * (
+        float(cal.reported_scale) + 0.05 + 10.0 * float(cal.position) + float(cal.reported_extra)))
+    # the fit for a reading taken exactly at x is the one without slopes, on the same records
     plain = PrequentialCalibration(2, 1, records=n)
     plain.record(t(err), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool), one)
     plain.refit(one, one, force=True)
     assert float(plain.position) == 0.0
+    for name in ("scale", "extra", "widen"):
+        assert torch.equal(getattr(cal, name), getattr(plain, name))
+        assert torch.equal(getattr(plain, name), getattr(plain, "reported_" + name))
+    # without b the other two take its part: the exact-position fit is wider where v and g are small
+    assert float(cal.extra) > float(cal.reported_extra)
+    assert torch.equal(cal.reading_variance(t([1.0]), t([0.05])), plain.reading_variance(t([1.0]), t([0.05])))
 
 
-@pytest.mark.parametrize("slope", [True, False])
-def test_the_engine_records_its_slope_only_with_the_slope_term(slope):
-    """model.calibration_slope: the engine keeps the lagged map's squared slope with each record and the fit puts
-    a track error (0.2 m, the variants section's world) into b, which widens a reading's variance where the map is
-    steep; predict_reading(x, with_slope=False) is without it. Off (the default), the records hold no slope and
-    b stays 0."""
+def test_the_slope_term_widens_steep_places_and_leaves_a_reading_taken_exactly_there_alone():
+    """model.calibration_slope (the default): the engine keeps the lagged map's squared slope with each record and
+    the fit puts a track error (0.2 m, the variants section's world) into b, so a reading at a reported position
+    (predict_reading) is wider where the map is steep than one taken exactly there (with_slope=False). The
+    latter, what the localizer and map.npz use, is bit for bit that of an engine without the term: the map, the
+    spike gate and the exact-position fit are the same. Off, the records hold no slope and b stays 0."""
     from gp_mapping.evaluation import variants
 
     rec = variants.recording("pose_drift", seed=100, seconds=150.0)
-    model = build_model(_config(calibration_slope=slope, num_inducing=64), 2, 1)
-    for i in range(0, len(rec.x), rec.batch):
-        model.update(rec.x[i:i + rec.batch], rec.y[i:i + rec.batch])
-    cal = model.calibration
-    assert int(cal.record_count) > CALIBRATION_MIN_RECORDS
-    _, with_term = model.predict_reading(rec.x_test)
-    _, without = model.predict_reading(rec.x_test, with_slope=False)
-    if slope:
-        assert float(cal.slope2.max()) > 0 and float(cal.position) > 0
-        assert bool((with_term >= without).all()) and bool((with_term > without).any())
-    else:
-        assert float(cal.slope2.abs().max()) == 0 and float(cal.position) == 0
-        assert torch.equal(with_term, without)
+    models = {}
+    for slope in (True, False):
+        models[slope] = build_model(_config(calibration_slope=slope, num_inducing=64), 2, 1)
+        for i in range(0, len(rec.x), rec.batch):
+            models[slope].update(rec.x[i:i + rec.batch], rec.y[i:i + rec.batch])
+    on, off = models[True], models[False]
+    assert int(on.calibration.record_count) > CALIBRATION_MIN_RECORDS
+    assert float(on.calibration.slope2.max()) > 0 and float(on.calibration.position) > 0
+    assert float(off.calibration.slope2.abs().max()) == 0 and float(off.calibration.position) == 0
+    mean, reported = on.predict_reading(rec.x_test)
+    _, exact = on.predict_reading(rec.x_test, with_slope=False)
+    slope2 = on._reading_slope2(on._check_x(rec.x_test))
+    assert np.corrcoef((reported - exact).numpy().ravel(), slope2.numpy().ravel())[0, 1] > 0.9
+    steep = slope2[:, 0] > slope2[:, 0].median()
+    assert float((reported / exact)[steep].mean()) > float((reported / exact)[~steep].mean())
+    off_mean, off_exact = off.predict_reading(rec.x_test)
+    assert torch.equal(mean, off_mean) and torch.equal(exact, off_exact)
+    assert torch.equal(off_exact, off.predict_reading(rec.x_test, with_slope=False)[1])
 
 
 def test_heavy_tailed_records_widen_the_interval_to_hold_95_percent():
