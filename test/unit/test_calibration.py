@@ -119,6 +119,32 @@ def test_the_slope_term_widens_steep_places_and_leaves_a_reading_taken_exactly_t
     assert torch.equal(off_exact, off.predict_reading(rec.x_test, with_slope=False)[1])
 
 
+def test_a_state_saved_with_one_fit_loads_it_as_both():
+    """A state saved before the calibration kept two fits has one (scale, extra, widen): it loads as the fit for
+    both kinds of reading, so the loaded map states what it stated before; the next refit splits them."""
+    rng = np.random.default_rng(5)
+    n = 600
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)[:, None]  # noqa: E731
+    one = torch.ones(1, dtype=torch.float64)
+    v, g = rng.uniform(0.001, 1.0, n), rng.uniform(0.0, 40.0, n)
+    err = rng.normal(size=n) * np.sqrt(2.0 * v + 0.05 + 0.04 * g + 0.1)
+    cal = PrequentialCalibration(2, 1, records=n)
+    cal.record(t(err), t(v), t(np.full(n, 0.05)), torch.ones(n, 1, dtype=torch.bool), one, t(g))
+    cal.refit(one, one, force=True)
+    assert float(cal.reported_extra) != float(cal.extra)
+    older = {k: x for k, x in cal.state_dict().items() if not k.startswith("reported_") and k != "position"}
+    loaded = PrequentialCalibration(2, 1, records=n)
+    loaded.load_state_dict(older)
+    for name in ("scale", "extra", "widen"):
+        assert torch.equal(getattr(loaded, "reported_" + name), getattr(cal, name))
+    assert float(loaded.position) == 0.0
+    latent, noise = t([0.3]), t([0.05])
+    assert torch.equal(loaded.reading_variance(latent, noise, t([10.0])), cal.reading_variance(latent, noise))
+    loaded.refit(one, one, force=True)
+    assert torch.equal(loaded.reading_variance(latent, noise, t([10.0])),
+                       cal.reading_variance(latent, noise, t([10.0])))
+
+
 def test_heavy_tailed_records_widen_the_interval_to_hold_95_percent():
     # Errors with Student-t tails (3 degrees of freedom, the variance of a v + n + tau^2): the Gaussian fit
     # matches their second moment, and its +-1.96 SD holds fewer than 95 % of them. The widening brings that
