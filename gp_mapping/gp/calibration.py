@@ -76,8 +76,14 @@ SCALE_BOUNDS = (1.0, 1000.0)
 COVERED = 0.95
 COVERED_Z = 1.959964
 EXTRA_BOUNDS = (1e-8, 10.0)
-#: bounds of b, the variance of the positions' error that the slope term stands for [m^2]: 1 mm to 1 m
-POSITION_BOUNDS = (1e-6, 1.0)
+#: bounds of b, the variance of the positions' error that the slope term stands for [m^2]: 1 mm to 0.5 m. The
+#: term is first order (m(x + delta) ~ m(x) + grad m . delta), which holds for errors well inside the field's
+#: lengthscales (0.5-3 m on every recording here); and the first 150 s of a drive, mostly new ground, fit b at
+#: any upper bound (1 m^2 on five of six simulated worlds), widening steep places to over-coverage
+#: (docs/calibration.md, The slope term). 10^-0.6 m^2 keeps the grid's points at 1e-6 * 10^(0.6 k).
+POSITION_BOUNDS = (1e-6, 10 ** -0.6)
+#: coarse grid points of b over POSITION_BOUNDS (with the records' slopes; one, at the floor, without)
+POSITION_POINTS = 10
 
 
 class _OptionalState(nn.Module):
@@ -231,7 +237,7 @@ class PrequentialCalibration(_OptionalState):
         g: all 0 for the fit without the slope term); ``unit`` scales the tau^2 grid."""
         grids = [torch.linspace(math.log(lo), math.log(hi), n, dtype=e2.dtype, device=e2.device)
                  for lo, hi, n in (SCALE_BOUNDS + (15,), (EXTRA_BOUNDS[0] * unit, EXTRA_BOUNDS[1] * unit, 15),
-                                   POSITION_BOUNDS + (11 if bool((g > 0).any()) else 1,))]
+                                   POSITION_BOUNDS + (POSITION_POINTS if bool((g > 0).any()) else 1,))]
         coarse = torch.linspace(0, e2.shape[0] - 1, min(e2.shape[0], COARSE_RECORDS), device=e2.device).round().long()
         for step in range(5):  # a coarse grid, then four finer ones around the best cell (each twice as fine)
             rows = coarse if step == 0 else slice(None)
