@@ -11,7 +11,8 @@ one and two lags) earlier, *before* the batch and the track that led to it were 
 predictions are out of sample in the way a new pass is (Dawid's prequential principle, 1984, with a lag):
 where older passes mapped the ground they test the map's confidence at a revisit, elsewhere its confidence
 on new ground; the track just driven, whose errors the batch shares, is not in them. A bounded store keeps
-(squared error, latent variance, noise variance) per output, and a two-parameter variance model of a reading
+(squared error, latent variance, noise variance, the map's squared slope) per output, and a variance model of a
+reading
 
     s^2 = a * v_latent + sigma_noise^2 + b * |grad m(x)|^2 + tau^2
 
@@ -25,29 +26,32 @@ it was. A new pass over mapped ground is the second kind: its variance is the fi
 localizer's particle, or a map file's cell, is the first: the fit without the term, (a, tau^2) on the same
 records with b = 0. The joint fit's a and tau^2 are narrower, b having taken part of the error, so the first fit
 is not the second with b dropped (the localizer, given that, lost track on Solin sequence 5). Both are refitted
-together; ``predict_reading(x, with_slope=...)`` chooses. The Gaussian fit matches the records' second moment, but their tails are heavier
-than a Gaussian's (a few passes' pose errors, a wall not yet seen), so its +-1.96 SD holds fewer than 95 % of
-them (Solin protocol 1: 92 %, and 89 % of the held-out readings). The fitted variance is therefore widened by the
-factor w >= 1 that makes +-1.96 SD hold 95 % of the records: the records' 95 % quantile of z^2 over 1.96^2, a
-split-conformal interval on out-of-sample errors (Vovk, Gammerman and Shafer 2005, "Algorithmic learning in a
-random world"; Angelopoulos and Bates 2021, "A gentle introduction to conformal prediction"). It never narrows
-the fit: records inside their interval more often than 95 % (light tails, or a variance already too large)
-keep w = 1, as a variance model fitted to the second moment is the better one for them. Nor does the fit
-narrow the latent variance (a >= 1): where records sit close to earlier passes the latent variance is a small
-part of a reading's and a is poorly determined there (OptiTrack: records 9 cm from older data, a = 0.72), while
-held-out readings farther off have more of it, and a < 1 narrowed them where they were already too narrow
-(OptiTrack |B| 88 % within +-2 SD against 89 % with a >= 1; NLPD as good or better on all six recordings of the
-calibration bench). A record's latent variance was stated under the hyperparameters of its time, and
-a map's first minutes state it on another scale (a signal variance of 35 uT^2 where the map settles at 7): so
-each record keeps the prior variance its map stated where it had no data, and a refit takes the record's
-latent variance as that fraction of the prior variance *now* (v * prior_now / prior_then). Without it the
-early records, whose variance was 5x that of later maps for the same errors, made the latent variance look
-uninformative (a = 0.07) and put the error into tau^2: 2.5 uT^2 on a field read with 0.25 uT^2 of noise, every
-held-out reading of the simulated revisit (bench recording ``sim_revisit``) within +-2 SD and a z-std of 0.38. It is refitted every ``REFIT_EVERY`` new records (a grid search, refined four times: two parameters,
-at most ``FIT_RECORDS`` of the stored records) and only after ``CALIBRATION_MIN_RECORDS`` records; until then
-a = 1, tau^2 = 0, the model as it is. The lagged map is a copy the engine keeps (``Engine._lagged``); it is
-not part of the saved state, so a loaded map calibrates again after two lags. The same idea is conformal/recalibration of regression uncertainty (Kuleshov et al. 2018,
-"Accurate uncertainties for deep learning using calibrated regression"), here with a parametric variance
+together; ``predict_reading(x, with_slope=...)`` chooses.
+
+The Gaussian fit matches the records' second moment, but their tails are heavier than a Gaussian's (a few passes'
+pose errors, a wall not yet seen), so its +-1.96 SD holds fewer than 95 % of them (Solin protocol 1: 92 %, and 89 %
+of the held-out readings). The fitted variance is therefore widened by the factor w >= 1 that makes +-1.96 SD hold
+95 % of the records: the records' 95 % quantile of z^2 over 1.96^2, a split-conformal interval on out-of-sample
+errors (Vovk, Gammerman and Shafer 2005, "Algorithmic learning in a random world"; Angelopoulos and Bates 2021, "A
+gentle introduction to conformal prediction"). It never narrows the fit: records inside their interval more often
+than 95 % (light tails, or a variance already too large) keep w = 1, as a variance model fitted to the second moment
+is the better one for them. Nor does the fit narrow the latent variance (a >= 1): where records sit close to earlier
+passes the latent variance is a small part of a reading's and a is poorly determined there (OptiTrack: records 9 cm
+from older data, a = 0.72), while held-out readings farther off have more of it, and a < 1 narrowed them where they
+were already too narrow (OptiTrack |B| 88 % within +-2 SD against 89 % with a >= 1; NLPD as good or better on all
+six recordings of the calibration bench). A record's latent variance was stated under the hyperparameters of its
+time, and a map's first minutes state it on another scale (a signal variance of 35 uT^2 where the map settles at 7):
+so each record keeps the prior variance its map stated where it had no data, and a refit takes the record's latent
+variance as that fraction of the prior variance *now* (v * prior_now / prior_then). Without it the early records,
+whose variance was 5x that of later maps for the same errors, made the latent variance look uninformative (a = 0.07)
+and put the error into tau^2: 2.5 uT^2 on a field read with 0.25 uT^2 of noise, every held-out reading of the
+simulated revisit (bench recording ``sim_revisit``) within +-2 SD and a z-std of 0.38. It is refitted every
+``REFIT_EVERY`` new records (a grid search over a, tau^2 and, in the second fit, b, refined four times; at most
+``FIT_RECORDS`` of the stored records) and only after ``CALIBRATION_MIN_RECORDS`` records; until then a = 1,
+tau^2 = 0, the model as it is.
+The lagged map is a copy the engine keeps (``Engine._lagged``); it is not part of the saved state, so a loaded map
+calibrates again after two lags. The same idea is conformal/recalibration of regression uncertainty (Kuleshov et al.
+2018, "Accurate uncertainties for deep learning using calibrated regression"), here with a parametric variance
 model, fitted online on prequential residuals instead of a held-out set.
 
 Everything is kept in the targets' own units, so a rescaling of the engine's standardisation leaves it valid.
@@ -65,7 +69,7 @@ CALIBRATION_MIN_RECORDS = 200
 #: the most records one refit uses (evenly spaced over the store), so a refit costs a few milliseconds
 FIT_RECORDS = 1024
 #: records (evenly spaced) the coarse grid of a refit scores: it only has to find the optimum's cell, which the
-#: finer grids then refine on all FIT_RECORDS (the slope term's coarse grid has 15 x 15 x 11 cells)
+#: finer grids then refine on all FIT_RECORDS (the slope term's coarse grid has 15 x 15 x POSITION_POINTS cells)
 COARSE_RECORDS = 256
 #: new records between refits (about a batch: the last revisits must count at once)
 REFIT_EVERY = 50
