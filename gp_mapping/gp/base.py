@@ -644,3 +644,12 @@ class Engine(nn.Module, abc.ABC):
     def _check_y(self, y, n: int, name: str = "y") -> torch.Tensor:
         """Targets (N, P) for n input rows, every entry observed and finite."""
         return self._check_targets(y, n, name)[0]
+
+
+def reading_of(model, x, with_slope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.predict_reading(x)`` of any predictor that has one: an :class:`Engine` is asked ``with_slope``
+    (False: a reading taken exactly at x, without the calibration's slope term); a predictor from outside the
+    package has no slope term and is asked as it is."""
+    if isinstance(model, Engine):
+        return model.predict_reading(x, with_slope=with_slope)
+    return model.predict_reading(x)

@@ -48,13 +48,10 @@ def reading_moments(model, x, with_slope: bool = False):
     of a Student-t likelihood, the Gaussian of the same peak density)."""
     import torch
 
-    from gp_mapping.gp.base import Engine
+    from gp_mapping.gp.base import reading_of
 
-    if isinstance(model, Engine):
-        return model.predict_reading(x, with_slope=with_slope)
-    predict_reading = getattr(model, "predict_reading", None)
-    if callable(predict_reading):
-        return predict_reading(x)
+    if callable(getattr(model, "predict_reading", None)):
+        return reading_of(model, x, with_slope)
     with torch.no_grad():
         mean, var = model.predict(x)
         lpd = model.log_predictive_density(x, mean)

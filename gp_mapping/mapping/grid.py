@@ -342,7 +342,7 @@ def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
     if input_dims not in (2, 3):
         raise GridError(f"input_dims must be 2 or 3, got {input_dims}")
     device = torch.device(model.device)
-    from gp_mapping.gp.base import Engine
+    from gp_mapping.gp.base import Engine, reading_of
 
     # an engine's M sizes the chunks on a GPU; any other predictor (a view, a baseline) gets the default
     tile_size = tile_cells(tile_size, device, model.config.num_inducing if isinstance(model, Engine) else None)
@@ -360,13 +360,9 @@ def predict_grid(model, spec: GridSpec, tile_size: int, height: float = 0.0,
         mean, _ = model.predict(cell_inputs(spec, torch.zeros(1, dtype=torch.int64, device=device), height, input_dims))
         p = int(mean.shape[1])
         return np.full((h, w, p), np.nan), np.full((h, w, p), np.nan)
-    if not reading:
-        predict = model.predict
-    elif isinstance(model, Engine):
-        def predict(x):
-            return model.predict_reading(x, with_slope=False)
-    else:
-        predict = model.predict_reading
+    def predict(x):
+        return reading_of(model, x, with_slope=False) if reading else model.predict(x)
+
     with torch.no_grad():
         for start in range(0, n, tile_size):
             stop = min(n, start + tile_size)
