@@ -152,10 +152,8 @@ class ModelConfig:
                                   "streaming: the streaming ELBO (Bui et al. 2017), each held datum once and the old "
                                   "data through their pseudo-likelihood on u; memory: the paper's dual-fixed "
                                   "objective, the memory scaled to stand for all old data (docs/calibration.md, "
-                                  "Hyperparameter objective). With learn_inducing, memory. prequential: the "
-                                  "log density of each reading of the batch as predicted by the map before it "
-                                  "(blocked cross-validation; the streaming ELBO while the memory is empty)",
-                                  choices=("streaming", "memory", "prequential"))
+                                  "Hyperparameter objective). With learn_inducing, memory",
+                                  choices=("streaming", "memory"))
     hyper_lr: float = option(0.01, doc="Adam learning rate for the hyperparameters", low=0.0, low_open=True,
                            high=10.0)
     learn_inducing: bool = option(False, doc="move the inducing inputs by gradient steps on an ELBO that keeps the old "

@@ -116,37 +116,6 @@ class HyperparameterSteps:
                              + torch.einsum("pm,pmn,pn->", mean_w, W_old, mean_w)))
         return l_theta, ell.sum() + old_term - kl
 
-    def _prequential_score(self, a_u: torch.Tensor, W_u: torch.Tensor, cx, cy, c_slope2, px, py, p_slope2
-                           ) -> torch.Tensor:
-        """sum_i log p(y_i | the map before the batch, theta) over the predicted readings (px, py), each on its own:
-        the blocked cross-validation score of hyperparameter_objective 'prequential', differentiable in theta.
-
-        The map before the batch is the old part, a fixed pseudo-likelihood on u = f(Z) (natural parameters a_u,
-        W_u: with Z fixed they do not depend on theta), and the conditioning readings (cx, cy: the memory) with
-        the Gaussian likelihood's exact sites under theta, y / s2 and 1 / s2, s2 = noise + b |grad m|^2. Each
-        predicted reading is scored by its marginal, not jointly with its neighbours in the batch: a joint score
-        would be a term of the marginal likelihood's chain rule (log p(y) = sum_t log p(y_t | y_<t)), which a
-        lengthscale fitted to errors shared along a pass satisfies."""
-        z = self.Z
-        L = self._chol_K(z)
-        noise = self.likelihood.noise_variance
-
-        def sites(y, slope2):
-            moved = self._slope_noise(slope2)
-            lam2 = (1.0 / (noise if moved is None else noise + moved)).expand_as(y)
-            return y * lam2, lam2
-
-        a, W = L.T @ a_u, L.T @ W_u @ L  # the old part under theta: (M, P), (P, M, M)
-        if cx.shape[0]:
-            V_c = torch.linalg.solve_triangular(L, self.kernel(z, cx), upper=False)
-            a_c, W_c = site_sums(V_c, *sites(cy, c_slope2))
-            a, W = a + a_c, W + W_c
-        R, c = self._posterior(a, symmetrise(W))
-        mean, var, _ = self._marginals(torch.linalg.solve_triangular(L, self.kernel(z, px), upper=False), R, c,
-                                       self.kernel.diag(px))
-        moved = self._slope_noise(p_slope2)
-        return self.likelihood.log_predictive_density(py, mean, var if moved is None else var + moved).sum()
-
     def _old_part_on_u(self, L0: torch.Tensor, fixed: tuple[torch.Tensor, torch.Tensor] | None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """The old part as a pseudo-likelihood on u = f(Z) (natural parameters a_u = L0^{-T} a_w, (M, P), and
@@ -246,12 +215,10 @@ class HyperparameterSteps:
 
     def _learn_hyperparameters(self, hx, hy, lam1, lam2, weights, budget: int,
                                fixed: tuple[torch.Tensor, torch.Tensor] | None = None,
-                               slope2: torch.Tensor | None = None, predicted: tuple | None = None
-                               ) -> tuple[int, float]:
+                               slope2: torch.Tensor | None = None) -> tuple[int, float]:
         """Adam steps on theta (l_theta) and, if configured, on Z (l_Z); returns (steps, final l_theta per
         datum). ``fixed``: the whitened pseudo-likelihood held fixed during the steps (default the old part);
-        ``slope2`` (N, P): the held data's squared slopes (position noise), held fixed. ``predicted`` (x, y,
-        slope2): readings that l_theta scores by :meth:`_prequential_score` given the held ones (Z fixed).
+        ``slope2`` (N, P): the held data's squared slopes (position noise), held fixed.
         At the end the old part is carried to the new prior and Z; held contributions are the caller's."""
         cfg = self.config
         params = self._hyper_parameters() if cfg.learn_hyperparameters else []
@@ -265,8 +232,7 @@ class HyperparameterSteps:
             ([{"params": [z], "lr": cfg.inducing_lr}] if learn_z else [])
         optimiser = torch.optim.Adam(groups)
         self._restore_adam(optimiser, params)
-        prequential = predicted is not None and not learn_z
-        scale = 1.0 / max(1.0, float(predicted[0].shape[0] if prequential else weights.sum()))
+        scale = 1.0 / max(1.0, float(weights.sum()))
         scale_z = 1.0 / max(1.0, float(self.num_seen))
         good = [p.detach().clone() for p in params]
         good_z = z0.clone()
@@ -283,10 +249,6 @@ class HyperparameterSteps:
                     if learn_z:
                         l_theta, l_z = self._hyper_objective(L0, z0, z, hx, hy, lam1, lam2, weights, fixed,
                                                              slope2)
-                    elif prequential:
-                        l_theta = self._prequential_score(*old_part_on_u, hx, hy, slope2, *predicted)
-                        theta_gradients = self._autograd_setter(l_theta, params)
-                        l_z = None
                     else:
                         l_theta, theta_gradients = self._fixed_z_bound(*old_part_on_u, hx, hy, lam1, lam2,
                                                                        ell_weights, with_old_term=streaming,
@@ -339,43 +301,6 @@ class HyperparameterSteps:
             self.Z = z_new
             self._transport_old_part(L0, self._cross(z0, z_new), L_new)
         return steps, value
-
-    @staticmethod
-    def _autograd_setter(value: torch.Tensor, params: list[nn.Parameter]) -> Callable[[float], None]:
-        """A function that sets each parameter's .grad to the gradient of -scale * value (autograd)."""
-        learned = [p for p in params if p.requires_grad]
-
-        def gradients(scale: float) -> None:
-            grads = torch.autograd.grad(-value * scale, learned, allow_unused=True)
-            for p, g in zip(learned, grads):
-                p.grad = g
-        return gradients
-
-    def _prequential_sample(self, V, hx, hy, lam1, lam2, n_mem: int, slope2: torch.Tensor | None = None
-                            ) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor] | None, tuple]:
-        """What the prequential steps see: the memory as the conditioning readings (at most hyper_points of it,
-        uniformly; the others' sites join the old part, fixed) and at most hyper_points of the batch (pending and
-        new readings), uniformly, as the readings to predict. Returns ((x, y, slope2) conditioning, fixed,
-        (x, y, slope2) predicted)."""
-        cap = self.config.hyper_points
-
-        def pick(n: int) -> torch.Tensor:
-            order = torch.randperm(n, generator=self._generator).to(self.device)
-            return order[:cap].sort().values
-
-        def rows(t, idx):
-            return None if t is None else t[idx]
-
-        memory = pick(n_mem)
-        batch = n_mem + pick(hx.shape[0] - n_mem)
-        fixed = None
-        if memory.shape[0] < n_mem:
-            rest = torch.ones(n_mem, dtype=torch.bool, device=self.device)
-            rest[memory] = False
-            a_r, W_r = site_sums(V[:, :n_mem][:, rest], lam1[:n_mem][rest], lam2[:n_mem][rest])
-            fixed = (self.a_w_old + a_r, self.W_old + W_r)
-        return ((hx[memory], hy[memory], rows(slope2, memory)), fixed,
-                (hx[batch], hy[batch], rows(slope2, batch)))
 
     def _hyper_sample(self, V, hx, hy, lam1, lam2, weights, n_mem: int, slope2: torch.Tensor | None = None
                       ) -> tuple:

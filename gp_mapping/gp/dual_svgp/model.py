@@ -532,15 +532,8 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
             if n_mem:
                 weights[:n_mem] = n_old / n_mem
             budget = self._hyper_budget(n_b)
-            if cfg.hyper_objective == "prequential" and n_mem and not cfg.learn_inducing:
-                # the batch predicted by the map before it (a memory to predict from; else the streaming ELBO)
-                (cx, cy, c_slope2), fixed, predicted = self._prequential_sample(V, hx, hy, lam1, lam2, n_mem,
-                                                                                slope2)
-                steps, objective = self._learn_hyperparameters(cx, cy, None, None, weights[:0], budget, fixed=fixed,
-                                                               slope2=c_slope2, predicted=predicted)
-            else:
-                *seen, fixed, slope2_seen = self._hyper_sample(V, hx, hy, lam1, lam2, weights, n_mem, slope2)
-                steps, objective = self._learn_hyperparameters(*seen, budget, fixed=fixed, slope2=slope2_seen)
+            *seen, fixed, slope2_seen = self._hyper_sample(V, hx, hy, lam1, lam2, weights, n_mem, slope2)
+            steps, objective = self._learn_hyperparameters(*seen, budget, fixed=fixed, slope2=slope2_seen)
             if steps:
                 self.hyper_learned.fill_(True)
                 kxx = self.kernel.diag(hx)
