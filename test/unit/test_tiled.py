@@ -334,7 +334,8 @@ def test_an_update_touches_only_the_tiles_its_batch_falls_in(drive):
             continue
         if not k.startswith("tiles.") or k.split(".", 2)[1] in touched:
             assert torch.equal(v, after_few[k]), k
-        elif k.split(".")[2:4] not in (["engine", "kernel"], ["engine", "likelihood"]):  # shared: the consensus
+        elif k.split(".")[2:4] not in (["engine", "kernel"], ["engine", "likelihood"],
+                                       ["engine", "position_param"]):  # shared: the consensus
             assert torch.equal(v, state[k]), k
 
 
