@@ -311,10 +311,11 @@ class Engine(nn.Module, abc.ABC):
         and a Gaussian likelihood (whose predictive density the variance model replaces)."""
         return self.config.calibration == "prequential" and hasattr(self.likelihood, "noise_variance")
 
-    def _noise_variance(self, x: torch.Tensor) -> torch.Tensor:
+    def _noise_variance(self, x: torch.Tensor, reported: bool = True) -> torch.Tensor:
         """(N, P) variance a reading adds to the latent f at checked inputs, standardised units: the
         likelihood's (Gaussian noise; Student-t scale^2 dof / (dof - 2), its variance where it has one).
-        Engines whose noise varies over space override it."""
+        Engines whose noise varies over space override it; ``reported=False``: of a reading taken exactly at x,
+        without what a reported position's error adds (dual_svgp's position noise)."""
         lik = self.likelihood
         if hasattr(lik, "noise_variance"):
             noise = lik.noise_variance
@@ -325,11 +326,13 @@ class Engine(nn.Module, abc.ABC):
             noise = torch.zeros(self.output_dims, dtype=torch.float64, device=x.device)
         return noise.detach().reshape(1, -1).expand(x.shape[0], self.output_dims)
 
-    def _reading_moments(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _reading_moments(self, xt: torch.Tensor, reported: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(mean, latent variance, noise variance) (N, P) at checked inputs, in the targets' units; the mean at
-        the first session's level (the one the map is conditioned in)."""
+        the first session's level (the one the map is conditioned in). ``reported``: of a reading at a reported
+        position (_noise_variance)."""
         mean, var = self._latent(xt)
-        noise = self._noise_variance(xt)
+        noise = self._noise_variance(xt, reported)
         scale2 = self.y_std ** 2
         return mean * self.y_std + self.y_mean, var * scale2, noise * scale2
 
@@ -338,16 +341,17 @@ class Engine(nn.Module, abc.ABC):
         plus the noise, calibrated on the engine's own out-of-sample errors where it calibrates
         (:attr:`calibrates`; gp/calibration.py), plus the spread of the session offsets (a reading of a session
         not seen yet; 0 with one session). The mean is the reference session's level. What a localizer's
-        measurement model and NLPD need. ``with_slope=False`` leaves out the calibration's slope term, the
-        error a reading's position adds where the map is steep: neighbouring readings share it (a track's
-        error is smooth), so the spike gate, which compares a reading with its neighbours, asks without it."""
+        measurement model and NLPD need. ``with_slope=False`` is a reading taken exactly at x: without the error
+        a reported position adds where the map is steep (the calibration's slope term, and dual_svgp's position
+        noise). A localizer's particle is such a reading; so are a reading's neighbours for the spike gate,
+        since they share its position's error (a track's error is smooth)."""
         xt = self._check_x(x)
         with torch.no_grad():
             return self._reading(xt, with_slope)
 
     def _reading(self, xt: torch.Tensor, with_slope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`predict_reading` at checked inputs."""
-        mean, var, noise = self._reading_moments(xt)
+        mean, var, noise = self._reading_moments(xt, reported=with_slope)
         return mean + self.sessions.level(), self._reading_variance(var, noise, xt if with_slope else None)
 
     def _reading_variance(self, var: torch.Tensor, noise: torch.Tensor, xt: torch.Tensor | None) -> torch.Tensor:

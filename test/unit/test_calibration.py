@@ -231,10 +231,13 @@ def test_the_lagged_map_lacks_the_recent_path():
 
 
 def test_uncalibrated_reading_variance_is_latent_plus_noise():
+    """Without the calibration, a reading's variance is the latent variance plus the learned noise, plus (with
+    position noise) the positions' error times the map's squared slope for a reading at a reported position;
+    one taken exactly at x (``with_slope=False``: a localizer's particle) has no position error to add."""
     rng = np.random.default_rng(1)
     x = rng.uniform(0, 4, (400, 2))
     y = np.sin(x[:, :1]) + 0.1 * rng.normal(size=(400, 1))
-    model = build_model(_config(calibration="none"), 2, 1)
+    model = build_model(_config(calibration="none", position_noise=0.05), 2, 1)
     for i in range(0, 400, 50):
         model.update(x[i:i + 50], y[i:i + 50])
     mean, var = model.predict(x[:20])
@@ -245,9 +248,11 @@ def test_uncalibrated_reading_variance_is_latent_plus_noise():
     step = 1e-5
     slope2 = sum(((model.predict(x[:20] + step * e)[0] - model.predict(x[:20] - step * e)[0]) / (2 * step)) ** 2
                  for e in np.eye(2))
-    assert float(model.position_variance) > 0.0
+    assert float(model.position_variance) > 0.0 and float(slope2.min()) > 0.0
     assert torch.equal(mean, mean_r)
     assert torch.allclose(var_r, var + noise + float(model.position_variance) * slope2, rtol=1e-7)
+    mean_x, var_x = model.predict_reading(x[:20], with_slope=False)
+    assert torch.equal(mean_x, mean) and torch.allclose(var_x, var + noise, rtol=1e-12)
 
 
 def test_state_saved_before_calibration_loads_uncalibrated():
@@ -365,12 +370,11 @@ def _two_session_drive():
 def test_a_sessions_data_are_conditioned_with_its_latest_offset(tile_size):
     # The offset estimate moves over a session's first batches; the data conditioned meanwhile are re-expressed,
     # so the map equals one conditioned on the session's readings less its final offset from the start (exact
-    # for Gaussian sites of one noise; the memory's leverage scores and Z do not depend on the targets. Position
-    # noise is off: it gives each reading a noise from the map's slope when it was conditioned, which the offset
-    # estimate of that moment shaped, so with it the two maps agree only approximately).
+    # for Gaussian sites of one noise; the memory's leverage scores and Z do not depend on the targets. With
+    # position noise, each reading's noise follows the map's slope when it was conditioned, which the offset
+    # estimate of that moment shaped, and the two maps agree only approximately).
     x1, y1, x2, y2 = _two_session_drive()
-    cfg = _config(calibration="none", learn_hyperparameters=False, tile_size=tile_size, tile_overlap=1.0,
-                  position_noise=0.0)
+    cfg = _config(calibration="none", learn_hyperparameters=False, tile_size=tile_size, tile_overlap=1.0)
     sessions = build_model(cfg, 2, 1)
     for i in range(0, 1500, 50):
         sessions.update(x1[i:i + 50], y1[i:i + 50])

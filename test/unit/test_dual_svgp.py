@@ -20,9 +20,6 @@ def make(d: int = 2, p: int = 1, **kw) -> DualSVGP:
     kw.setdefault("full_update_every", 1)  # these tests call update() expecting full updates unless they say
     kw.setdefault("full_update_samples", 1)
     kw.setdefault("tile_size", 0.0)  # the engine itself, not tiles of it
-    # one noise for every reading, as the closed forms below have it (position noise, on by default, gives each
-    # reading the map's slope times the positions' error: its own tests set it)
-    kw.setdefault("position_noise", 0.0)
     return build_model(ModelConfig(**kw), d, p)
 
 
@@ -727,16 +724,15 @@ def test_the_learned_noise_reaches_the_sensors_variance_on_a_drive():
     """On a simulated drive with a known sensor noise (0.1 uT) the learned noise must end near 0.01 uT^2 (measured
     0.012 at M = 64): neither run away with what 64 inducing points cannot represent nor collapse onto the
     in-sample residuals. The noise floor (model.noise_floor, 0.09 uT^2 by default) is off: this sensor is 9x
-    quieter than the floor says, and what is tested is the learning. So is the position noise: the positions are
-    exact (with it on, started at 0.05 m, the slope term holds part of the scatter and the noise ends at 0.0074)."""
+    quieter than the floor says, and what is tested is the learning. The positions are exact: position noise,
+    off by default, started at 0.05 m takes part of the scatter into the slope term (the noise ends at 0.0074)."""
     from gp_mapping.sim import SensorConfig, TrajectoryConfig, WorldConfig, simulate
 
     rec = simulate(WorldConfig(), TrajectoryConfig(duration=40.0), SensorConfig(noise_std=0.1e-6), seed=3)
     x = rec.sensor_position[:, :2]
     field = rec.field_map_tesla_true * 1e6 + np.random.default_rng(0).normal(scale=0.1, size=(len(x), 3))
     y = np.linalg.norm(field, axis=1, keepdims=True)
-    model = build_model(ModelConfig(num_inducing=64, device="cpu", tile_size=0.0, noise_floor=0.0,
-                                    position_noise=0.0), 2, 1)
+    model = build_model(ModelConfig(num_inducing=64, device="cpu", tile_size=0.0, noise_floor=0.0), 2, 1)
     for i in range(0, len(x), 50):
         model.update(x[i:i + 50], y[i:i + 50])
     noise = float(model.likelihood.noise_variance.detach()[0] * model.y_std[0] ** 2)

@@ -26,11 +26,9 @@ def _train(cfg: ModelConfig, x, y, batch: int = 50, input_dims: int | None = Non
 
 
 def _fixed(**kw) -> ModelConfig:
-    """Grid inducing inputs and frozen hyperparameters: a Gaussian likelihood's posterior is then exact (with one
-    noise for every reading: position noise, which gives each its own from the map's slope, is off)."""
+    """Grid inducing inputs and frozen hyperparameters: a Gaussian likelihood's posterior is then exact."""
     base = dict(device="cpu", inducing="grid", inducing_bounds=[-2.0, -2.0, 2.0, 2.0], num_inducing=16,
-                learn_hyperparameters=False, lengthscale=1.0, memory_size=20, lengthscales="isotropic",
-                position_noise=0.0)
+                learn_hyperparameters=False, lengthscale=1.0, memory_size=20, lengthscales="isotropic")
     base.update(kw)
     return ModelConfig(**base)
 

@@ -369,8 +369,10 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         x + delta, m(x) + grad m(x)^T delta."""
         return None if slope2 is None else self.position_variance * slope2
 
-    def _noise_variance(self, x: torch.Tensor) -> torch.Tensor:
+    def _noise_variance(self, x: torch.Tensor, reported: bool = True) -> torch.Tensor:
         noise = super()._noise_variance(x)
+        if not reported:  # a reading taken exactly at x: no position error to read through the slope
+            return noise
         moved = self._slope_noise(self._fit_slope2(x))
         return noise if moved is None else noise + moved.detach()
 

@@ -399,13 +399,14 @@ class TiledModel(SharedHyperparameters, Engine):
         """The map as a whole calibrates a reading's variance (Engine.calibrates); its tiles do not."""
         return self.config.calibration == "prequential" and hasattr(self.prior.likelihood, "noise_variance")
 
-    def _reading_moments(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _reading_moments(self, xt: torch.Tensor, reported: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(mean, latent variance, noise variance) of the blend, targets' units: the noise is the tiles'
-        noise variances weighted as their means are."""
+        noise variances weighted as their means are (``reported``: Engine._reading_moments)."""
         mean, var = self._latent(xt)
         noise = torch.zeros_like(var)
         for rows, engine, w in self._each_tile(xt):
-            noise.index_add_(0, rows, w[:, None] * engine._noise_variance(xt[rows]) * engine.y_std ** 2)
+            noise.index_add_(0, rows, w[:, None] * engine._noise_variance(xt[rows], reported) * engine.y_std ** 2)
         return mean, var, noise
 
     def _reading_slope2(self, xt: torch.Tensor) -> torch.Tensor | None:
