@@ -351,7 +351,9 @@ class Engine(nn.Module, abc.ABC):
 
     def _reading(self, xt: torch.Tensor, with_slope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`predict_reading` at checked inputs."""
-        mean, var, noise = self._reading_moments(xt, reported=with_slope)
+        # The calibration fits a reported position's error itself (its slope term b) on records of the noise
+        # without it, so a calibrated reading is given that noise too; uncalibrated, the engine's own term.
+        mean, var, noise = self._reading_moments(xt, reported=with_slope and not self.calibrates)
         return mean + self.sessions.level(), self._reading_variance(var, noise, xt if with_slope else None)
 
     def _reading_variance(self, var: torch.Tensor, noise: torch.Tensor, xt: torch.Tensor | None) -> torch.Tensor:
@@ -438,7 +440,7 @@ class Engine(nn.Module, abc.ABC):
                 # a lagged map of less than two lags of path is a map of the first seconds: its errors say how
                 # a map that small errs, not the map in use
                 if lagged is not None and float(lagged.calibration.path) >= 2.0 * self.config.calibration_lag:
-                    mean, var, noise = lagged._reading_moments(xt)
+                    mean, var, noise = lagged._reading_moments(xt, reported=False)
                     err = torch.where(seen, yt - offset - mean, torch.zeros_like(mean))
                     slope2 = lagged._reading_slope2(xt) if self.config.calibration_slope else None
                     cal.record(err, var, noise, seen, lagged._prior_latent_variance(), slope2)
