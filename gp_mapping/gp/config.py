@@ -107,7 +107,7 @@ class ModelConfig:
                                    "McHutchon and Rasmussen 2011): readings where the field is steep count for less, "
                                    "so laps that disagree through their track's error are not mapped as detail. Set "
                                    "it to your localisation's error; 0: off, the default (on a simulated corridor "
-                                   "it maps 16 % better, but the Solin localization maps track worse: "
+                                   "it maps 16 % better, but on Solin a larger M maps worse with it: "
                                    "docs/calibration.md, Position noise)", low=0.0, high=1e2)
     learn_position_noise: bool = option(True, doc="dual_svgp with position_noise: learn the positions' error "
                                         "variance with the other hyperparameters, starting at position_noise "
