@@ -594,12 +594,17 @@ class Engine(nn.Module, abc.ABC):
 
     def _store_adam(self, optimiser: torch.optim.Adam, params: list[nn.Parameter]) -> None:
         states = [optimiser.state.get(p) for p in params]
-        if not params or any(not st for st in states):
+        held = [st for st in states if st]
+        if not held:
             return
+        # A parameter that had no gradient in any step of this update (dual_svgp's position noise before the map
+        # has a slope) has no state: its moments are 0, and the others' moments and step count are still kept.
         with torch.no_grad():
-            self.adam_avg = torch.cat([st["exp_avg"].reshape(-1) for st in states]).detach().clone()
-            self.adam_avg_sq = torch.cat([st["exp_avg_sq"].reshape(-1) for st in states]).detach().clone()
-            self.adam_step.fill_(float(states[0]["step"]))
+            self.adam_avg = torch.cat([st["exp_avg"].reshape(-1) if st else torch.zeros_like(p).reshape(-1)
+                                       for st, p in zip(states, params)]).detach().clone()
+            self.adam_avg_sq = torch.cat([st["exp_avg_sq"].reshape(-1) if st else torch.zeros_like(p).reshape(-1)
+                                          for st, p in zip(states, params)]).detach().clone()
+            self.adam_step.fill_(float(held[0]["step"]))
 
     # ------------------------------------------------------------------ input checking
     def _to_tensor(self, value, name: str) -> torch.Tensor:

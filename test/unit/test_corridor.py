@@ -33,12 +33,12 @@ def test_the_centre_line_is_a_closed_rounded_rectangle_inside_the_walls():
 
 def test_the_walker_weaves_about_its_offset_at_hand_height():
     walked = corridor.walk(1, 0.5, np.random.default_rng(0))
-    assert walked.shape == (int(corridor.centre_line()[2][-1] / corridor.SPEED * 10.0), 3)
+    assert walked.shape == (int(corridor.centre_line()[2][-1] / corridor.SPEED * corridor.RATE), 3)
     offset = _lateral(walked[:, :2])
     assert abs(offset.mean() - 0.5) < 0.2 and 0.1 < offset.std() < 0.5
     assert np.all(np.abs(walked[:, 2] - corridor.HAND_HEIGHT) <= corridor.BOB + 1e-12)
     steps = np.linalg.norm(np.diff(walked[:, :2], axis=0), axis=1)
-    assert 0.9 * corridor.SPEED / 10 < np.median(steps) < 1.1 * corridor.SPEED / 10
+    assert 0.9 * corridor.SPEED / corridor.RATE < np.median(steps) < 1.1 * corridor.SPEED / corridor.RATE
 
 
 def test_the_recording_streams_four_laps_and_holds_out_a_fifth_to_one_side():

@@ -208,11 +208,8 @@ class HyperparameterSteps:
             g_kernel = torch.autograd.grad([t for t, _ in outputs], kernel_params,
                                            grad_outputs=[g for _, g in outputs],
                                            allow_unused=True) if outputs and kernel_params else ()
-            # A parameter the bound does not depend on in this step (the position noise before the map has a
-            # slope) has gradient 0, not none: Adam then keeps a state for every parameter, and _store_adam
-            # carries the moments and the step count to the next update.
             for p, g in zip(kernel_params + lik_params, list(g_kernel) + g_lik):
-                p.grad = torch.zeros_like(p) if g is None else -scale * g
+                p.grad = None if g is None else -scale * g
 
         return value, gradients
 
@@ -271,7 +268,7 @@ class HyperparameterSteps:
                             grads = torch.autograd.grad(-l_theta * scale, params, retain_graph=True,
                                                         allow_unused=True)
                             for p, g in zip(params, grads):
-                                p.grad = torch.zeros_like(p) if g is None else g
+                                p.grad = g
                         z.grad, = torch.autograd.grad(-l_z * scale_z, [z])
                     elif finite:
                         theta_gradients(scale)
