@@ -59,6 +59,22 @@ class Recording:
     x_test: np.ndarray  # held-out inputs
     y_test: np.ndarray  # held-out readings
     batch: int
+    t: np.ndarray | None = None  # (N,) seconds of the streamed readings; passes PASS_GAP apart (None: unknown)
+
+
+#: seconds between the times of two passes of a recording (Recording.t): an error shared along a pass does not
+#: reach the next one (:mod:`gp_mapping.evaluation.time_errors`)
+PASS_GAP = 1e6
+
+
+def passes(*times: np.ndarray) -> np.ndarray:
+    """The times of several passes' readings, one after another with PASS_GAP between them (each from 0)."""
+    out, start = [], 0.0
+    for t in times:
+        t = np.asarray(t, dtype=np.float64)
+        out.append(t - t[0] + start)
+        start = out[-1][-1] + PASS_GAP
+    return np.concatenate(out)
 
 
 def load(name: str, root, plan: dict) -> Recording:
@@ -75,14 +91,14 @@ def load(name: str, root, plan: dict) -> Recording:
         if name == "solin_p1":  # the dual-GP paper's protocol: 20 batches
             batch = math.ceil(len(x) / 20)
         return Recording(name, x, y, np.vstack([s.xy for s in te]),
-                         np.concatenate([s.magnitude_uT for s in te])[:, None], batch)
+                         np.concatenate([s.magnitude_uT for s in te])[:, None], batch, passes(*(s.t for s in tr)))
     if name in ("optitrack_magnitude", "optitrack_vector"):
         rec = load_osman2021(root)
         every = 4  # 200 Hz -> 50 Hz
         cut = int(0.7 * len(rec)) // every
         x, f = rec.position[::every], rec.field_world_uT[::every]
         y = np.linalg.norm(f, axis=1)[:, None] if name == "optitrack_magnitude" else f
-        return Recording(name, x[:cut], y[:cut], x[cut:], y[cut:], batch)
+        return Recording(name, x[:cut], y[:cut], x[cut:], y[cut:], batch, rec.t[::every][:cut])
     if name == "demo":
         return load_demo(plan.get("calibration_demo_bag"), batch)
     if name in ("sim_world", "sim_revisit"):
@@ -107,7 +123,9 @@ def load(name: str, root, plan: dict) -> Recording:
         x, y = drive.sensor_position[:, :2], magnitude(drive)
         x_test, y_test = again.sensor_position[:, :2], magnitude(again)
         k = len(x_test) // 5 if revisit else 0
-        return Recording(name, np.vstack([x, x_test[:k]]), np.vstack([y, y_test[:k]]), x_test[k:], y_test[k:], batch)
+        t = passes(drive.t, again.t[:k]) if k else drive.t
+        return Recording(name, np.vstack([x, x_test[:k]]), np.vstack([y, y_test[:k]]), x_test[k:], y_test[k:], batch,
+                         t)
     if name == "sim_corridor":
         from gp_mapping.evaluation.corridor import recording
 
@@ -135,7 +153,7 @@ def load_demo(bag, batch: int) -> Recording:
     present = ~gt.dropped.astype(bool)
     train = present & (np.arange(len(xy)) < start)
     test = present & (np.arange(len(xy)) >= start) & ~gt.is_spike.astype(bool)
-    return Recording("demo", xy[train], y[train], xy[test], y[test], batch)
+    return Recording("demo", xy[train], y[train], xy[test], y[test], batch, gt.t[train])
 
 
 def scores(mean: np.ndarray, var: np.ndarray, y: np.ndarray) -> dict[str, Any]:

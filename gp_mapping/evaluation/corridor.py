@@ -89,7 +89,7 @@ def recording(seed: int = 0, batch: int = 50) -> Recording:
     y, y_test = read(streamed), read(held_out)
     reported = streamed.copy()
     reported[:, :2] += track_error(len(streamed), TRACK_ERROR_M, TRACK_ERROR_S, rng)
-    return Recording("sim_corridor", reported, y, held_out, y_test, batch)
+    return Recording("sim_corridor", reported, y, held_out, y_test, batch, np.arange(len(streamed)) / RATE)
 
 
 __all__ = ["AREA", "centre_line", "recording", "walk"]

@@ -35,8 +35,9 @@ from gp_mapping.evaluation.common import default_results_dir, jsonable, machine_
 SECTIONS = ("accuracy", "calibration", "speed", "growth", "cuda", "large", "explore", "merge", "forgetting")
 #: sections run only when named (--only): the localization section filters the real recordings for minutes, the
 #: memory section drives a 30-minute random walk (issue 38: resident memory must level off), the variants section
-#: maps eight simulated worlds at three M each with its peers (an hour on a shared two-core machine)
-OPTIONAL_SECTIONS = ("localization", "memory", "variants")
+#: maps eight simulated worlds at three M each with its peers (an hour on a shared two-core machine), the
+#: time_errors section fits two exact GPs per recording (a quarter of an hour)
+OPTIONAL_SECTIONS = ("localization", "memory", "variants", "time_errors")
 JSON_NAME = "bench.json"
 MD_NAME = "bench.md"
 
@@ -165,6 +166,10 @@ def run(plan: dict, sections: tuple[str, ...], data: Path | None, log: Callable[
                 from gp_mapping.evaluation import variants
 
                 out = variants.run(plan, log)
+            elif section == "time_errors":
+                from gp_mapping.evaluation import time_errors
+
+                out = time_errors.run(plan, root, log) if root is not None else {"skipped": why}
             else:
                 raise ValueError(f"unknown section {section!r}; choose from {', '.join(SECTIONS)}")
         except Exception as err:  # one broken section must not hide the others' numbers
@@ -279,7 +284,8 @@ def markdown(results: dict[str, Any]) -> str:
                       f"Latency slope after warm-up: {_f(s.get('latency_slope_ms_per_10k_samples'), '+.3f')} ms per "
                       "10 000 samples. Curves: `growth.png`.", ""]
     # sections whose module writes its own markdown, imported only when the section ran
-    for name in ("calibration", "explore", "large", "merge", "forgetting", "localization", "memory", "variants"):
+    for name in ("calibration", "explore", "large", "merge", "forgetting", "localization", "memory", "variants",
+                 "time_errors"):
         if sec.get(name) is not None:
             lines += importlib.import_module(f"gp_mapping.evaluation.{name}").markdown(sec[name])
     cu = sec.get("cuda")

@@ -92,7 +92,7 @@ def recording(name: str, seed: int, seconds: float = 400.0, batch: int = 50) -> 
             return Rotation.from_quat(r.sensor_orientation_xyzw).apply(r.field_sensor_tesla) * 1e6
         return np.linalg.norm(r.field_sensor_tesla, axis=1)[:, None] * 1e6
 
-    return calibration.Recording(name, track(drive), targets(drive), track(again), targets(again), batch)
+    return calibration.Recording(name, track(drive), targets(drive), track(again), targets(again), batch, drive.t)
 
 
 def ladder(rec: calibration.Recording, name: str, log: Callable[[str], None], **overrides: Any

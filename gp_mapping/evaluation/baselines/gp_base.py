@@ -57,21 +57,23 @@ class KernelSpec:
                    lengthscale=config.lengthscale, signal_variance=config.signal_variance,
                    constant_variance=config.constant_variance, noise_variance=config.noise_variance)
 
-    def build(self, input_dims: int):
-        """A GPyTorch covariance module: scale * stationary (+ constant)."""
+    def build(self, input_dims: int, active_dims: tuple[int, ...] | None = None):
+        """A GPyTorch covariance module: scale * stationary (+ constant), on the input columns ``active_dims``
+        (``input_dims`` of them; None: all)."""
         gpytorch = import_gpytorch()
+        on = {} if active_dims is None else {"active_dims": tuple(active_dims)}
         groups = lengthscale_groups(self.lengthscales, input_dims)
         learned = max(groups) + 1
         nu = KERNELS[self.kernel]
         cls = gpytorch.kernels.RBFKernel if nu is None else gpytorch.kernels.MaternKernel
         if learned not in (1, input_dims):
             cls = _shared_lengthscale_kernel(cls, groups)
-        base = cls(ard_num_dims=learned if learned > 1 else None, **({} if nu is None else {"nu": nu}))
+        base = cls(ard_num_dims=learned if learned > 1 else None, **on, **({} if nu is None else {"nu": nu}))
         base.lengthscale = torch.full_like(base.raw_lengthscale, self.lengthscale)
         covar = gpytorch.kernels.ScaleKernel(base)
         covar.outputscale = torch.tensor(self.signal_variance)
         if self.constant_kernel:
-            const = gpytorch.kernels.ConstantKernel()
+            const = gpytorch.kernels.ConstantKernel(**on)
             const.constant = torch.tensor(self.constant_variance)
             covar = covar + const
         return covar

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .gp_base import GPBaseline, KernelSpec, Standardiser, import_gpytorch
+from .gp_base import GPBaseline, KernelSpec, Standardiser, import_gpytorch, kernel_hyperparameters
 from .metrics import BaselineError, as_2d, check_pair
 
 
@@ -168,11 +168,25 @@ class ExactGPBaseline(GPBaseline):
     With more than ``max_points`` training points, a seeded uniform subsample of ``max_points`` is used
     (``subsampled`` and ``n_used`` record it): the exact GP is then exact on that subsample only.
     ``iterations=0`` keeps the :class:`KernelSpec` hyperparameters (for closed-form comparisons).
+
+    ``time_error=True``: each reading also carries an error that neighbouring readings share, e(t), a zero-mean
+    Ornstein-Uhlenbeck process in the reading's time (Matern-1/2: variance ``error_variance`` and timescale
+    ``error_timescale``, learned with the rest), as a track's pose error or a sensor's drift is:
+    y = f(x) + e(t) + noise. ``fit`` then needs the times, and the hyperparameters are the marginal likelihood's
+    under that model. ``predict`` gives the field f alone (a new pass has its own error, independent of these: a
+    reading there has variance latent + ``noise_variance`` + ``error_variance``). Readings of different passes
+    are independent when their times are far apart (more than a few timescales).
     """
 
     def __init__(self, spec: KernelSpec | None = None, *, max_points: int = 3000, iterations: int = 100,
-                 lr: float = 0.05, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float64):
+                 lr: float = 0.05, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float64,
+                 time_error: bool = False, error_timescale: float = 5.0, error_variance: float = 0.1):
         super().__init__(spec, seed, device, dtype)
+        for name, value in (("error_timescale", error_timescale), ("error_variance", error_variance)):
+            if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
+                raise BaselineError(f"{name} must be a positive finite number, got {value!r}")
+        self.time_error = bool(time_error)
+        self.initial_error = (float(error_timescale), float(error_variance))
         if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 1:
             raise BaselineError(f"max_points must be a positive integer, got {max_points!r}")
         if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
@@ -181,10 +195,20 @@ class ExactGPBaseline(GPBaseline):
         self.subsampled = False
         self.n_used = 0
 
-    def fit(self, x: Any, y: Any) -> "ExactGPBaseline":
+    def fit(self, x: Any, y: Any, t: Any = None) -> "ExactGPBaseline":
+        """Fit to inputs x (N, D) and targets y (N, P); ``t`` (N,) seconds: the readings' times, which
+        ``time_error`` needs (and nothing else uses)."""
         gpytorch = import_gpytorch()
         xa, ya = check_pair(x, y)
-        self.input_dims = xa.shape[1]
+        self.input_dims = d = xa.shape[1]
+        if self.time_error:
+            if t is None:
+                raise BaselineError("time_error needs the readings' times: fit(x, y, t)")
+            ta = np.asarray(t, dtype=np.float64).reshape(-1)
+            if ta.shape[0] != xa.shape[0] or not np.all(np.isfinite(ta)):
+                raise BaselineError(f"t must hold one finite time per reading ({xa.shape[0]}), got shape "
+                                    f"{np.shape(t)}" + ("" if ta.shape[0] != xa.shape[0] else " with non-finite values"))
+            xa = np.column_stack([xa, ta])  # the time is the last input column, which only e(t) reads
         self.subsampled = xa.shape[0] > self.max_points
         if self.subsampled:
             keep = np.random.default_rng(self.seed).choice(xa.shape[0], self.max_points, replace=False)
@@ -202,7 +226,7 @@ class ExactGPBaseline(GPBaseline):
                 yt = self._tensor(ys[:, p])
                 likelihood = gpytorch.likelihoods.GaussianLikelihood().to(self.device, self.dtype)
                 likelihood.noise = torch.tensor(self.spec.noise_variance)
-                model = exact_class(xt, yt, likelihood, self.spec.build(self.input_dims)).to(self.device, self.dtype)
+                model = exact_class(xt, yt, likelihood, self._covariance(d)).to(self.device, self.dtype)
                 if self.iterations:
                     model.train()
                     likelihood.train()
@@ -216,8 +240,55 @@ class ExactGPBaseline(GPBaseline):
                 likelihood.eval()
                 self._models.append(model)
                 self._likelihoods.append(likelihood)
+        if self.time_error:
+            for model, likelihood in zip(self._models, self._likelihoods):
+                model.field_posterior = self._field_posterior(model, likelihood)
         self.train_seconds = time.perf_counter() - start
         return self
+
+    def _covariance(self, d: int):
+        """The prior covariance: the field's kernel (KernelSpec), plus e(t) on column d with ``time_error``."""
+        if not self.time_error:
+            return self.spec.build(d)
+        gpytorch = import_gpytorch()
+        field = self.spec.build(d, active_dims=tuple(range(d)))
+        error = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=0.5, active_dims=(d,)))
+        error.base_kernel.lengthscale = torch.tensor(self.initial_error[0])
+        error.outputscale = torch.tensor(self.initial_error[1])
+        covar = field + error
+        covar.field, covar.error = field, error  # the parts by name, for the field's posterior and the report
+        return covar
+
+    def _field_posterior(self, model, likelihood) -> tuple[torch.Tensor, torch.Tensor]:
+        """(L, alpha): chol(K + noise I) of the training inputs under the whole prior (field + e(t)) and
+        alpha = (K + noise I)^{-1} y, which the field's posterior at new inputs needs."""
+        with torch.no_grad():
+            xt, yt = model.train_inputs[0], model.train_targets
+            K = model.covar_module(xt).to_dense() + float(likelihood.noise) * torch.eye(
+                xt.shape[0], dtype=xt.dtype, device=xt.device)
+            L = torch.linalg.cholesky(K)
+            return L, torch.cholesky_solve(yt[:, None], L)[:, 0]
+
+    @property
+    def error_variance(self) -> np.ndarray:
+        """(P,) variance of the error e(t) that neighbouring readings share, in the squared units of y (zeros
+        without ``time_error``)."""
+        self._check_fitted()
+        return np.array([float(m.covar_module.error.outputscale.detach()) * self._scaler.std[p] ** 2
+                         if self.time_error else 0.0 for p, m in enumerate(self._models)])
+
+    def hyperparameters(self) -> list[dict[str, Any]]:
+        """GPBaseline's, and with ``time_error`` the field's kernel alone plus e(t)'s variance (units of y^2)
+        and timescale [s]."""
+        if not self.time_error:
+            return super().hyperparameters()
+        out = []
+        for p, model in enumerate(self._models):
+            h = kernel_hyperparameters(model.covar_module.field)
+            h.update({"noise_variance": float(self.noise_variance[p]), "error_variance": float(self.error_variance[p]),
+                      "error_timescale": float(model.covar_module.error.base_kernel.lengthscale.detach())})
+            out.append(h)
+        return out
 
     @staticmethod
     def _exact_settings():
@@ -232,6 +303,14 @@ class ExactGPBaseline(GPBaseline):
         return stack
 
     def _latent(self, model, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.time_error:  # the field alone: its cross-covariance with the readings, which e(t) does not touch
+            L, alpha = model.field_posterior
+            with torch.no_grad():
+                at = torch.cat([xt, torch.zeros_like(xt[:, :1])], dim=1)  # a time column, which the field ignores
+                cross = model.covar_module.field(at, model.train_inputs[0]).to_dense()
+                explained = torch.linalg.solve_triangular(L, cross.T, upper=False)
+                prior = model.covar_module.field(at, diag=True)
+                return cross @ alpha, (prior - (explained * explained).sum(0)).clamp_min(0.0)
         with torch.no_grad(), self._exact_settings():
             f = model(xt)
             return f.mean, f.variance.clamp_min(0.0)
