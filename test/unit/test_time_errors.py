@@ -61,7 +61,8 @@ def test_the_field_posterior_is_the_closed_form_with_the_shared_error_in_the_rea
     mean, var = model.predict(xs)
     ys = (y[:, 0] - y.mean()) / y.std()
     k_field = _matern52(x, x, SPEC.lengthscale, SPEC.signal_variance) + SPEC.constant_variance
-    k = k_field + error_var * np.exp(-np.abs(t[:, None] - t[None, :]) / timescale) + SPEC.noise_variance * np.eye(len(x))
+    k_error = error_var * np.exp(-np.abs(t[:, None] - t[None, :]) / timescale)
+    k = k_field + k_error + SPEC.noise_variance * np.eye(len(x))
     ks = _matern52(xs, x, SPEC.lengthscale, SPEC.signal_variance) + SPEC.constant_variance
     ref_mean = ks @ np.linalg.solve(k, ys) * y.std() + y.mean()
     ref_var = (SPEC.signal_variance + SPEC.constant_variance - np.einsum("ij,ji->i", ks, np.linalg.solve(k, ks.T))

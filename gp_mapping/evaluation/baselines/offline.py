@@ -206,8 +206,8 @@ class ExactGPBaseline(GPBaseline):
                 raise BaselineError("time_error needs the readings' times: fit(x, y, t)")
             ta = np.asarray(t, dtype=np.float64).reshape(-1)
             if ta.shape[0] != xa.shape[0] or not np.all(np.isfinite(ta)):
-                raise BaselineError(f"t must hold one finite time per reading ({xa.shape[0]}), got shape "
-                                    f"{np.shape(t)}" + ("" if ta.shape[0] != xa.shape[0] else " with non-finite values"))
+                what = f"shape {np.shape(t)}" if ta.shape[0] != xa.shape[0] else "non-finite values"
+                raise BaselineError(f"t must hold one finite time per reading ({xa.shape[0]}), got {what}")
             xa = np.column_stack([xa, ta])  # the time is the last input column, which only e(t) reads
         self.subsampled = xa.shape[0] > self.max_points
         if self.subsampled:
