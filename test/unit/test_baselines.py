@@ -10,15 +10,7 @@ pytest.importorskip("gpytorch")
 from gp_mapping.evaluation.baselines import (BaselineError, ExactGPBaseline, KernelSpec, OfflineSVGP,  # noqa: E402
                                   StreamingSparseGP, gaussian_log_density, nlpd)
 
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small problems: one thread avoids oversubscribing the two shared cores (6x faster under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 SPEC = KernelSpec(kernel="matern52", lengthscales="per_axis", constant_kernel=True, lengthscale=0.7,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("gpytorch")
 
@@ -15,12 +14,7 @@ SPEC = KernelSpec(kernel="matern52", lengthscales="isotropic", constant_kernel=T
                   signal_variance=1.0, constant_variance=0.2, noise_variance=0.05)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _matern52(a, b, lengthscale, variance):
