@@ -290,9 +290,9 @@ def test_warm_up_belongs_to_the_shared_hyperparameters(drive):
     new one included -- takes the post-warm-up budget (one step per hyper_batch new samples), so an update
     costs the same in the hundredth tile as in the second (a tile's own count would restart the warm-up).
     hyper_batch here exceeds any tile's batch and pending samples together: one step per full tile update. With
-    position noise, which a tile's first update cannot learn (no map, no slope yet): its gradient is 0 then, so
-    the optimiser's state, step count included, is still kept (it was not, and the tiles' counts summed to 12
-    of the 46 steps taken)."""
+    position noise, which a tile's first update cannot learn (no map, no slope yet): it has no gradient then,
+    and the optimiser's state is still stored (Engine._store_adam: zero moments for it, the others' moments and
+    the step count kept; before, nothing was stored, and the tiles' counts summed to 12 of the 46 steps taken)."""
     x, y = samples(drive)
     cfg = model_config(hyper_steps=10, hyper_warmup=30, hyper_batch=1000, hyper_tol=0.0, position_noise=0.05)
     model = build_model(cfg, 2, 1)
