@@ -177,11 +177,14 @@ def stream_engine(config: ModelConfig, rec: Recording) -> tuple[Any, float]:
     for i in range(0, len(rec.x), rec.batch):
         x, y = rec.x[i:i + rec.batch], rec.y[i:i + rec.batch]
         keep = ~isolated_spikes(model, x, y, config.spike_gate)  # as the Mapper does (gp/outliers.py)
-        model.update(x[keep], y[keep])
+        stamps = {"t": rec.t[i:i + rec.batch][keep]} if model.wants_stamps and rec.t is not None else {}
+        model.update(x[keep], y[keep], **stamps)
     return model, time.perf_counter() - start
 
 
-def engine_scores(config: ModelConfig, rec: Recording) -> dict[str, Any]:
+def engine_scores(config: ModelConfig, rec: Recording, keep_model: bool = False) -> dict[str, Any]:
+    """The engine's scores on the held-out readings (calibrated and not) after streaming ``rec``; with
+    ``keep_model`` the streamed engine too, under "model"."""
     model, seconds = stream_engine(config, rec)
     mean, var = model.predict_reading(rec.x_test)
     out = scores(mean.cpu().numpy(), var.cpu().numpy(), rec.y_test)
@@ -189,6 +192,8 @@ def engine_scores(config: ModelConfig, rec: Recording) -> dict[str, Any]:
     raw = scores(mean.cpu().numpy(), latent_var.cpu().numpy() + _noise(model, rec), rec.y_test)
     out.update({"stream_seconds": seconds, "uncalibrated": {k: raw[k] for k in
                                                            ("nlpd", "within_1sd", "within_2sd", "z_std")}})
+    if keep_model:
+        out["model"] = model
     return out
 
 

@@ -42,6 +42,11 @@ from .errors import ConfigError, ModelInputError
 from .linalg import symmetrise  # noqa: F401  (its home is linalg.py; importable from here too)
 
 
+#: seconds between readings updated without stamps by an engine that learns from time (model.time_error): far
+#: beyond any timescale it learns, so their shared errors are independent (and one with the white noise)
+UNSTAMPED_GAP = 1e6
+
+
 def to_float64_tensor(value, name: str, device: torch.device) -> torch.Tensor:
     """``value`` (tensor, array or nested list of real numbers) as a float64 tensor on ``device``."""
     if isinstance(value, torch.Tensor):
@@ -651,6 +656,18 @@ class Engine(nn.Module, abc.ABC):
         if why is not None:
             raise ModelInputError(f"{name}: {why}")
         return filled, mask
+
+    def _check_stamps(self, t, n: int, clock_step: float = 1.0) -> torch.Tensor:
+        """Stamps (n,) [s] as float64 on the CPU; None gives a sample clock, ``clock_step`` apart from one sample to
+        the next and counted on from num_seen."""
+        if t is None:
+            return (torch.arange(n, dtype=torch.float64) + float(self.num_seen)) * float(clock_step)
+        tt = to_float64_tensor(t, "t", torch.device("cpu")).reshape(-1)
+        if tt.shape[0] != n:
+            raise ModelInputError(f"x has {n} rows but t has {tt.shape[0]} stamps")
+        if not bool(torch.isfinite(tt).all()):
+            raise ModelInputError("t holds NaN or Inf")
+        return tt
 
     def _check_y(self, y, n: int, name: str = "y") -> torch.Tensor:
         """Targets (N, P) for n input rows, every entry observed and finite."""

@@ -112,6 +112,17 @@ class ModelConfig:
     learn_position_noise: bool = option(True, doc="dual_svgp with position_noise: learn the positions' error "
                                         "variance with the other hyperparameters, starting at position_noise "
                                         "(false: held at it)")
+    time_error: bool = option(False, doc="dual_svgp, gaussian likelihood: each reading also carries an error that "
+                              "neighbouring readings share, e(t), an Ornstein-Uhlenbeck process in the reading's "
+                              "time (a track's pose error, an attitude error, a drift), learned with the other "
+                              "hyperparameters from each batch's readings and their stamps; its variance adds to "
+                              "each reading's noise. Off by default: it maps the simulated corridor better and the "
+                              "simulated worlds' variance worse (docs/calibration.md, Errors that neighbouring "
+                              "readings share)")
+    error_variance: float = option(0.1, doc="time_error: initial variance of e(t) (standardised)", low=0.0,
+                                   low_open=True, high=1e2)
+    error_timescale: float = option(2.0, doc="time_error: initial timescale of e(t) [s]", low=0.0, low_open=True,
+                                    high=1e6)
     student_t_dof: float = option(4.0, doc="Student-t degrees of freedom", low=0.0, low_open=True, high=1e3)
     num_inducing: int = option(256, doc="number of inducing points M (var_gp: the most over all its blocks; "
                                "above it the oldest blocks are distilled)", low=1, high=8192)

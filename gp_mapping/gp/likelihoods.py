@@ -100,10 +100,13 @@ class GaussianLikelihood(Likelihood):
 
     conjugate = True
 
-    def __init__(self, num_outputs: int, noise_variance: float = 0.01, noise_floor: float = 0.0, **kw) -> None:
+    def __init__(self, num_outputs: int, noise_variance: float = 0.01, noise_floor: float = 0.0,
+                 time_error: tuple[float, float] | None = None, **kw) -> None:
         super().__init__(num_outputs, **kw)
         self.noise_param = PositiveParameter(noise_variance, (self.num_outputs,))
         self.noise_floor = float(noise_floor)
+        if time_error is not None:  # (initial variance [standardised], initial timescale [s]): TimeError
+            self.time_error = TimeError(num_outputs, *time_error)
         object.__setattr__(self, "_scale_owner", None)  # a plain reference, not a submodule (no cycle in the tree)
 
     def measure_with(self, owner: nn.Module) -> None:
@@ -117,18 +120,53 @@ class GaussianLikelihood(Likelihood):
         return self.noise_floor / owner.y_std.detach() ** 2
 
     @property
-    def noise_variance(self) -> torch.Tensor:
+    def white_variance(self) -> torch.Tensor:
+        """The variance (P,) of the error that is a reading's own: the floor plus the learned part."""
         return self.noise_param.value + self._floor()
+
+    @property
+    def noise_variance(self) -> torch.Tensor:
+        """The variance (P,) of one reading's error as that reading alone sees it: its own (white) error and, with
+        a time error, the error it shares with its neighbours in time (whose variance adds to each reading's)."""
+        error = getattr(self, "time_error", None)
+        return self.white_variance if error is None else self.white_variance + error.variance
 
     def initialise_noise(self, variance: torch.Tensor) -> None:
         # ``variance`` estimates the whole noise: the learned part starts at what the floor leaves of it (a
-        # learned part started at the whole estimate stayed above it: sim_revisit learned 0.32 for 0.25 uT^2)
+        # learned part started at the whole estimate stayed above it: sim_revisit learned 0.32 for 0.25 uT^2).
+        # With a time error the estimate (from successive differences) is of the white part: e(t) cancels there.
         variance = torch.as_tensor(variance, dtype=torch.float64)
         self.noise_param.set(torch.clamp(variance - self._floor(), min=1e-3 * variance))
 
     def rescale_targets(self, factor: torch.Tensor) -> None:
-        # only the learned part: the floor is the same in the targets' units whatever their scale
+        # only the learned parts: the floor is the same in the targets' units whatever their scale
         self.noise_param.set(self.noise_param.value.detach() * factor ** 2)
+        if hasattr(self, "time_error"):
+            self.time_error.variance_param.set(self.time_error.variance.detach() * factor ** 2)
+
+    def correlated_covariance(self, t: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """(P, N, N) covariance of the errors of readings at the times ``t`` (N,) [s]: the white noise (plus each
+        reading's ``extra`` (N, P)) on the diagonal and e(t)'s covariance."""
+        white = self.white_variance[:, None].expand(-1, t.shape[0])  # (P, N)
+        if extra is not None:
+            white = white + extra.T
+        return self.time_error.covariance(t) + torch.diag_embed(white)
+
+    def correlated_expected_log_lik(self, y: torch.Tensor, mu: torch.Tensor, cov: torch.Tensor, t: torch.Tensor,
+                                    extra: torch.Tensor | None = None) -> torch.Tensor:
+        """E_q[log N(y | f, Sigma_p)] summed over readings and outputs, for readings whose errors are correlated in
+        time: Sigma_p = diag(white_p + extra_p) + error_p exp(-|t_i - t_j| / timescale_p). q(f) has mean ``mu``
+        (N, P) and covariance ``cov`` (P, N, N); ``t`` (N,) the readings' times [s]; ``extra`` (N, P) each
+        reading's own noise on top (position noise). Per output:
+            -1/2 [N log 2 pi + log|Sigma| + r^T Sigma^{-1} r + tr(Sigma^{-1} cov)],  r = y - mu."""
+        chol = torch.linalg.cholesky(self.correlated_covariance(t, extra))
+        r = (y - mu).T[..., None]  # (P, N, 1)
+        white_r = torch.linalg.solve_triangular(chol, r, upper=False)
+        white_cov = torch.linalg.solve_triangular(chol, cov, upper=False)
+        trace = torch.linalg.solve_triangular(chol, white_cov.transpose(-1, -2), upper=False)
+        log_det = 2.0 * torch.log(torch.diagonal(chol, dim1=-2, dim2=-1)).sum()
+        return -0.5 * (y.numel() * math.log(2 * math.pi) + log_det + (white_r * white_r).sum()
+                       + torch.diagonal(trace, dim1=-2, dim2=-1).sum())
 
     def log_prob(self, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
         s2 = self._per_output(self.noise_variance, f)
@@ -148,6 +186,32 @@ class GaussianLikelihood(Likelihood):
         # beta = 1/sigma^2 and ytilde = y, whatever q is: the conjugate (exact) sites.
         beta = (1.0 / self.noise_variance).detach().expand_as(y)
         return (y * beta).detach(), beta.clone()
+
+
+class TimeError(nn.Module):
+    """An error that neighbouring readings share, e(t): per output a zero-mean Ornstein-Uhlenbeck process in the
+    reading's time, cov(e(t), e(t')) = variance exp(-|t - t'| / timescale), both learned (docs/calibration.md,
+    "Errors that neighbouring readings share"). A track's pose error, an attitude error read through a 3-D field,
+    a sensor's drift: each reading of a pass carries it, so a white-noise model explains it as field detail and
+    learns lengthscales that do not carry to the next pass."""
+
+    def __init__(self, num_outputs: int, variance: float, timescale: float) -> None:
+        super().__init__()
+        self.variance_param = PositiveParameter(variance, (num_outputs,))
+        self.timescale_param = PositiveParameter(timescale, (num_outputs,))
+
+    @property
+    def variance(self) -> torch.Tensor:
+        return self.variance_param.value
+
+    @property
+    def timescale(self) -> torch.Tensor:
+        return self.timescale_param.value
+
+    def covariance(self, t: torch.Tensor) -> torch.Tensor:
+        """(P, N, N) covariance of e at the times ``t`` (N,) [s]."""
+        gap = (t[:, None] - t[None, :]).abs()
+        return self.variance[:, None, None] * torch.exp(-gap / self.timescale[:, None, None])
 
 
 class StudentTLikelihood(Likelihood):
@@ -206,12 +270,15 @@ class BernoulliLikelihood(Likelihood):
         return super().log_predictive_density(y, mu, var)
 
 
-def build_likelihood(model_config, num_outputs: int) -> Likelihood:
-    """The likelihood a ModelConfig names (Bernoulli uses the probit link)."""
+def build_likelihood(model_config, num_outputs: int, with_time_error: bool = False) -> Likelihood:
+    """The likelihood a ModelConfig names (Bernoulli uses the probit link); ``with_time_error``: a Gaussian
+    likelihood with an error shared in time (:class:`TimeError`, model.time_error; the engine that asks for it
+    learns it from its batches' times)."""
     name = model_config.likelihood
     if name == "gaussian":
+        time_error = (model_config.error_variance, model_config.error_timescale) if with_time_error else None
         return GaussianLikelihood(num_outputs, noise_variance=model_config.noise_variance,
-                                  noise_floor=model_config.noise_floor)
+                                  noise_floor=model_config.noise_floor, time_error=time_error)
     if name == "student_t":
         return StudentTLikelihood(num_outputs, dof=model_config.student_t_dof,
                                   scale_variance=model_config.noise_variance)

@@ -398,14 +398,14 @@ def test_objective_with_all_data_held_is_the_collapsed_titsias_bound():
     assert float(fast) == pytest.approx(bound, rel=1e-9)
 
 
-def held_data_away_from_theta(outputs: int, likelihood: str, seed: int):
+def held_data_away_from_theta(outputs: int, likelihood: str, seed: int, **config):
     """A model with an old part and a full memory, theta moved away from where its sites were fitted, and the
     held data of a full update (memory, then 60 new samples with made-up sites): (model, hx, hy, lam1, lam2,
     n_mem)."""
     x, y = data(300, seed=seed)
     ys = np.column_stack([y, 0.5 * y + 0.2, -y])[:, :outputs]
     model = make(p=outputs, num_inducing=40, memory_size=60, memory_per_batch=20, hyper_steps=2,
-                 likelihood=likelihood)
+                 likelihood=likelihood, **config)
     for lo in range(0, 240, 40):
         model.update(x[lo:lo + 40], ys[lo:lo + 40])
     assert float(model.W_old.abs().sum()) > 0 and model.memory_size == 60
@@ -441,28 +441,56 @@ def test_hyperparameter_gradient_by_hand_equals_autograd(outputs, likelihood):
         np.testing.assert_allclose(p.grad.numpy(), g.numpy(), rtol=1e-7, atol=1e-9 * float(g.abs().max()))
 
 
-def streaming_elbo_in_u_space(model: DualSVGP, a_u, W_u, hx, hy, lam1, lam2) -> torch.Tensor:
+def streaming_elbo_in_u_space(model: DualSVGP, a_u, W_u, hx, hy, lam1, lam2, times=None) -> torch.Tensor:
     """The streaming ELBO (Bui et al. 2017) written out on u = f(Z), not whitened: prior N(0, K), the old data's
     pseudo-likelihood exp(a_u^T u - u^T W_u u / 2) and each held datum's site on f_i = k_i^T K^{-1} u;
-    l = sum_i E_q[log p(y_i|f_i)] + E_q[log t_old(u)] - KL[q || p], differentiable by autograd."""
+    l = sum_i E_q[log p(y_i|f_i)] + E_q[log t_old(u)] - KL[q || p], differentiable by autograd. ``times``: the
+    stamped readings (finite) have errors correlated in time, E_q[log N(y_b | f_b, white I + e's covariance)],
+    and one site for all of them, Sigma^{-1} at the current theta (held fixed, as sites are); the others are
+    independent with the whole noise."""
     L = model._chol_K()
     K = L @ L.T
     Kinv = torch.cholesky_inverse(L)
     A = Kinv @ model.kernel(model.Z, hx)  # (M, N): K^{-1} k_i
     total = torch.zeros((), dtype=torch.float64)
-    means, variances = [], []
+    means, variances, covariances = [], [], []
+    b = torch.zeros(hx.shape[0], dtype=torch.bool) if times is None else torch.isfinite(times)
+    lik = model.likelihood
+    if times is not None:  # the stamped readings' site: Sigma^{-1} at the current theta, held as a site is
+        lam1, lam2 = torch.where(b[:, None], 0.0, lam1), torch.where(b[:, None], 0.0, lam2)
+        gap = (times[b][:, None] - times[b][None, :]).abs()
+
+        def noise_of(p):
+            return (lik.white_variance[p] * torch.eye(int(b.sum()), dtype=torch.float64)
+                    + lik.time_error.variance[p] * torch.exp(-gap / lik.time_error.timescale[p]))
     for p in range(hy.shape[1]):
         precision = Kinv + W_u[p] + (A * lam2[:, p]) @ A.T
+        shift = a_u[:, p] + A @ lam1[:, p]
+        if times is not None:
+            site = torch.linalg.inv(noise_of(p).detach())
+            precision = precision + A[:, b] @ site @ A[:, b].T
+            shift = shift + A[:, b] @ site @ hy[b, p]
         sigma = torch.linalg.inv(precision)
-        m = sigma @ (a_u[:, p] + A @ lam1[:, p])
+        m = sigma @ shift
+        covariances.append(sigma)
         means.append(A.T @ m)
         variances.append(model.kernel.diag(hx) - (A * model.kernel(model.Z, hx)).sum(0)
                          + (A * (sigma @ A)).sum(0))
         kl = 0.5 * (torch.trace(Kinv @ sigma) + m @ Kinv @ m - len(m) + torch.logdet(K) - torch.logdet(sigma))
         old = a_u[:, p] @ m - 0.5 * torch.trace(W_u[p] @ (sigma + torch.outer(m, m)))
         total = total + old - kl
-    ell = model.likelihood.expected_log_lik(hy, torch.stack(means, 1), torch.stack(variances, 1))
-    return total + ell.sum()
+    mean, var = torch.stack(means, 1), torch.stack(variances, 1)
+    if times is None:
+        return total + model.likelihood.expected_log_lik(hy, mean, var).sum()
+    total = total + model.likelihood.expected_log_lik(hy[~b], mean[~b], var[~b]).sum()
+    xb, Ab = hx[b], A[:, b]
+    for p, sigma_u in enumerate(covariances):
+        cov = model.kernel(xb, xb) - Ab.T @ model.kernel(model.Z, xb) + Ab.T @ sigma_u @ Ab
+        noise = noise_of(p)
+        r = hy[b, p] - mean[b, p]
+        total = total - 0.5 * (int(b.sum()) * np.log(2 * np.pi) + torch.logdet(noise) + r @ torch.linalg.solve(noise, r)
+                               + torch.trace(torch.linalg.solve(noise, cov)))
+    return total
 
 
 @pytest.mark.parametrize("outputs, likelihood", [(1, "gaussian"), (3, "gaussian"), (1, "student_t")])
@@ -483,6 +511,35 @@ def test_streaming_objective_and_its_hand_written_gradient_match_the_elbo_on_u(o
     assert float(fast) == pytest.approx(float(value), rel=1e-9)
     for p, g in zip(params, expected):
         want = torch.zeros_like(p) if g is None else g
+        np.testing.assert_allclose(p.grad.numpy(), want.numpy(), rtol=1e-6, atol=1e-8 * float(want.abs().max() + 1))
+
+
+@pytest.mark.parametrize("outputs", [1, 3])
+def test_streaming_objective_with_a_time_error_and_its_hand_written_gradient_match_the_elbo_on_u(outputs):
+    """model.time_error: the batch's readings (stamped) share an Ornstein-Uhlenbeck error and the memory's
+    (unstamped) do not. The fixed-Z bound's value and hand-written gradient, including those of e's variance and
+    timescale and of the white noise, must equal the streaming ELBO with that correlated likelihood written out
+    on u, by autograd."""
+    model, hx, hy, lam1, lam2, n_mem = held_data_away_from_theta(outputs, "gaussian", seed=33, time_error=True)
+    times = torch.full((hx.shape[0],), float("nan"), dtype=torch.float64)
+    times[n_mem:] = torch.linspace(0.0, 12.0, hx.shape[0] - n_mem, dtype=torch.float64) ** 1.2
+    with torch.no_grad():
+        model.likelihood.time_error.variance_param.set(torch.linspace(0.3, 0.5, outputs))
+        model.likelihood.time_error.timescale_param.set(torch.linspace(1.5, 3.0, outputs))
+    params = model._hyper_parameters()
+    assert len(params) == len(list(model.kernel.parameters())) + 3  # white noise, e's variance and timescale
+    with torch.no_grad():
+        a_u, W_u = model._old_part_on_u(model._chol_K(), None)
+    with torch.enable_grad():
+        value = streaming_elbo_in_u_space(model, a_u, W_u, hx, hy, lam1, lam2, times)
+        expected = torch.autograd.grad(value, params, allow_unused=True)
+    fast, gradients = model._fixed_z_bound(a_u, W_u, hx, hy, lam1, lam2, torch.ones(hx.shape[0], dtype=torch.float64),
+                                           with_old_term=True, times=times)
+    gradients(-1.0)
+    assert float(fast) == pytest.approx(float(value), rel=1e-9)
+    for p, g in zip(params, expected):
+        want = torch.zeros_like(p) if g is None else g
+        assert float(want.abs().max()) > 0
         np.testing.assert_allclose(p.grad.numpy(), want.numpy(), rtol=1e-6, atol=1e-8 * float(want.abs().max() + 1))
 
 

@@ -128,8 +128,8 @@ class HyperparameterSteps:
         return a_u, symmetrise(W_u)
 
     def _fixed_z_bound(self, a_u: torch.Tensor, W_u: torch.Tensor, hx, hy, lam1, lam2, weights,
-                       with_old_term: bool = False, slope2: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, Callable[[float], None]]:
+                       with_old_term: bool = False, slope2: torch.Tensor | None = None,
+                       times: torch.Tensor | None = None) -> tuple[torch.Tensor, Callable[[float], None]]:
         """l_theta of _hyper_objective with Z fixed, and a function that sets the hyperparameters' .grad to the
         gradient of -scale * l_theta.
 
@@ -145,15 +145,36 @@ class HyperparameterSteps:
         with_old_term (the streaming ELBO): l also holds E_q[log t_old(u)] = a_o^T m - tr(W_o (S + m m^T)) / 2,
         with a_o = L^T a_u and W_o = L^T W_u L, which adds a_o - W_o m to dl/dm and -W_o / 2 to dl/dS, and
         directly a_u m^T - X (S + m m^T) to dl/dL.
+        times (model.time_error): the held data's stamps, NaN for a reading whose shared error is independent of
+        every other's (the memory's). The stamped readings' term is E_q[log N(y_b | f_b, Sigma)] with Sigma the
+        white noise plus e(t)'s covariance (GaussianLikelihood.correlated_expected_log_lik), which needs q's full
+        covariance C = K_bb - V_b^T V_b + V_b^T S V_b of f_b: with G = dl/dC it adds V_b G V_b^T to dl/dS, and
+        2 (S V_b G - V_b G) to dl/dV_b, and G itself to dl/dK_bb.
         """
         z = self.Z
+        corr = self._correlated_rows(times)
         with torch.enable_grad():
             kzz, kzx, kxx = self.kernel(z, z), self.kernel(z, hx), self.kernel.diag(hx)
+            kbb = self.kernel(hx[corr], hx[corr]) if corr is not None else None
         with torch.no_grad():
             L = self._factorise(kzz.detach())
             V = torch.linalg.solve_triangular(L, kzx.detach(), upper=False)  # (M, N)
             X = W_u @ L  # (P, M, M)
+            if corr is not None:
+                # the stamped readings' site is one for all of them, V_b Sigma^{-1} (y_b, V_b^T), at the current
+                # theta: q is then the optimal one for their correlated likelihood, as the conjugate per-reading
+                # sites are for the others (held fixed through a step, like every site)
+                extra_b = None if slope2 is None else self._slope_noise(slope2[corr]).detach()
+                V_b = V[:, corr]
+                Pi = torch.cholesky_inverse(torch.linalg.cholesky(
+                    self.likelihood.correlated_covariance(times[corr], extra_b).detach()))  # (P, Nb, Nb)
+                pi = (Pi @ hy[corr].T[..., None])[..., 0]  # (P, Nb)
+                lam1, lam2 = lam1.clone(), lam2.clone()
+                lam1[corr], lam2[corr] = 0.0, 0.0
             a_h, W_h = site_sums(V, lam1, lam2)
+            if corr is not None:
+                a_h = a_h + V_b @ pi.T
+                W_h = symmetrise(W_h + V_b @ Pi @ V_b.T)
             R, c = self._posterior(L.T @ a_u + a_h, L.T @ X + W_h)  # Cholesky reads the lower triangle only
             S = torch.cholesky_inverse(R)  # (P, M, M)
             m = torch.linalg.solve_triangular(R.transpose(-1, -2), c[..., None], upper=True)[..., 0]  # (P, M): S a
@@ -171,14 +192,31 @@ class HyperparameterSteps:
                 penalty = kl - ((a_o * m).sum() - 0.5 * ((W_o * S).sum() + (m * W_o_m).sum()))
         mean_in = mean.requires_grad_(True)
         var_in = var.clamp_min(0.0).requires_grad_(True)
+        cov_in = None
+        if corr is not None:
+            with torch.no_grad():
+                SV_b = SV[:, :, corr]
+                cov_in = symmetrise(kbb.detach() - V_b.T @ V_b + V_b.T @ SV_b).requires_grad_(True)  # (P, Nb, Nb)
         with torch.enable_grad():
-            ell = (self._held_log_lik(hy, mean_in, var_in, slope2) * weights[:, None]).sum()
+            per_reading = self._held_log_lik(hy, mean_in, var_in, slope2) * weights[:, None]
+            if corr is None:
+                ell = per_reading.sum()
+            else:
+                independent = torch.ones_like(weights, dtype=torch.bool)
+                independent[corr] = False
+                extra = None if slope2 is None else self._slope_noise(slope2[corr])
+                # the stamped readings are one group (the batch), weighted alike (_hyper_sample)
+                ell = (per_reading[independent].sum() + weights[corr].mean()
+                       * self.likelihood.correlated_expected_log_lik(hy[corr], mean_in[corr], cov_in, times[corr],
+                                                                     extra))
         value = ell.detach() - penalty
 
         def gradients(scale: float) -> None:
             lik_params = [p for p in self._observation_parameters() if p.requires_grad]
             kernel_params = [p for p in self.kernel.parameters() if p.requires_grad]
-            gm, gv, *g_lik = torch.autograd.grad(ell, [mean_in, var_in] + lik_params, allow_unused=True)
+            inputs = [mean_in, var_in] + ([cov_in] if cov_in is not None else [])
+            gm, gv, *g_rest = torch.autograd.grad(ell, inputs + lik_params, allow_unused=True)
+            g_cov, g_lik = (symmetrise(g_rest[0]), g_rest[1:]) if cov_in is not None else (None, g_rest)
             with torch.no_grad():
                 gv = gv * (var >= 0)  # clamp_min(0)'s gradient
                 m_bar = (V @ gm).T - m + (a_o - W_o_m if with_old_term else 0.0)
@@ -191,11 +229,17 @@ class HyperparameterSteps:
                 A_bar.baddbmm_(m[:, :, None], a_bar[:, None, :], alpha=-0.5)
                 if with_old_term:  # dl/dS's -W_o / 2, through S = A^{-1}
                     A_bar.add_(S @ W_o @ S, alpha=0.5)
+                if g_cov is not None:  # dl/dS's V_b G V_b^T
+                    SVG_b = SV_b @ g_cov  # (P, M, Nb)
+                    A_bar.baddbmm_(SVG_b, SV_b.transpose(-1, -2), alpha=-1.0)
                 # dl/dV = a_bar lam1^T + m gm^T + 2 (S V diag(gv) - V diag(gv) + sum_p A_bar_p V diag(lam2_p)), every
                 # term in V's column-major layout (A_bar V as (V^T A_bar)^T, A_bar symmetric)
                 V_bar = (torch.cat([lam1, gm], 1) @ torch.cat([a_bar, m])).T
                 V_bar.add_(SVg.sum(0) - V * gv.sum(1) + sum((V.T @ A_bar[p]).T * lam2[:, p]
                                                             for p in range(A_bar.shape[0])), alpha=2.0)
+                if g_cov is not None:  # the covariance of f_b, and the stamped readings' site
+                    V_bar[:, corr] += 2.0 * (SVG_b.sum(0) - V_b @ g_cov.sum(0) + (A_bar @ V_b @ Pi).sum(0))
+                    V_bar[:, corr] += a_bar.T @ pi
                 kzx_bar = torch.linalg.solve_triangular(L.T, V_bar, upper=True)
                 L_bar = a_u @ a_bar + 2.0 * (X @ A_bar).sum(0) - kzx_bar @ V.T
                 if with_old_term:  # a_o and W_o's own dependence on L
@@ -204,7 +248,9 @@ class HyperparameterSteps:
                 # leaves it unchanged), so dl/dL = 2 K_bar L and K_bar = L_bar L^{-1} / 2 (one solve; the general
                 # Cholesky adjoint L^{-T} Phi(L^T L_bar) L^{-1} takes two and equals it here).
                 kzz_bar = 0.5 * torch.linalg.solve_triangular(L, L_bar, upper=False, left=False)
-            outputs = [(t, g) for t, g in ((kzz, kzz_bar), (kzx, kzx_bar), (kxx, gv.sum(1))) if t.requires_grad]
+            pairs = [(kzz, kzz_bar), (kzx, kzx_bar), (kxx, gv.sum(1))] + \
+                ([(kbb, g_cov.sum(0))] if g_cov is not None else [])
+            outputs = [(t, g) for t, g in pairs if t.requires_grad]
             g_kernel = torch.autograd.grad([t for t, _ in outputs], kernel_params,
                                            grad_outputs=[g for _, g in outputs],
                                            allow_unused=True) if outputs and kernel_params else ()
@@ -213,12 +259,22 @@ class HyperparameterSteps:
 
         return value, gradients
 
+    def _correlated_rows(self, times: torch.Tensor | None) -> torch.Tensor | None:
+        """Indices of the held readings whose shared errors are correlated (stamped, with model.time_error), or
+        None when fewer than two are."""
+        if times is None or not hasattr(self.likelihood, "time_error"):
+            return None
+        rows = torch.nonzero(torch.isfinite(times)).reshape(-1)
+        return rows if rows.numel() > 1 else None
+
     def _learn_hyperparameters(self, hx, hy, lam1, lam2, weights, budget: int,
                                fixed: tuple[torch.Tensor, torch.Tensor] | None = None,
-                               slope2: torch.Tensor | None = None) -> tuple[int, float]:
+                               slope2: torch.Tensor | None = None,
+                               times: torch.Tensor | None = None) -> tuple[int, float]:
         """Adam steps on theta (l_theta) and, if configured, on Z (l_Z); returns (steps, final l_theta per
         datum). ``fixed``: the whitened pseudo-likelihood held fixed during the steps (default the old part);
-        ``slope2`` (N, P): the held data's squared slopes (position noise), held fixed.
+        ``slope2`` (N, P): the held data's squared slopes (position noise), held fixed; ``times`` (N,): their
+        stamps with model.time_error (_fixed_z_bound; with learned Z every error counts as independent).
         At the end the old part is carried to the new prior and Z; held contributions are the caller's."""
         cfg = self.config
         params = self._hyper_parameters() if cfg.learn_hyperparameters else []
@@ -252,7 +308,7 @@ class HyperparameterSteps:
                     else:
                         l_theta, theta_gradients = self._fixed_z_bound(*old_part_on_u, hx, hy, lam1, lam2,
                                                                        ell_weights, with_old_term=streaming,
-                                                                       slope2=slope2)
+                                                                       slope2=slope2, times=times)
                         l_z = None
                     finite = bool(torch.isfinite(l_theta)) and (l_z is None or bool(torch.isfinite(l_z)))
                     # Converged: the last step gained less than hyper_tol per datum, so stop where this value
@@ -302,19 +358,19 @@ class HyperparameterSteps:
             self._transport_old_part(L0, self._cross(z0, z_new), L_new)
         return steps, value
 
-    def _hyper_sample(self, V, hx, hy, lam1, lam2, weights, n_mem: int, slope2: torch.Tensor | None = None
-                      ) -> tuple:
+    def _hyper_sample(self, V, hx, hy, lam1, lam2, weights, n_mem: int, slope2: torch.Tensor | None = None,
+                      times: torch.Tensor | None = None) -> tuple:
         """What the hyperparameter steps see: at most model.hyper_points held samples, drawn uniformly within
         the memory and within the batch and weighted to stand for their group (an unbiased estimate of the
         data term, as minibatches are in SVGP training); the others' sites join the old part as the fixed
         pseudo-likelihood on u, so q keeps their information. Each step then costs O(hyper_points M^2)
         however many samples a full update holds. With learned Z (l_Z needs the old part alone) everything is
-        seen. Returns the arguments (hx, hy, lam1, lam2, weights, fixed, slope2) of _learn_hyperparameters
-        (``slope2``, the held data's squared slopes, for the samples kept)."""
+        seen. Returns the arguments (hx, hy, lam1, lam2, weights, fixed, slope2, times) of _learn_hyperparameters
+        (``slope2``, the held data's squared slopes, and ``times``, their stamps, for the samples kept)."""
         n = hx.shape[0]
         cap = self.config.hyper_points
         if n <= cap or self.config.learn_inducing:
-            return hx, hy, lam1, lam2, weights, None, slope2
+            return hx, hy, lam1, lam2, weights, None, slope2, times
         groups = [torch.arange(0, n_mem, device=self.device), torch.arange(n_mem, n, device=self.device)]
         quota = [round(cap * len(g) / n) for g in groups]
         chosen, w = [], weights.clone()
@@ -328,7 +384,8 @@ class HyperparameterSteps:
         keep[torch.cat(chosen)] = True
         a_r, W_r = site_sums(V[:, ~keep], lam1[~keep], lam2[~keep])
         return (hx[keep], hy[keep], lam1[keep], lam2[keep], w[keep],
-                (self.a_w_old + a_r, self.W_old + W_r), None if slope2 is None else slope2[keep])
+                (self.a_w_old + a_r, self.W_old + W_r), None if slope2 is None else slope2[keep],
+                None if times is None else times[keep])
 
 
 __all__ = ["HyperparameterSteps"]

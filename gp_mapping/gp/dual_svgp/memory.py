@@ -100,7 +100,7 @@ class DualMemory:
         self.mem_lam1, self.mem_lam2 = lam1[kept], lam2[kept]
         self.mem_logkey = pool_keys[keep]
         self.mem_in_session = in_session[kept]
-        for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2", "pend_in_session"):
+        for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2", "pend_in_session", "pend_t"):
             setattr(self, name, getattr(self, name)[:0])
         a_m, W_m = site_sums(V[:, kept], self.mem_lam1, self.mem_lam2)
         self.a_w = self.a_w_old + a_m

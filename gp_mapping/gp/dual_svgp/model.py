@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from ..base import Engine, difference_noise_estimate, resolve_device, spans_space
+from ..base import UNSTAMPED_GAP, Engine, difference_noise_estimate, resolve_device, spans_space
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..inducing import DEFAULT_REL_TOL, grid_points
@@ -66,7 +66,7 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
     #: buffers whose size changes as data arrive (resized on load_state_dict)
     RESIZABLE = ("Z", "a_w", "W", "a_w_old", "b_w_old", "b_w_session", "W_old", "mem_x", "mem_y", "mem_lam1",
                  "mem_lam2", "mem_logkey", "mem_in_session", "pend_x", "pend_y", "pend_lam1", "pend_lam2",
-                 "pend_in_session", "rng_state", "adam_avg", "adam_avg_sq")
+                 "pend_in_session", "pend_t", "rng_state", "adam_avg", "adam_avg_sq")
 
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int, *,
                  max_pending: int = DEFAULT_MAX_PENDING, inducing_rel_tol: float = DEFAULT_REL_TOL) -> None:
@@ -76,7 +76,7 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         self.inducing_rel_tol = float(inducing_rel_tol)
         device = resolve_device(config.device)
         self.kernel = build_kernel(config, d)
-        self.likelihood = self._own_likelihood(build_likelihood(config, p))
+        self.likelihood = self._own_likelihood(build_likelihood(config, p, with_time_error=config.time_error))
         if config.position_noise > 0:  # the variance of the positions' error [m^2] (_slope_noise)
             self.position_param = PositiveParameter(float(config.position_noise) ** 2)
             self.position_param.raw.requires_grad_(config.learn_position_noise)
@@ -114,6 +114,9 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
             self.register_buffer(f"{prefix}_lam2", torch.zeros(0, p, **f64))
             self.register_buffer(f"{prefix}_in_session", torch.zeros(0, dtype=torch.bool))  # current session's
         self.register_buffer("mem_logkey", torch.zeros(0, **f64))
+        # the pending points' stamps [s]: with model.time_error the hyperparameter steps see the batch's errors as
+        # correlated in time (the memory's readings, far apart in time, as independent)
+        self.register_buffer("pend_t", torch.zeros(0, **f64))
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(int(config.seed))
         self.register_buffer("rng_state", self._generator.get_state())
@@ -123,6 +126,10 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         self.to(device)
 
     # ------------------------------------------------------------------ properties
+    @property
+    def wants_stamps(self) -> bool:  # Engine.wants_stamps: model.time_error learns from the readings' times
+        return bool(self.config.time_error)
+
     @property
     def num_inducing(self) -> int:
         return int(self.Z.shape[0])
@@ -377,11 +384,14 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         return noise if moved is None else noise + moved.detach()
 
     # ------------------------------------------------------------------ updates
-    def update(self, x, y, mode: str | None = None) -> dict:
-        """Condition on a batch (x (N, D), y (N, P)); mode 'fast', 'full' or None (follow full_update_every)."""
+    def update(self, x, y, mode: str | None = None, t=None) -> dict:
+        """Condition on a batch (x (N, D), y (N, P)); mode 'fast', 'full' or None (follow full_update_every); t
+        (N,): the readings' stamps [s], which model.time_error learns from (None: readings UNSTAMPED_GAP apart,
+        whose shared error is then indistinguishable from white noise)."""
         start = time.perf_counter()
         xt = self._check_x(x)
         yt = self._check_y(y, xt.shape[0])
+        tt = self._check_stamps(t, xt.shape[0], UNSTAMPED_GAP).to(self.device)
         if mode not in (None, "fast", "full"):
             raise ValueError(f"update mode must be 'fast', 'full' or None, got {mode!r}")
         cover = None  # (L, V = L^{-1} K_Zx) of the cover check, which a fast update reuses while L stays
@@ -400,9 +410,9 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
             ys = self._standardise(yt)
             with torch.no_grad():
                 if mode == "fast":
-                    stats.update(self._fast_update(xt, ys, cover))
+                    stats.update(self._fast_update(xt, ys, tt, cover))
                 else:
-                    stats.update(self._full_update(xt, ys))
+                    stats.update(self._full_update(xt, ys, tt))
                 self.num_seen_t += xt.shape[0]
                 if mode == "full":
                     self.seen_at_full_t.fill_(int(self.num_seen_t))
@@ -442,6 +452,10 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         if prefix + "seen_at_full_t" not in state_dict and prefix + "num_seen_t" in state_dict:
             state_dict[prefix + "seen_at_full_t"] = state_dict[prefix + "num_seen_t"].clone()
         # maps saved before sessions were re-expressed: their data keep the offsets they were conditioned with
+        # maps saved before pending points had stamps: theirs are far apart (their errors independent)
+        if prefix + "pend_t" not in state_dict and prefix + "pend_x" in state_dict:
+            n = state_dict[prefix + "pend_x"].shape[0]
+            state_dict[prefix + "pend_t"] = torch.arange(n, dtype=torch.float64) * UNSTAMPED_GAP
         if prefix + "b_w_session" not in state_dict and prefix + "b_w_old" in state_dict:
             state_dict[prefix + "b_w_session"] = torch.zeros_like(state_dict[prefix + "b_w_old"])
             for held in ("mem", "pend"):
@@ -450,7 +464,7 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
-    def _fast_update(self, x: torch.Tensor, ys: torch.Tensor,
+    def _fast_update(self, x: torch.Tensor, ys: torch.Tensor, t: torch.Tensor,
                      cover: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
         z_moved = 0
         if not bool(self.z_fixed) and self.num_inducing < self.config.num_inducing:
@@ -480,6 +494,7 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         self.pend_lam1 = torch.cat([self.pend_lam1, lam1])
         self.pend_lam2 = torch.cat([self.pend_lam2, lam2])
         self.pend_in_session = torch.cat([self.pend_in_session, lam2.new_ones(x.shape[0], dtype=torch.bool)])
+        self.pend_t = torch.cat([self.pend_t, t])
         folded = 0
         excess = self.pend_x.shape[0] - self.max_pending
         if excess > 0:
@@ -490,12 +505,12 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
             self.b_w_old = self.b_w_old + V_f @ self.pend_lam2[:excess]
             self.b_w_session = self.b_w_session + V_f @ (self.pend_lam2[:excess] * self.pend_in_session[:excess, None])
             self.W_old = self.W_old + W_f
-            for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2", "pend_in_session"):
+            for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2", "pend_in_session", "pend_t"):
                 setattr(self, name, getattr(self, name)[excess:])
             folded = excess
         return {"z_moved": z_moved, "folded": folded}
 
-    def _full_update(self, x: torch.Tensor, ys: torch.Tensor) -> dict:
+    def _full_update(self, x: torch.Tensor, ys: torch.Tensor, t: torch.Tensor) -> dict:
         cfg = self.config
         n_pend, n_mem = self.pend_x.shape[0], self.mem_x.shape[0]
         # The batch: pending points (with sites) and the new points (without).
@@ -534,8 +549,13 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
             if n_mem:
                 weights[:n_mem] = n_old / n_mem
             budget = self._hyper_budget(n_b)
-            *seen, fixed, slope2_seen = self._hyper_sample(V, hx, hy, lam1, lam2, weights, n_mem, slope2)
-            steps, objective = self._learn_hyperparameters(*seen, budget, fixed=fixed, slope2=slope2_seen)
+            # the batch's stamps; the memory's readings (NaN) count as independent of each other and of the batch
+            times = torch.cat([torch.full((n_mem,), float("nan"), dtype=torch.float64, device=self.device), self.pend_t, t]) \
+                if self.config.time_error else None
+            *seen, fixed, slope2_seen, times_seen = self._hyper_sample(V, hx, hy, lam1, lam2, weights, n_mem, slope2,
+                                                                       times)
+            steps, objective = self._learn_hyperparameters(*seen, budget, fixed=fixed, slope2=slope2_seen,
+                                                           times=times_seen)
             if steps:
                 self.hyper_learned.fill_(True)
                 kxx = self.kernel.diag(hx)

@@ -39,8 +39,8 @@ import time
 
 import torch
 
-from ..base import Engine, resolve_device, to_float64_tensor
-from ..errors import ConfigError, ModelInputError
+from ..base import Engine, resolve_device
+from ..errors import ConfigError
 from ..kernels import STATIONARY_KERNELS, lengthscale_groups
 from ..likelihoods import GaussianLikelihood
 from .dp_mixture import escobar_west, effective_sample_size, niw_add, normalise_log_weights, resample_indices
@@ -218,14 +218,7 @@ class SMCExperts(ExpertGPs, Gating, ExpertMemory, Engine):
     # ------------------------------------------------------------------ input checks
     def _check_t(self, t, n: int) -> torch.Tensor:
         """Stamps (n,) as float64 on the CPU; None gives a sample clock (num_seen, num_seen + 1, ...)."""
-        if t is None:
-            return torch.arange(n, dtype=torch.float64) + float(self.num_seen)
-        tt = to_float64_tensor(t, "t", torch.device("cpu")).reshape(-1)
-        if tt.shape[0] != n:
-            raise ModelInputError(f"x has {n} rows but t has {tt.shape[0]} stamps")
-        if not bool(torch.isfinite(tt).all()):
-            raise ModelInputError("t holds NaN or Inf")
-        return tt
+        return self._check_stamps(t, n)
 
     # ------------------------------------------------------------------ updates
     def update(self, x, y, mode: str | None = None, t=None) -> dict:

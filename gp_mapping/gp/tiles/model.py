@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from ..base import Engine, merge_moments, moments_scale, resolve_device
+from ..base import UNSTAMPED_GAP, Engine, merge_moments, moments_scale, resolve_device
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..merging import MergeError, MergeResult, load_merged
@@ -268,14 +268,20 @@ class TiledModel(SharedHyperparameters, Engine):
         filled, mask = self._check_targets(y, n, name, allow_missing=True)
         return torch.where(mask, filled, torch.full_like(filled, math.nan))
 
-    def update(self, x, y, mode: str | None = None) -> dict:
+    @property
+    def wants_stamps(self) -> bool:  # Engine.wants_stamps: the tiles' engine's (model.time_error)
+        return bool(getattr(self.prior, "wants_stamps", False))
+
+    def update(self, x, y, mode: str | None = None, t=None) -> dict:
         """Condition on a batch: each sample goes to every tile whose span holds it (see the module docstring).
-        ``mode`` is passed to every touched tile's engine (None: each follows its own full_update_every)."""
+        ``mode`` is passed to every touched tile's engine (None: each follows its own full_update_every); ``t``
+        (N,), the samples' stamps, to an engine that wants them."""
         start = time.perf_counter()
         if mode not in (None, "fast", "full"):
             raise ValueError(f"update mode must be 'fast', 'full' or None, got {mode!r}")
         xt = self._check_x(x)
         yt = self._check_y(y, xt.shape[0])
+        tt = self._check_stamps(t, xt.shape[0], UNSTAMPED_GAP) if self.wants_stamps else None
         stats: dict[str, Any] = {"mode": mode or "fast", "n_batch": int(xt.shape[0]), "tiles_touched": 0,
                                  "tiles_created": 0, "z_moved": 0, "hyper_steps": 0}
         if xt.shape[0] > 0:
@@ -286,7 +292,7 @@ class TiledModel(SharedHyperparameters, Engine):
                 observed = ~torch.isnan(yt)
                 yt = torch.where(observed, self._calibrate_on(xt, torch.where(observed, yt, torch.zeros_like(yt)),
                                                               observed), yt)
-                self._update_tiles(xt, yt, mode, stats)
+                self._update_tiles(xt, yt, mode, stats, tt)
             except BaseException:
                 if own:
                     self.rollback()
@@ -297,7 +303,8 @@ class TiledModel(SharedHyperparameters, Engine):
                       "jitter": self.jitter})
         return stats
 
-    def _update_tiles(self, xt: torch.Tensor, yt: torch.Tensor, mode: str | None, stats: dict) -> None:
+    def _update_tiles(self, xt: torch.Tensor, yt: torch.Tensor, mode: str | None, stats: dict,
+                      tt: torch.Tensor | None = None) -> None:
         prior_before = (self._theta(), self.scale_offset.clone(), self.scale_std.clone())
         with torch.no_grad():
             merge_moments(self.target_count, self.target_mean, self.target_m2, yt, ~torch.isnan(yt))
@@ -325,7 +332,8 @@ class TiledModel(SharedHyperparameters, Engine):
             if mode is None and rows.numel() < FAST_FRACTION * most:
                 tile_mode = "fast"
             consensus = self._theta()
-            out = slot.engine.update(xt[rows], yt[rows], mode=tile_mode)
+            stamps = {} if tt is None else {"t": tt[rows.cpu()]}
+            out = slot.engine.update(xt[rows], yt[rows], mode=tile_mode, **stamps)
             slot.version = next(VERSIONS)
             proposal = self._theta()
             slot.theta.copy_(proposal)  # the tile's posterior is fitted under its own proposal
