@@ -47,17 +47,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def track_error(n: int, std: float, correlation_s: float, rng: np.random.Generator) -> np.ndarray:
-    """(n, 2) a horizontal position error sampled at RATE: an Ornstein-Uhlenbeck process per axis, stationary
-    with standard deviation ``std`` [m] and correlation time ``correlation_s``."""
-    out = np.zeros((n, 2))
+def track_error(n: int, std: float, correlation_s: float, rng: np.random.Generator, rate: float = RATE,
+                axes: int = 2) -> np.ndarray:
+    """(n, axes) an error sampled at ``rate`` [Hz] (a horizontal position error at RATE by default): an
+    Ornstein-Uhlenbeck process per axis, stationary with standard deviation ``std`` and correlation time
+    ``correlation_s`` [s]."""
+    out = np.zeros((n, axes))
     if std == 0.0 or n == 0:
         return out
-    keep = np.exp(-1.0 / (RATE * correlation_s))
+    keep = np.exp(-1.0 / (rate * correlation_s))
     kick = std * np.sqrt(1.0 - keep * keep)
-    out[0] = rng.normal(0.0, std, 2)
+    out[0] = rng.normal(0.0, std, axes)
     for i in range(1, n):
-        out[i] = keep * out[i - 1] + rng.normal(0.0, kick, 2)
+        out[i] = keep * out[i - 1] + rng.normal(0.0, kick, axes)
     return out
 
 

@@ -13,6 +13,7 @@ import torch
 from gp_mapping.gp import ModelConfig, ModelInputError, build_model
 from gp_mapping.gp.base import UNSTAMPED_GAP
 from gp_mapping.evaluation import calibration
+from gp_mapping.evaluation.variants import track_error
 
 
 def _field(x: np.ndarray) -> np.ndarray:
@@ -24,13 +25,9 @@ def _passes(n_passes: int, rng, error_sd=1.0, timescale=1.0, noise_sd=0.2, rate=
     in time and white noise; x, y (N, 1), t (passes far apart in time)."""
     xs, ys, ts = [], [], []
     times = np.arange(0.0, 40.0, 1.0 / rate)
-    a = np.exp(-1.0 / rate / timescale)
     for _ in range(n_passes):
         x = np.column_stack([times * speed, rng.uniform(-0.5, 0.5, len(times))])
-        e = np.empty(len(times))
-        e[0] = error_sd * rng.standard_normal()
-        for k in range(1, len(times)):
-            e[k] = a * e[k - 1] + error_sd * np.sqrt(1.0 - a * a) * rng.standard_normal()
+        e = track_error(len(times), error_sd, timescale, rng, rate=rate, axes=1)[:, 0]
         xs.append(x)
         ys.append(_field(x) + e + noise_sd * rng.standard_normal(len(times)))
         ts.append(times.copy())

@@ -9,6 +9,7 @@ pytest.importorskip("gpytorch")
 
 from gp_mapping.evaluation import calibration, time_errors  # noqa: E402
 from gp_mapping.evaluation.baselines import BaselineError, ExactGPBaseline, KernelSpec  # noqa: E402
+from gp_mapping.evaluation.variants import track_error  # noqa: E402
 
 SPEC = KernelSpec(kernel="matern52", lengthscales="isotropic", constant_kernel=True, lengthscale=1.5,
                   signal_variance=1.0, constant_variance=0.2, noise_variance=0.05)
@@ -32,13 +33,9 @@ def _passes(n_passes, rng, error_sd=1.0, timescale=5.0, noise_sd=0.1):
     error in time (``error_sd``, ``timescale``) and white noise; returns x, y, t (the passes far apart in time)."""
     xs, ys, ts = [], [], []
     steps = np.arange(0.0, 20.0, 0.5)
-    a = np.exp(-0.5 / timescale)
     for p in range(n_passes):
         x = np.column_stack([steps, rng.uniform(-0.5, 0.5, len(steps))])
-        e = np.empty(len(steps))
-        e[0] = error_sd * rng.standard_normal()
-        for k in range(1, len(steps)):
-            e[k] = a * e[k - 1] + error_sd * np.sqrt(1 - a * a) * rng.standard_normal()
+        e = track_error(len(steps), error_sd, timescale, rng, rate=2.0, axes=1)[:, 0]
         xs.append(x)
         ys.append(_field(x) + e + noise_sd * rng.standard_normal(len(steps)))
         ts.append(steps.copy())
