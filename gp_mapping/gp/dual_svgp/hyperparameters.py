@@ -149,7 +149,9 @@ class HyperparameterSteps:
         every other's (the memory's). The stamped readings' term is E_q[log N(y_b | f_b, Sigma)] with Sigma the
         white noise plus e(t)'s covariance (GaussianLikelihood.correlated_expected_log_lik), which needs q's full
         covariance C = K_bb - V_b^T V_b + V_b^T S V_b of f_b: with G = dl/dC it adds V_b G V_b^T to dl/dS, and
-        2 (S V_b G - V_b G) to dl/dV_b, and G itself to dl/dK_bb.
+        2 (S V_b G - V_b G) to dl/dV_b, and G itself to dl/dK_bb. Their site is one for all of them,
+        (V_b Pi y_b, V_b Pi V_b^T) with Pi = Sigma^{-1} held as sites are, which adds a_bar (Pi y_b)^T and
+        2 A_bar V_b Pi to dl/dV_b.
         """
         z = self.Z
         corr = self._correlated_rows(times)

@@ -451,11 +451,12 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         # maps saved before the sample count of the schedule existed: as if their last update was full
         if prefix + "seen_at_full_t" not in state_dict and prefix + "num_seen_t" in state_dict:
             state_dict[prefix + "seen_at_full_t"] = state_dict[prefix + "num_seen_t"].clone()
-        # maps saved before sessions were re-expressed: their data keep the offsets they were conditioned with
-        # maps saved before pending points had stamps: theirs are far apart (their errors independent)
+        # maps saved before pending points had stamps: theirs are far apart, from each other and (negative) from
+        # any a sample clock gives later readings (their errors independent)
         if prefix + "pend_t" not in state_dict and prefix + "pend_x" in state_dict:
             n = state_dict[prefix + "pend_x"].shape[0]
-            state_dict[prefix + "pend_t"] = torch.arange(n, dtype=torch.float64) * UNSTAMPED_GAP
+            state_dict[prefix + "pend_t"] = -(torch.arange(n, dtype=torch.float64) + 1.0) * UNSTAMPED_GAP
+        # maps saved before sessions were re-expressed: their data keep the offsets they were conditioned with
         if prefix + "b_w_session" not in state_dict and prefix + "b_w_old" in state_dict:
             state_dict[prefix + "b_w_session"] = torch.zeros_like(state_dict[prefix + "b_w_old"])
             for held in ("mem", "pend"):
@@ -549,9 +550,12 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
             if n_mem:
                 weights[:n_mem] = n_old / n_mem
             budget = self._hyper_budget(n_b)
-            # the batch's stamps; the memory's readings (NaN) count as independent of each other and of the batch
-            times = torch.cat([torch.full((n_mem,), float("nan"), dtype=torch.float64, device=self.device), self.pend_t, t]) \
-                if self.config.time_error else None
+            # the batch's stamps; the memory's readings (NaN), scattered in time, count as independent of each
+            # other and of the batch (made correlated by their stamps, they learned the same: docs/calibration.md)
+            times = None
+            if cfg.time_error:
+                unstamped = torch.full((n_mem,), float("nan"), dtype=torch.float64, device=self.device)
+                times = torch.cat([unstamped, self.pend_t, t])
             *seen, fixed, slope2_seen, times_seen = self._hyper_sample(V, hx, hy, lam1, lam2, weights, n_mem, slope2,
                                                                        times)
             steps, objective = self._learn_hyperparameters(*seen, budget, fixed=fixed, slope2=slope2_seen,
