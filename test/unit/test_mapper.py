@@ -425,3 +425,24 @@ def test_files_hold_the_variance_of_a_reading(tmp_path, target):
     back, _ = read_map_npz(write_map_npz(tmp_path / "map.npz", grid, mapper.trajectory))
     for name, var in grid.reading_variance.items():
         assert np.array_equal(back.reading_variance[name], var, equal_nan=True)
+
+
+def test_an_engine_that_learns_from_time_is_handed_each_batchs_stamps(monkeypatch):
+    """model.time_error: the Mapper gives the engine (tiles of dual_svgp) every batch's field stamps, in data time
+    and in order (Engine.wants_stamps), and the map stays finite."""
+    mapper = Mapper(config(model={"time_error": True}))
+    assert mapper.model.wants_stamps and not Mapper(config()).model.wants_stamps
+    seen, update = [], mapper.model.update
+
+    def spy(x, y, mode=None, t=None):
+        seen.append((len(x), None if t is None else np.asarray(t)))
+        return update(x, y, mode=mode, t=t)
+
+    monkeypatch.setattr(mapper.model, "update", spy)
+    _, n_fields = feed(mapper, until=12.0)
+    mapper.flush()
+    assert seen and all(t is not None and len(t) == n for n, t in seen)
+    stamps = np.concatenate([t for _, t in seen])
+    assert len(stamps) == n_fields and np.all(np.diff(stamps) > 0) and 0.0 < stamps[0] and stamps[-1] < 12.0
+    grid = mapper.grid()
+    assert np.isfinite(grid.layers["magnitude"][0][grid.known]).all()
