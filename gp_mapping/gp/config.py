@@ -118,7 +118,7 @@ class ModelConfig:
                               "hyperparameters from each batch's readings and their stamps; its variance adds to "
                               "each reading's noise. Off by default: it maps the simulated corridor better and the "
                               "simulated worlds' variance worse (docs/calibration.md, Errors that neighbouring "
-                              "readings share)")
+                              "readings share); with another engine or likelihood, a config error")
     error_variance: float = option(0.1, doc="time_error: initial variance of e(t) (standardised)", low=0.0,
                                    low_open=True, high=1e2)
     error_timescale: float = option(2.0, doc="time_error: initial timescale of e(t) [s]", low=0.0, low_open=True,

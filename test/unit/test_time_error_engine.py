@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gp_mapping.gp import ModelConfig, ModelInputError, build_model
+from gp_mapping.gp import ConfigError, ModelConfig, ModelInputError, build_model
 from gp_mapping.gp.base import UNSTAMPED_GAP
 from gp_mapping.evaluation import calibration
 from gp_mapping.evaluation.variants import track_error
@@ -141,3 +141,10 @@ def test_the_calibration_stream_gives_an_engine_that_wants_them_its_stamps():
     short = calibration.Recording(rec.name, rec.x[:150], rec.y[:150], rec.x_test[:20], rec.y_test[:20], 50, rec.t[:150])
     model, _ = calibration.stream_engine(calibration.shipped(time_error=True, tile_size=0.0), short)
     assert model.num_seen == 150 and float(model.likelihood.time_error.timescale[0]) != 2.0  # it learned from them
+
+
+@pytest.mark.parametrize("setting", [{"engine": "continual_mogp"}, {"engine": "var_gp"}, {"likelihood": "student_t"}])
+def test_time_error_elsewhere_is_a_config_error_naming_the_key(setting):
+    with pytest.raises(ConfigError, match="time_error is learned by dual_svgp") as err:
+        build_model(ModelConfig(device="cpu", time_error=True, **setting), 2, 1)
+    assert err.value.key == "time_error"
