@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .kernels import PositiveParameter
+from .linalg import jittered_cholesky
 
 # The largest allowed de/dvar: every site keeps a precision of at least 2e-8.
 CURVATURE_CLAMP = -1e-8
@@ -159,7 +160,7 @@ class GaussianLikelihood(Likelihood):
         (N, P) and covariance ``cov`` (P, N, N); ``t`` (N,) the readings' times [s]; ``extra`` (N, P) each
         reading's own noise on top (position noise). Per output:
             -1/2 [N log 2 pi + log|Sigma| + r^T Sigma^{-1} r + tr(Sigma^{-1} cov)],  r = y - mu."""
-        chol = torch.linalg.cholesky(self.correlated_covariance(t, extra))
+        chol, _ = jittered_cholesky(self.correlated_covariance(t, extra), 0.0)  # GPNumericalError if it cannot
         r = (y - mu).T[..., None]  # (P, N, 1)
         white_r = torch.linalg.solve_triangular(chol, r, upper=False)
         white_cov = torch.linalg.solve_triangular(chol, cov, upper=False)

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from ..errors import GPNumericalError
-from ..linalg import symmetrise
+from ..linalg import jittered_cholesky, symmetrise
 from .sites import site_sums
 
 
@@ -168,8 +168,8 @@ class HyperparameterSteps:
                 # sites are for the others (held fixed through a step, like every site)
                 extra_b = None if slope2 is None else self._slope_noise(slope2[corr]).detach()
                 V_b = V[:, corr]
-                Pi = torch.cholesky_inverse(torch.linalg.cholesky(
-                    self.likelihood.correlated_covariance(times[corr], extra_b).detach()))  # (P, Nb, Nb)
+                Pi = torch.cholesky_inverse(jittered_cholesky(
+                    self.likelihood.correlated_covariance(times[corr], extra_b).detach(), 0.0)[0])  # (P, Nb, Nb)
                 pi = (Pi @ hy[corr].T[..., None])[..., 0]  # (P, Nb)
                 lam1, lam2 = lam1.clone(), lam2.clone()
                 lam1[corr], lam2[corr] = 0.0, 0.0
