@@ -266,6 +266,22 @@ def test_shared_hyperparameters_are_the_sample_weighted_mean_of_the_tiles_propos
     assert float(again.consensus_weight) == float(model.consensus_weight) == float(n.sum())
 
 
+@pytest.mark.parametrize("step", [0.5, 1.0])
+def test_a_consensus_step_moves_the_shared_hyperparameters_towards_the_latest_proposal(drive, step):
+    """model.tile_consensus_step: the shared hyperparameters are avg + step (theta_last - avg), avg the
+    sample-weighted mean of the tiles' latest proposals and theta_last the proposal of the tile that learned
+    last (step 1: that proposal itself, as one engine learns)."""
+    x, y = samples(drive)
+    model = stream(build_model(model_config(tile_consensus_step=step), 2, 1), x[:400], y[:400])
+    assert model.update(x[400:450], y[400:450], mode="full")["hyper_steps"] > 0
+    average = model.consensus_sum / model.consensus_weight
+    latest = average + (model._theta() - average) / step  # the proposal it was moved towards
+    slots = list(model.tiles.values())
+    assert len(slots) > 3
+    assert any(torch.allclose(slot.theta, latest, rtol=0, atol=1e-10) for slot in slots)
+    assert not torch.allclose(model._theta(), average, rtol=0, atol=1e-6)
+
+
 def test_a_state_saved_before_centred_tiles_keeps_its_lattice(drive):
     """States saved before 2026-11-26 have no lattice_centred: their tiles were cornered on the origin (tile 0
     spanned [-o/2, s + o/2)), and they load so, with the tiles' unit taken from the running statistics."""

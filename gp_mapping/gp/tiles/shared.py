@@ -124,13 +124,17 @@ class SharedHyperparameters:
         weighted by the samples its tile has learned from (module docstring, 'Shared hyperparameters'), from the
         running sums sum_t n_t theta_t and sum_t n_t, so that it costs the same however many tiles exist. A lone
         tile's proposal is the consensus bit for bit (one tile maps as one engine). Parameters that no longer
-        learn (continual_mogp's frozen mixing matrix) keep their value."""
+        learn (continual_mogp's frozen mixing matrix) keep their value. model.tile_consensus_step moves it from
+        that average towards the proposal: the average alone moves by about one tile's steps per lap over many
+        tiles, so revisits teach the shared hyperparameters slowly (docs/calibration.md, In the engine)."""
         if len(self.tiles) == 1 or float(self.consensus_weight) <= 0.0:
             return proposal
         current = self._theta()
         learning = torch.cat([torch.full((q.numel(),), bool(q.requires_grad), device=current.device)
                               for q in self._shared_parameters()])
-        return torch.where(learning, self.consensus_sum / self.consensus_weight, current)
+        average = self.consensus_sum / self.consensus_weight
+        step = float(self.config.tile_consensus_step)
+        return torch.where(learning, average + step * (proposal - average) if step else average, current)
 
     def _count_proposal(self, slot: Tile, before: tuple[float, torch.Tensor]) -> None:
         """Replace a tile's term (samples, theta) ``before`` in the running sums by its current one."""
