@@ -243,7 +243,10 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               "noise floor 0": {"noise_floor": 0.0}, "noise floor 0.04": {"noise_floor": 0.04},
               "noise floor 0.25": {"noise_floor": 0.25}, "memory objective": {"hyper_objective": "memory"},
               "memory objective, floor 0.04": {"hyper_objective": "memory", "noise_floor": 0.04},
-              "position noise 0.05 m": {"position_noise": 0.05}, "no slope term": {"calibration_slope": False}}
+              "position noise 0.05 m": {"position_noise": 0.05}, "no slope term": {"calibration_slope": False},
+              "consensus step 0.5": {"tile_consensus_step": 0.5},
+              "consensus step 0.5, M = 128": {"tile_consensus_step": 0.5, "num_inducing": 128},
+              "consensus step 0.5, M = 512": {"tile_consensus_step": 0.5, "num_inducing": 512}}
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
