@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from .kernels import PositiveParameter
-from .linalg import jittered_cholesky
 
 # The largest allowed de/dvar: every site keeps a precision of at least 2e-8.
 CURVATURE_CLAMP = -1e-8
@@ -153,14 +152,14 @@ class GaussianLikelihood(Likelihood):
             white = white + extra.T
         return self.time_error.covariance(t) + torch.diag_embed(white)
 
-    def correlated_expected_log_lik(self, y: torch.Tensor, mu: torch.Tensor, cov: torch.Tensor, t: torch.Tensor,
-                                    extra: torch.Tensor | None = None) -> torch.Tensor:
+    @staticmethod
+    def correlated_expected_log_lik(y: torch.Tensor, mu: torch.Tensor, cov: torch.Tensor, chol: torch.Tensor
+                                    ) -> torch.Tensor:
         """E_q[log N(y | f, Sigma_p)] summed over readings and outputs, for readings whose errors are correlated in
-        time: Sigma_p = diag(white_p + extra_p) + error_p exp(-|t_i - t_j| / timescale_p). q(f) has mean ``mu``
-        (N, P) and covariance ``cov`` (P, N, N); ``t`` (N,) the readings' times [s]; ``extra`` (N, P) each
-        reading's own noise on top (position noise). Per output:
+        time: ``chol`` (P, N, N) is the Cholesky factor of their Sigma (:meth:`correlated_covariance`, factorised
+        by the caller with jittered_cholesky, which also needs it). q(f) has mean ``mu`` (N, P) and covariance
+        ``cov`` (P, N, N). Per output:
             -1/2 [N log 2 pi + log|Sigma| + r^T Sigma^{-1} r + tr(Sigma^{-1} cov)],  r = y - mu."""
-        chol, _ = jittered_cholesky(self.correlated_covariance(t, extra), 0.0)  # GPNumericalError if it cannot
         r = (y - mu).T[..., None]  # (P, N, 1)
         white_r = torch.linalg.solve_triangular(chol, r, upper=False)
         white_cov = torch.linalg.solve_triangular(chol, cov, upper=False)

@@ -157,7 +157,13 @@ class HyperparameterSteps:
         corr = self._correlated_rows(times)
         with torch.enable_grad():
             kzz, kzx, kxx = self.kernel(z, z), self.kernel(z, hx), self.kernel.diag(hx)
-            kbb = self.kernel(hx[corr], hx[corr]) if corr is not None else None
+            kbb = sigma_chol = None
+            if corr is not None:
+                kbb = self.kernel(hx[corr], hx[corr])
+                # chol(Sigma) of the stamped readings' errors, once: the data term differentiates it, the site
+                # takes it as it is
+                extra = None if slope2 is None else self._slope_noise(slope2[corr])
+                sigma_chol, _ = jittered_cholesky(self.likelihood.correlated_covariance(times[corr], extra), 0.0)
         with torch.no_grad():
             L = self._factorise(kzz.detach())
             V = torch.linalg.solve_triangular(L, kzx.detach(), upper=False)  # (M, N)
@@ -166,10 +172,8 @@ class HyperparameterSteps:
                 # the stamped readings' site is one for all of them, V_b Sigma^{-1} (y_b, V_b^T), at the current
                 # theta: q is then the optimal one for their correlated likelihood, as the conjugate per-reading
                 # sites are for the others (held fixed through a step, like every site)
-                extra_b = None if slope2 is None else self._slope_noise(slope2[corr]).detach()
                 V_b = V[:, corr]
-                Pi = torch.cholesky_inverse(jittered_cholesky(
-                    self.likelihood.correlated_covariance(times[corr], extra_b).detach(), 0.0)[0])  # (P, Nb, Nb)
+                Pi = torch.cholesky_inverse(sigma_chol.detach())  # (P, Nb, Nb)
                 pi = (Pi @ hy[corr].T[..., None])[..., 0]  # (P, Nb)
                 lam1, lam2 = lam1.clone(), lam2.clone()
                 lam1[corr], lam2[corr] = 0.0, 0.0
@@ -206,11 +210,9 @@ class HyperparameterSteps:
             else:
                 independent = torch.ones_like(weights, dtype=torch.bool)
                 independent[corr] = False
-                extra = None if slope2 is None else self._slope_noise(slope2[corr])
                 # the stamped readings are one group (the batch), weighted alike (_hyper_sample)
                 ell = (per_reading[independent].sum() + weights[corr].mean()
-                       * self.likelihood.correlated_expected_log_lik(hy[corr], mean_in[corr], cov_in, times[corr],
-                                                                     extra))
+                       * self.likelihood.correlated_expected_log_lik(hy[corr], mean_in[corr], cov_in, sigma_chol))
         value = ell.detach() - penalty
 
         def gradients(scale: float) -> None:

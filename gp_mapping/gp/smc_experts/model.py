@@ -215,11 +215,6 @@ class SMCExperts(ExpertGPs, Gating, ExpertMemory, Engine):
     def _loaded(self) -> None:
         self._generator.set_state(self.rng_state.detach().to("cpu", torch.uint8))
 
-    # ------------------------------------------------------------------ input checks
-    def _check_t(self, t, n: int) -> torch.Tensor:
-        """Stamps (n,) as float64 on the CPU; None gives a sample clock (num_seen, num_seen + 1, ...)."""
-        return self._check_stamps(t, n)
-
     # ------------------------------------------------------------------ updates
     def update(self, x, y, mode: str | None = None, t=None) -> dict:
         """Condition on a batch: x (N, D), y (N, P), stamps t (N,) [s] (None: a sample clock). ``mode`` is
@@ -227,7 +222,7 @@ class SMCExperts(ExpertGPs, Gating, ExpertMemory, Engine):
         start = time.perf_counter()
         xt = self._check_x(x)
         yt = self._check_y(y, xt.shape[0])
-        tt = self._check_t(t, xt.shape[0])
+        tt = self._check_stamps(t, xt.shape[0])  # None: a sample clock (num_seen, num_seen + 1, ...)
         if mode not in (None, "fast", "full"):
             raise ValueError(f"update mode must be 'fast', 'full' or None, got {mode!r}")
         stats = {"mode": "smc", "n_batch": int(xt.shape[0]), "resampled": 0, "new_experts": 0,
