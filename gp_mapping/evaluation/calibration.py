@@ -246,7 +246,8 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               "position noise 0.05 m": {"position_noise": 0.05}, "no slope term": {"calibration_slope": False},
               "consensus step 0.5": {"tile_consensus_step": 0.5},
               "consensus step 0.5, M = 128": {"tile_consensus_step": 0.5, "num_inducing": 128},
-              "consensus step 0.5, M = 512": {"tile_consensus_step": 0.5, "num_inducing": 512}}
+              "consensus step 0.5, M = 512": {"tile_consensus_step": 0.5, "num_inducing": 512},
+              "consensus step 1": {"tile_consensus_step": 1.0}}
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:

@@ -294,12 +294,12 @@ class ModelConfig:
                                 "span all heights [m]", low=0.0, high=1e5)
     tile_consensus_step: float = option(0.0, doc="tiles: how far the shared hyperparameters go from the tiles' "
                                         "sample-weighted average of their latest proposals towards the proposal of "
-                                        "the tile just updated (0: the average; 1: that proposal, as one engine "
-                                        "learns). The average moves by about one tile's steps per lap over twenty "
-                                        "tiles; 0.5 maps the simulated corridor at 1.46 against 1.69 uT with the "
-                                        "simulated worlds' NLPD up to 0.05 nats worse (docs/calibration.md, In the "
-                                        "engine), measured by scripts, not yet by the full benches", low=0.0,
-                                        high=1.0)
+                                        "the tile just updated, scaled by that tile's samples over a typical "
+                                        "tile's (0: the average, which moves by about one tile's steps per lap over "
+                                        "twenty tiles, so revisits teach the tiles slowly; 1: that proposal, as one "
+                                        "engine learns). At 0.5 the simulated corridor maps 1.57 against 1.69 uT "
+                                        "and the simulated worlds' NLPD is 0.02-0.03 nats worse: 0 by the worst "
+                                        "case (docs/calibration.md, Tile consensus)", low=0.0, high=1.0)
 
 
 def describe_allowed(meta: Mapping[str, Any], ftype: str) -> str:

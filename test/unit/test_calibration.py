@@ -305,6 +305,19 @@ def test_known_noise_is_learned(sim_revisit):
     assert int(model.calibration.record_count) >= CALIBRATION_MIN_RECORDS  # the map, not its tiles, calibrates
 
 
+@pytest.mark.parametrize("step", [0.5, 1.0])
+def test_known_noise_is_learned_with_a_tile_consensus_step(step):
+    """The shared noise holds with model.tile_consensus_step (the shipped 0 is the fixture's): with the step
+    unscaled by the proposing tile's samples, a new tile's warm-up on its first readings took it to the floor
+    (0.10 at 0.5 and 0.09 at 1, for 0.25)."""
+    rec = bench.load("sim_revisit", None, {})
+    model, _ = bench.stream_engine(ModelConfig(device="cpu", seed=0, tile_consensus_step=step), rec)
+    assert model.num_tiles > 3
+    for engine in (slot.engine for slot in model.tiles.values()):
+        noise = float(engine.likelihood.noise_variance.detach()) * float(engine.y_std) ** 2
+        assert noise == pytest.approx(0.25, rel=0.2)
+
+
 def test_a_new_pass_is_covered_and_the_calibration_does_no_harm(sim_revisit):
     # Held-out readings within +-2 SD of a reading's predictive distribution 90-98 % of the time. The sensor's
     # noise is white and the model right, so the uncalibrated variance (latent + noise) is right as well: the

@@ -247,10 +247,11 @@ def test_one_tile_maps_bit_for_bit_as_one_engine(drive):
 
 
 def test_shared_hyperparameters_are_the_sample_weighted_mean_of_the_tiles_proposals(drive):
-    """After a tile learns, the shared hyperparameters are sum_t n_t theta_t / sum_t n_t over the tiles' latest
-    proposals (between learning updates they stay put: a fast update moves no tile's theta)."""
+    """With model.tile_consensus_step 0, after a tile learns, the shared hyperparameters are
+    sum_t n_t theta_t / sum_t n_t over the tiles' latest proposals (between learning updates they stay put: a fast
+    update moves no tile's theta)."""
     x, y = samples(drive)
-    model = stream(build_model(model_config(), 2, 1), x[:400], y[:400])
+    model = stream(build_model(model_config(tile_consensus_step=0.0), 2, 1), x[:400], y[:400])
     stats = model.update(x[400:450], y[400:450], mode="full")
     assert stats["hyper_steps"] > 0
     slots = list(model.tiles.values())
@@ -260,26 +261,49 @@ def test_shared_hyperparameters_are_the_sample_weighted_mean_of_the_tiles_propos
     assert torch.allclose(model._theta(), (n[:, None] * thetas).sum(0) / n.sum(), rtol=0, atol=1e-12)
     # A state saved before the running sums were kept recounts them from its tiles.
     state = {k: v for k, v in model.state_dict().items() if not k.startswith("consensus_")}
-    again = build_model(model_config(), 2, 1)
+    again = build_model(model_config(tile_consensus_step=0.0), 2, 1)
     again.load_state_dict(state)
     assert torch.allclose(again.consensus_sum, model.consensus_sum, rtol=1e-12, atol=0)
     assert float(again.consensus_weight) == float(model.consensus_weight) == float(n.sum())
+    assert float(again.consensus_tiles) == float(model.consensus_tiles) == len(slots)
+    # One saved with the sums but before the tiles were counted counts them from its tiles.
+    state = {k: v for k, v in model.state_dict().items() if k != "consensus_tiles"}
+    again = build_model(model_config(tile_consensus_step=0.0), 2, 1)
+    again.load_state_dict(state)
+    assert float(again.consensus_tiles) == len(slots)
 
 
 @pytest.mark.parametrize("step", [0.5, 1.0])
 def test_a_consensus_step_moves_the_shared_hyperparameters_towards_the_latest_proposal(drive, step):
-    """model.tile_consensus_step: the shared hyperparameters are avg + step (theta_last - avg), avg the
-    sample-weighted mean of the tiles' latest proposals and theta_last the proposal of the tile that learned
-    last (step 1: that proposal itself, as one engine learns)."""
+    """model.tile_consensus_step: the shared hyperparameters are avg + s (theta_last - avg), avg the
+    sample-weighted mean of the tiles' latest proposals, theta_last the proposal of the tile that learned last and
+    s the step scaled by that tile's samples over a typical tile's (sum_t n_t / tiles), at most 1."""
     x, y = samples(drive)
     model = stream(build_model(model_config(tile_consensus_step=step), 2, 1), x[:400], y[:400])
     assert model.update(x[400:450], y[400:450], mode="full")["hyper_steps"] > 0
     average = model.consensus_sum / model.consensus_weight
-    latest = average + (model._theta() - average) / step  # the proposal it was moved towards
+    typical = float(model.consensus_weight) / float(model.consensus_tiles)
+    assert float(model.consensus_tiles) == model.num_tiles  # every tile has samples
     slots = list(model.tiles.values())
     assert len(slots) > 3
-    assert any(torch.allclose(slot.theta, latest, rtol=0, atol=1e-10) for slot in slots)
+    moved = [average + step * min(1.0, float(slot.engine.num_seen) / typical) * (slot.theta - average)
+             for slot in slots]
+    assert any(torch.allclose(model._theta(), theta, rtol=0, atol=1e-10) for theta in moved)
     assert not torch.allclose(model._theta(), average, rtol=0, atol=1e-6)
+
+
+def test_a_tile_with_few_samples_moves_the_consensus_in_proportion(drive):
+    """The step towards a proposal is scaled by the proposing tile's samples over a typical tile's: a new tile's
+    first readings (which its warm-up fits with a noise at the floor) cannot pull the shared hyperparameters far."""
+    x, y = samples(drive)
+    model = stream(build_model(model_config(tile_consensus_step=0.5), 2, 1), x[:400], y[:400])
+    average = model.consensus_sum / model.consensus_weight
+    typical = float(model.consensus_weight) / float(model.consensus_tiles)
+    proposal = average + 1.0
+    few = model._consensus(proposal, 0.1 * typical)
+    many = model._consensus(proposal, 3.0 * typical)
+    assert torch.allclose(few, average + 0.05, rtol=0, atol=1e-12)
+    assert torch.allclose(many, average + 0.5, rtol=0, atol=1e-12)
 
 
 def test_a_state_saved_before_centred_tiles_keeps_its_lattice(drive):

@@ -129,9 +129,10 @@ class TiledModel(SharedHyperparameters, Engine):
         self.register_buffer("scale_std", torch.ones(p, **f64))
         self.register_buffer("scale_set", torch.tensor(False))
         self.register_buffer("rescalings_t", torch.tensor(0, dtype=torch.int64))
-        # sum_t n_t theta_t and sum_t n_t over the tiles: the consensus hyperparameters (see _consensus)
+        # sum_t n_t theta_t, sum_t n_t and the tiles with samples: the consensus hyperparameters (see _consensus)
         self.register_buffer("consensus_sum", torch.zeros_like(self._theta()))
         self.register_buffer("consensus_weight", torch.tensor(0.0, **f64))
+        self.register_buffer("consensus_tiles", torch.tensor(0.0, **f64))
         self._journal: dict[str, Any] | None = None
         # Renewed whenever what the prior engine predicts (where no tile exists) may have changed.
         self._prior_version = next(VERSIONS)
@@ -339,7 +340,7 @@ class TiledModel(SharedHyperparameters, Engine):
             slot.theta.copy_(proposal)  # the tile's posterior is fitted under its own proposal
             self._count_proposal(slot, before)
             if not torch.equal(proposal, consensus):  # it learned (a fast update leaves theta as it was)
-                self._set_theta(self._consensus(proposal))
+                self._set_theta(self._consensus(proposal, float(slot.engine.num_seen)))
             self._freeze_after_first_update()  # before the batch's next tile learns it too
             modes.append(out.get("mode"))
             stats["z_moved"] += int(out.get("z_moved", 0))
@@ -543,6 +544,7 @@ class TiledModel(SharedHyperparameters, Engine):
             self._set_theta(shared)
             self.consensus_sum.zero_()
             self.consensus_weight.zero_()
+            self.consensus_tiles.zero_()
             for index in sorted(results):
                 result = results[index]
                 slot = self._new_tile(index)
@@ -585,6 +587,9 @@ class TiledModel(SharedHyperparameters, Engine):
         if recount:
             state_dict = {**state_dict, "consensus_sum": self.consensus_sum.clone(),
                           "consensus_weight": self.consensus_weight.clone()}
+        count_tiles = "consensus_tiles" not in state_dict  # saved before it was kept: counted from the tiles
+        if count_tiles:
+            state_dict = {**state_dict, "consensus_tiles": self.consensus_tiles.clone()}
         if "scale_set" not in state_dict:  # saved by version 0.1: each tile kept the scale it was made with
             offset, std = moments_scale(state_dict["target_count"], state_dict["target_mean"],
                                         state_dict["target_m2"])
@@ -601,6 +606,8 @@ class TiledModel(SharedHyperparameters, Engine):
         self._shared_list = None  # (assign=True replaces the tensors)
         if recount:
             self._recount_proposals()
+        elif count_tiles:
+            self.consensus_tiles.fill_(sum(1.0 for slot in self.tiles.values() if slot.engine.num_seen > 0))
         self._journal = None
         return result
 

@@ -119,21 +119,28 @@ class SharedHyperparameters:
         finally:
             self._set_theta(current)
 
-    def _consensus(self, proposal: torch.Tensor) -> torch.Tensor:
-        """The shared hyperparameters after a tile's ``proposal``: the tiles' latest proposals averaged, each
-        weighted by the samples its tile has learned from (module docstring, 'Shared hyperparameters'), from the
-        running sums sum_t n_t theta_t and sum_t n_t, so that it costs the same however many tiles exist. A lone
-        tile's proposal is the consensus bit for bit (one tile maps as one engine). Parameters that no longer
-        learn (continual_mogp's frozen mixing matrix) keep their value. model.tile_consensus_step moves it from
-        that average towards the proposal: the average alone moves by about one tile's steps per lap over many
-        tiles, so revisits teach the shared hyperparameters slowly (docs/calibration.md, In the engine)."""
+    def _consensus(self, proposal: torch.Tensor, samples: float) -> torch.Tensor:
+        """The shared hyperparameters after a tile that has learned from ``samples`` samples proposed
+        ``proposal``: the tiles' latest proposals averaged, each weighted by the samples its tile has learned
+        from (module docstring, 'Shared hyperparameters'), from the running sums sum_t n_t theta_t and sum_t n_t,
+        so that it costs the same however many tiles exist. A lone tile's proposal is the consensus bit for bit
+        (one tile maps as one engine). Parameters that no longer learn (continual_mogp's frozen mixing matrix)
+        keep their value.
+
+        model.tile_consensus_step moves it from that average towards the proposal: the average alone moves by
+        about one tile's steps per lap over many tiles, so revisits teach the shared hyperparameters slowly
+        (docs/calibration.md, Tile consensus). The step is scaled by the tile's samples over a typical tile's
+        (sum_t n_t over the tiles with samples), at most 1: a new tile's warm-up on its first 15 readings fits them with a noise at
+        the floor, and an unscaled step of 0.5 took the shared noise of a simulated world read with 0.25 uT^2
+        down to 0.10 (the average, and one engine, learn 0.27-0.28)."""
         if len(self.tiles) == 1 or float(self.consensus_weight) <= 0.0:
             return proposal
         current = self._theta()
         learning = torch.cat([torch.full((q.numel(),), bool(q.requires_grad), device=current.device)
                               for q in self._shared_parameters()])
         average = self.consensus_sum / self.consensus_weight
-        step = float(self.config.tile_consensus_step)
+        typical = float(self.consensus_weight) / max(1.0, float(self.consensus_tiles))
+        step = float(self.config.tile_consensus_step) * min(1.0, float(samples) / typical)
         return torch.where(learning, average + step * (proposal - average) if step else average, current)
 
     def _count_proposal(self, slot: Tile, before: tuple[float, torch.Tensor]) -> None:
@@ -142,12 +149,14 @@ class SharedHyperparameters:
         n = float(slot.engine.num_seen)
         self.consensus_sum.add_(n * slot.theta - n_before * theta_before)
         self.consensus_weight.add_(n - n_before)
+        self.consensus_tiles.add_(float(n > 0) - float(n_before > 0))
 
     def _recount_proposals(self) -> None:
         """The running sums from the tiles (a state saved before they were kept)."""
         self.consensus_sum.copy_(sum((float(slot.engine.num_seen) * slot.theta for slot in self.tiles.values()),
                                      torch.zeros_like(self.consensus_sum)))
         self.consensus_weight.fill_(sum(float(slot.engine.num_seen) for slot in self.tiles.values()))
+        self.consensus_tiles.fill_(sum(1.0 for slot in self.tiles.values() if slot.engine.num_seen > 0))
 
     def _share(self, engine: nn.Module) -> None:
         for name in self._shared_names:
@@ -222,7 +231,8 @@ class SharedHyperparameters:
         slot.theta.copy_(self._theta())
         slot.version = next(VERSIONS)
         self._count_proposal(slot, before)
-        self._set_theta(consensus if torch.equal(slot.theta, before[1]) else self._consensus(slot.theta))
+        self._set_theta(consensus if torch.equal(slot.theta, before[1])
+                        else self._consensus(slot.theta, float(slot.engine.num_seen)))
 
 
 __all__ = ["SharedHyperparameters", "Tile", "VERSIONS", "can_tile", "shared_hyperparameter_names"]
