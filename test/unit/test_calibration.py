@@ -308,7 +308,7 @@ def test_known_noise_is_learned(sim_revisit):
 @pytest.mark.parametrize("step", [0.5, 1.0])
 def test_known_noise_is_learned_with_a_tile_consensus_step(step):
     """The shared noise holds with model.tile_consensus_step (the shipped 0 is the fixture's): with the step
-    unscaled by the proposing tile's samples, a new tile's warm-up on its first readings took it to the floor
+    unscaled by the proposing tile's samples, a new tile's first steps on its first readings took it to the floor
     (0.10 at 0.5 and 0.09 at 1, for 0.25)."""
     rec = bench.load("sim_revisit", None, {})
     model, _ = bench.stream_engine(ModelConfig(device="cpu", seed=0, tile_consensus_step=step), rec)

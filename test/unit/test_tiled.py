@@ -294,7 +294,7 @@ def test_a_consensus_step_moves_the_shared_hyperparameters_towards_the_latest_pr
 
 def test_a_tile_with_few_samples_moves_the_consensus_in_proportion(drive):
     """The step towards a proposal is scaled by the proposing tile's samples over a typical tile's: a new tile's
-    first readings (which its warm-up fits with a noise at the floor) cannot pull the shared hyperparameters far."""
+    first readings (which its first steps fit with a noise at the floor) cannot pull the shared hyperparameters far."""
     x, y = samples(drive)
     model = stream(build_model(model_config(tile_consensus_step=0.5), 2, 1), x[:400], y[:400])
     average = model.consensus_sum / model.consensus_weight
