@@ -277,7 +277,8 @@ def test_shared_hyperparameters_are_the_sample_weighted_mean_of_the_tiles_propos
 def test_a_consensus_step_moves_the_shared_hyperparameters_towards_the_latest_proposal(drive, step):
     """model.tile_consensus_step: the shared hyperparameters are avg + s (theta_last - avg), avg the
     sample-weighted mean of the tiles' latest proposals, theta_last the proposal of the tile that learned last and
-    s the step scaled by that tile's samples over a typical tile's (sum_t n_t / tiles), at most 1."""
+    s the step scaled by that tile's samples over a typical tile's (sum_t n_t over the tiles with samples), at
+    most 1."""
     x, y = samples(drive)
     model = stream(build_model(model_config(tile_consensus_step=step), 2, 1), x[:400], y[:400])
     assert model.update(x[400:450], y[400:450], mode="full")["hyper_steps"] > 0
@@ -294,7 +295,8 @@ def test_a_consensus_step_moves_the_shared_hyperparameters_towards_the_latest_pr
 
 def test_a_tile_with_few_samples_moves_the_consensus_in_proportion(drive):
     """The step towards a proposal is scaled by the proposing tile's samples over a typical tile's: a new tile's
-    first readings (which its first steps fit with a noise at the floor) cannot pull the shared hyperparameters far."""
+    first readings (which its first steps fit with a noise at the floor) cannot pull the shared hyperparameters
+    far."""
     x, y = samples(drive)
     model = stream(build_model(model_config(tile_consensus_step=0.5), 2, 1), x[:400], y[:400])
     average = model.consensus_sum / model.consensus_weight

@@ -130,9 +130,9 @@ class SharedHyperparameters:
         model.tile_consensus_step moves it from that average towards the proposal: the average alone moves by
         about one tile's steps per lap over many tiles, so revisits teach the shared hyperparameters slowly
         (docs/calibration.md, Tile consensus). The step is scaled by the tile's samples over a typical tile's
-        (sum_t n_t over the tiles with samples), at most 1: a new tile's first 20 steps on its first 15 readings fit them with a noise at
-        the floor, and an unscaled step of 0.5 took the shared noise of a simulated world read with 0.25 uT^2
-        down to 0.10 (the average, and one engine, learn 0.27-0.28)."""
+        (sum_t n_t over the tiles with samples), at most 1: a new tile's first 20 steps on its first 15 readings
+        fit them with a noise at the floor, and an unscaled step of 0.5 took the shared noise of a simulated world
+        read with 0.25 uT^2 down to 0.10 (the average, and one engine, learn 0.27-0.28)."""
         if len(self.tiles) == 1 or float(self.consensus_weight) <= 0.0:
             return proposal
         current = self._theta()
