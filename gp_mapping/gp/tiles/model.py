@@ -607,7 +607,7 @@ class TiledModel(SharedHyperparameters, Engine):
         if recount:
             self._recount_proposals()
         elif count_tiles:
-            self.consensus_tiles.fill_(sum(1.0 for slot in self.tiles.values() if slot.engine.num_seen > 0))
+            self._count_tiles()
         self._journal = None
         return result
 

@@ -156,6 +156,10 @@ class SharedHyperparameters:
         self.consensus_sum.copy_(sum((float(slot.engine.num_seen) * slot.theta for slot in self.tiles.values()),
                                      torch.zeros_like(self.consensus_sum)))
         self.consensus_weight.fill_(sum(float(slot.engine.num_seen) for slot in self.tiles.values()))
+        self._count_tiles()
+
+    def _count_tiles(self) -> None:
+        """The tiles with samples, from the tiles (a state saved before they were counted)."""
         self.consensus_tiles.fill_(sum(1.0 for slot in self.tiles.values() if slot.engine.num_seen > 0))
 
     def _share(self, engine: nn.Module) -> None:
