@@ -247,7 +247,9 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               "consensus step 0.5": {"tile_consensus_step": 0.5},
               "consensus step 0.5, M = 128": {"tile_consensus_step": 0.5, "num_inducing": 128},
               "consensus step 0.5, M = 512": {"tile_consensus_step": 0.5, "num_inducing": 512},
-              "consensus step 1": {"tile_consensus_step": 1.0}}
+              "consensus step 1": {"tile_consensus_step": 1.0},
+              "lengthscale 0.7 m": {"lengthscale": 0.7}, "lengthscale 1.4 m": {"lengthscale": 1.4},
+              "lengthscale 2 m": {"lengthscale": 2.0}}
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
