@@ -87,7 +87,10 @@ class ModelConfig:
                                "(a magnetometer spike; a session's offset or a real edge of the field moves "
                                "neighbouring readings together and is kept: docs/calibration.md, Spikes); 0: off",
                                low=0.0, high=1e6)
-    lengthscale: float = option(1.0, doc="initial lengthscale [m]", low=0.0, low_open=True, high=1e4)
+    lengthscale: float = option(1.0, doc="initial lengthscale: the learned ones stay within about a factor of two "
+                                "of it, so it acts as a prior; 1 m suits indoor fields by the worst case over the "
+                                "calibration bench's recordings; set your field's scale if it differs "
+                                "(docs/calibration.md, Where they start) [m]", low=0.0, low_open=True, high=1e4)
     signal_variance: float = option(1.0, doc="initial kernel variance (standardised targets)", low=0.0,
                                   low_open=True, high=1e4)
     constant_variance: float = option(1.0, doc="initial constant-kernel variance (standardised)", low=0.0,
