@@ -308,6 +308,22 @@ def test_a_tile_with_few_samples_moves_the_consensus_in_proportion(drive):
     assert torch.allclose(many, average + 0.5, rtol=0, atol=1e-12)
 
 
+def test_the_lagged_copy_holds_the_tiles_near_the_path(drive):
+    """The calibration's lagged copy of a tiled map copies only the tiles within 2 calibration_lag + tile_overlap
+    of the last reading (what the next two lags of path can reach), so its cost does not grow with the map."""
+    x, y = samples(drive)
+    model = stream(build_model(model_config(calibration_lag=0.25, tile_overlap=0.5), 2, 1), x[:400], y[:400])
+    near = model.tiles_near_path()
+    here = model.calibration.last_x.tolist()
+    reach = 2 * 0.25 + model.layout.overlap
+    for index in model.tile_indices():
+        lo_hi = model.layout.span(index)
+        gap = float(np.sqrt(sum(max(lo - p, 0.0, p - hi) ** 2 for (lo, hi), p in zip(lo_hi, here))))
+        assert ("_".join(map(str, index)) in near) == (gap <= reach)
+    assert 0 < len(near) < model.num_tiles
+    assert set(model._snapshot().tiles.keys()) == near
+
+
 def test_a_state_saved_before_centred_tiles_keeps_its_lattice(drive):
     """States saved before 2026-11-26 have no lattice_centred: their tiles were cornered on the origin (tile 0
     spanned [-o/2, s + o/2)), and they load so, with the tiles' unit taken from the running statistics."""

@@ -437,20 +437,27 @@ class TiledModel(SharedHyperparameters, Engine):
         the blend does far from every tile, without routing a point through the lattice (8x the cost)."""
         return self.prior._prior_latent_variance()
 
-    def _snapshot(self) -> "TiledModel":
-        """The lagged copy of the map (Engine._keep_lagged) holds only the tiles within reach of where the map
-        is now: it predicts the batches of the next two lags of path, which cannot leave that reach, and a copy
-        of every tile would cost as much as the map (2.4x the CPU of a 36-tile drive)."""
+    def tiles_near_path(self) -> set[str]:
+        """Keys of the tiles within reach of where the map is now (the last reading's position): those the next two
+        calibration lags of path can reach, 2 model.calibration_lag + tile_overlap, and so what the lagged copy
+        of the map holds (_snapshot)."""
         reach = 2.0 * float(self.config.calibration_lag) + self.layout.overlap
         here = self.calibration.last_x.detach().cpu().tolist()
-        near = {}
-        for key, slot in self.tiles.items():
+        near = set()
+        for key in self.tiles.keys():
             span = self.layout.span(parse_tile_key(key))
             gap = math.sqrt(sum(max(lo - p, 0.0, p - hi) ** 2 for (lo, hi), p in zip(span, here)))
             if gap <= reach:
-                near[key] = slot
+                near.add(key)
+        return near
+
+    def _snapshot(self) -> "TiledModel":
+        """The lagged copy of the map (Engine._keep_lagged) holds only the tiles near the path
+        (:meth:`tiles_near_path`): it predicts the batches of the next two lags of path, which cannot leave that
+        reach, and a copy of every tile would cost as much as the map (2.4x the CPU of a 36-tile drive)."""
+        near = self.tiles_near_path()
         everything = self.tiles
-        self.tiles = nn.ModuleDict(near)
+        self.tiles = nn.ModuleDict({key: slot for key, slot in everything.items() if key in near})
         try:
             return super()._snapshot()
         finally:
