@@ -138,12 +138,13 @@ def tile_count_check(model, model_config, x: np.ndarray, y: np.ndarray, repeats:
     import torch
 
     from gp_mapping.gp import build_model
+    from gp_mapping.gp.tiles import tile_key
 
     if not hasattr(model, "layout"):
         return {}
     state = {k: v.clone() for k, v in model.state_dict().items()}
     _, members = model.layout.memberships(torch.as_tensor(x, dtype=torch.float64))
-    reachable = {"_".join(str(int(i)) for i in row) for row in members.tolist()} | model.tiles_near_path()
+    reachable = {tile_key(row) for row in members.tolist()} | model.tiles_near_path()
     few = {k: v for k, v in state.items()
            if not k.startswith("tiles.") or k.split(".", 2)[1] in reachable}
     dims, outs = x.shape[1], y.shape[1]

@@ -319,7 +319,7 @@ def test_the_lagged_copy_holds_the_tiles_near_the_path(drive):
     for index in model.tile_indices():
         lo_hi = model.layout.span(index)
         gap = float(np.sqrt(sum(max(lo - p, 0.0, p - hi) ** 2 for (lo, hi), p in zip(lo_hi, here))))
-        assert ("_".join(map(str, index)) in near) == (gap <= reach)
+        assert (tile_key(index) in near) == (gap <= reach)
     assert 0 < len(near) < model.num_tiles
     assert set(model._snapshot().tiles.keys()) == near
 
