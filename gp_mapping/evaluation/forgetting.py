@@ -108,7 +108,7 @@ def drive(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
 
     sub = dict(plan, large_seconds=float(plan["vargp_drive_seconds"]))
     rec = _world_and_drive(sub, 2, seed=int(plan["large_seed"]))
-    test_x, truth = _test_points(rec, sub, 2, np.random.default_rng(1))
+    test_x, truth, _ = _test_points(rec, sub, 2, np.random.default_rng(1))
     base = _config(sub, 2, False)
     config = dataclasses.replace(base, model=dataclasses.replace(base.model, engine="var_gp",
                                                                  num_inducing=int(plan["vargp_drive_m"])))

@@ -320,7 +320,8 @@ def _replay_table(section: dict[str, Any], device: str) -> list[str]:
 
 
 def plots(results: dict[str, Any], out: Path) -> list[str]:
-    """protocol1.png, protocol2.png (RMSE and NLPD against samples seen), growth.png and forgetting.png."""
+    """protocol1.png, protocol2.png (RMSE and NLPD against samples seen), growth.png, the calibration and large
+    sections' reliability diagrams and forgetting.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -381,6 +382,11 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         from gp_mapping.evaluation import calibration
 
         written += calibration.plot(cal, out)
+    lg = results["sections"].get("large", {})
+    if lg and "error" not in lg:
+        from gp_mapping.evaluation import large
+
+        written += large.plot(lg, out)
     fg = results["sections"].get("forgetting", {})
     if fg and "error" not in fg:
         from gp_mapping.evaluation import forgetting

@@ -20,6 +20,12 @@ moved sideways by up to 0.3 m; truth from the simulated world), for both online 
   them (``large_exact_iterations`` Adam steps, GPyTorch), then exact conditioning on the whole subsample.
 * ``nearest_neighbour`` on every sample.
 
+Calibration (issue 37): at the same test points, a held-out reading as the drive's sensor would take it there (the
+true field plus the sensor's white noise, ``SensorConfig.noise_std`` per axis, seeded; the drive's sensor has no
+bias, soft iron or spikes), scored against each map's predictive distribution of a reading
+(``Engine.predict_reading``; the exact GP: latent variance plus its learned noise): NLPD, within +-1 and +-2 SD,
+the std of z and a reliability curve (:func:`gp_mapping.evaluation.calibration.scores`), plotted by :func:`plot`.
+
 Cost against growth: latency and CPU time of the last tenth of the updates over the first tenth (after the
 first ``large_warmup_seconds`` of data); memory at the end of the first pass (all ground covered once) against the
 end of the drive (ground revisited) and against the number of tiles.
@@ -49,14 +55,19 @@ def _world_and_drive(plan: dict, dims: int, seed: int):
     return simulate(world, traj, SensorConfig(), seed=seed)
 
 
-def _test_points(rec, plan: dict, dims: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _test_points(rec, plan: dict, dims: int, rng: np.random.Generator
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Test inputs beside the path, the true |B| there and a held-out reading of it (uT): the drive's sensor noise
+    added to the true vector before its magnitude is taken, as the drive's own readings are."""
     idx = np.arange(0, len(rec.t), int(plan["large_test_every"]))
     pos = rec.sensor_position[idx].copy()
     d = np.gradient(rec.sensor_position[:, :2], axis=0)[idx]
     normal = np.column_stack([-d[:, 1], d[:, 0]]) / np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-12)
     pos[:, :2] += normal * rng.uniform(-0.3, 0.3, size=(len(idx), 1))
-    truth = rec.world.magnitude(pos) * 1e6
-    return pos[:, :dims], truth
+    field = rec.world.field(pos)
+    truth = np.linalg.norm(field, axis=1) * 1e6
+    reading = np.linalg.norm(field + rng.normal(scale=rec.sensor.noise_std, size=field.shape), axis=1) * 1e6
+    return pos[:, :dims], truth, reading
 
 
 def _config(plan: dict, dims: int, tiled: bool | str, engine: str | None = None):
@@ -85,9 +96,11 @@ def _config(plan: dict, dims: int, tiled: bool | str, engine: str | None = None)
 
 
 def _stream(rec, plan: dict, dims: int, tiled: bool | str, test_x: np.ndarray, truth: np.ndarray,
-            log: Callable[[str], None], label: str, engine: str | None = None) -> dict[str, Any]:
+            log: Callable[[str], None], label: str, engine: str | None = None,
+            reading: np.ndarray | None = None) -> dict[str, Any]:
     import torch
 
+    from gp_mapping.evaluation.calibration import scores
     from gp_mapping.mapping.mapper import Mapper
 
     mapper = Mapper(_config(plan, dims, tiled, engine))
@@ -113,6 +126,10 @@ def _stream(rec, plan: dict, dims: int, tiled: bool | str, test_x: np.ndarray, t
                     "known_cells": int(grid.known.sum()), "window_cells": int(window.spec.num_cells),
                     "window_seconds": window_seconds},
            "curve": fed["updates"], "memory": fed["memory"]}
+    if reading is not None:  # the map's predictive distribution of a held-out reading (module docstring)
+        with torch.no_grad():
+            rm, rv = mapper.model.predict_reading(test_x)
+        out["reading_scores"] = scores(rm.cpu().numpy(), rv.cpu().numpy(), reading[:, None])
     a, b, r = _decile_ratio(s, m, lo, float(n))
     out.update(latency_first_decile_ms=a, latency_last_decile_ms=b, latency_ratio=r)
     a, b, r = _decile_ratio(s, np.asarray(cpu_ms, float), lo, float(n))
@@ -226,7 +243,7 @@ def region_blocks(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     RMSE beside the path, update CPU time (median; last/first decile after ``large_warmup_seconds``)."""
     sub = {**plan, "large_seconds": float(plan["large_vargp_seconds"])}
     rec = _world_and_drive(sub, 2, seed=int(plan["large_seed"]))
-    test_x, truth = _test_points(rec, sub, 2, np.random.default_rng(1))
+    test_x, truth, _ = _test_points(rec, sub, 2, np.random.default_rng(1))
     out: dict[str, Any] = {"seconds": sub["large_seconds"], "samples": len(rec.t), "var_gp_m": int(plan["large_vargp_m"])}
     for name, tiled, engine in (("tiled", True, None), ("var_gp", False, "var_gp")):
         r = _stream(rec, sub, 2, tiled, test_x, truth, log, f"{name} 2-D, first {sub['large_seconds']:.0f} s", engine)
@@ -242,13 +259,14 @@ def region_blocks(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
 
 def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     from gp_mapping.evaluation.baselines import ExactGPBaseline, KernelSpec, NearestNeighbour
+    from gp_mapping.evaluation.calibration import scores
 
     results: dict[str, Any] = {"area_m": list(plan["large_area"]), "seconds": None}
     for dims in plan["large_dims"]:
         t0 = time.perf_counter()
         rec = _world_and_drive(plan, dims, seed=int(plan["large_seed"]))
         rng = np.random.default_rng(1)
-        test_x, truth = _test_points(rec, plan, dims, rng)
+        test_x, truth, reading = _test_points(rec, plan, dims, rng)
         x = rec.sensor_position[:, :dims]
         y = np.linalg.norm(rec.field_sensor_tesla, axis=1)[:, None] * 1e6
         path = float(np.sum(np.linalg.norm(np.diff(rec.position[:, :2], axis=0), axis=1)))
@@ -262,9 +280,8 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
         entry["plan_tiles"] = f"{plan['large_tile']:g} m, M = {plan['large_m']}, memory {plan['large_memory']}"
         entry["shipped_tiles"] = (f"{shipped.tile_size:g} m, M = {shipped.num_inducing}, memory {shipped.memory_size}"
                                   if shipped.tile_size > 0 else f"no tiles, M = {shipped.num_inducing}")
-        entry["tiled"] = _stream(rec, plan, dims, True, test_x, truth, log, f"tiled {dims}-D")
-        entry["shipped"] = _stream(rec, plan, dims, "shipped", test_x, truth, log, f"shipped {dims}-D")
-        entry["untiled"] = _stream(rec, plan, dims, False, test_x, truth, log, f"untiled {dims}-D")
+        for name, tiled in (("tiled", True), ("shipped", "shipped"), ("untiled", False)):
+            entry[name] = _stream(rec, plan, dims, tiled, test_x, truth, log, f"{name} {dims}-D", reading=reading)
         first_pass = _first_pass_end(rec)
         warmup = min(plan["large_warmup_seconds"] * plan["large_rate"], 0.5 * first_pass)
         for name in ("tiled", "shipped", "untiled"):
@@ -285,9 +302,10 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
                           constant_variance=float(h.get("constant_variance", 1.0)),
                           noise_variance=float(h["noise_variance"]) / float(np.var(y)))  # standardised units
         exact = ExactGPBaseline(spec, max_points=int(plan["large_exact_points"]), iterations=0, seed=1).fit(x, y)
-        em, _ = exact.predict(test_x)
+        em, ev = exact.predict(test_x)
         entry["exact_gp"] = {"rmse": float(np.sqrt(np.mean((em[:, 0] - truth) ** 2))), "n_used": exact.n_used,
                              "hyper_points": hyper.n_used, "hyperparameters": h,
+                             "reading_scores": scores(em, ev + exact.noise_variance[None, :], reading[:, None]),
                              "seconds": time.perf_counter() - start}
         del exact, hyper  # its factors (~1 GiB) would otherwise count in the next streams' RSS
         ref = entry["exact_gp"]["rmse"]
@@ -361,6 +379,7 @@ def markdown(sec: dict[str, Any]) -> list[str]:
                       f"calibration's lagged copy holds) {tc['cpu_ms_reachable']:.1f} ms (ratio "
                       f"{tc['ratio']:.2f}, median of {tc['repeats']}); the maps afterwards differ by at most "
                       f"{tc['max_map_difference']:.2g} uT at its inputs.", ""]
+        lines += _calibration_table(e, rows)
     rb = sec.get("region_blocks")
     if rb:
         t, v = rb["tiled"], rb["var_gp"]
@@ -373,3 +392,54 @@ def markdown(sec: dict[str, Any]) -> list[str]:
                   f"| var_gp, M = {rb['var_gp_m']} over its blocks | {v['rmse']:.3f} | {v['cpu_median_ms']:.0f} | "
                   f"{_ratio(v['cpu_ratio'])} | {v['grid_seconds']:.1f} |", ""]
     return lines
+
+
+def _calibration_table(e: dict[str, Any], rows: list[tuple[str, dict]]) -> list[str]:
+    """The maps' predictive distributions of held-out readings (module docstring); empty for older reports."""
+    scored = [(name, r["reading_scores"]) for name, r in rows if "reading_scores" in r]
+    if not scored:
+        return []
+    if "reading_scores" in e["exact_gp"]:
+        scored.append((f"exact GP ({e['exact_gp']['n_used']}-sample subsample)", e["exact_gp"]["reading_scores"]))
+    lines = ["Calibration: a held-out reading at each test point (the true |B| read with the drive's sensor noise), "
+             "against each map's predictive distribution of a reading (ideal: 0.68 and 0.95 within +-1 and +-2 SD, "
+             "z-std 1).", "",
+             "| map | RMSE uT (readings) | NLPD | within +-1 SD | within +-2 SD | z-std |",
+             "|:---|---:|---:|---:|---:|---:|"]
+    for name, s in scored:
+        lines.append(f"| {name} | {s['rmse']:.3f} | {s['nlpd']:.3f} | {s['within_1sd']:.3f} | "
+                     f"{s['within_2sd']:.3f} | {s['z_std']:.2f} |")
+    return lines + [""]
+
+
+def plot(sec: dict[str, Any], out) -> list[str]:
+    """One reliability diagram per input dimension (observed against nominal coverage of held-out readings, every
+    map and the exact GP): large_2d.png, large_3d.png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for key in ("2d", "3d"):
+        e = sec.get(key)
+        if not e:
+            continue
+        curves = [(name, e[name].get("reading_scores")) for name in ("tiled", "shipped", "untiled", "exact_gp")
+                  if name in e]
+        curves = [(name, s) for name, s in curves if s]
+        if not curves:
+            continue
+        fig, ax = plt.subplots(figsize=(4.5, 4.5))
+        ax.plot([0, 1], [0, 1], "k:", lw=1, label="ideal")
+        for name, s in curves:
+            ax.plot([float(k) for k in s["reliability"]], list(s["reliability"].values()), "o-", ms=3, label=name)
+        ax.set_xlabel("nominal central coverage")
+        ax.set_ylabel("observed coverage (held-out readings)")
+        ax.set_title(f"large area, {key[0]}-D inputs")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"large_{key}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path.name)
+    return written

@@ -200,7 +200,7 @@ def sessions(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     from gp_mapping.gp.tiles import merge_tiled
 
     rec = large._world_and_drive(plan, 2, seed=int(plan["large_seed"]))
-    test_x, truth = large._test_points(rec, plan, 2, np.random.default_rng(1))
+    test_x, truth, _ = large._test_points(rec, plan, 2, np.random.default_rng(1))
     x = rec.sensor_position[:, :2]
     y = np.linalg.norm(rec.field_sensor_tesla, axis=1)[:, None] * 1e6
     cfg, batch = _shipped_model(), int(plan["large_batch"])

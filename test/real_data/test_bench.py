@@ -108,6 +108,16 @@ def test_quick_bench_large_section(quick_run):
     t = e["tiled"]
     assert len(t["curve"]["ms"]) == t["updates"] > 5 and t["grid"]["known_cells"] > 0
     assert t["memory"]["samples"][-1] == e["samples"] and max(t["memory"]["tiles"]) == t["tiles"]
+    # calibration of held-out readings (issue 37): every map and the exact GP, with its reliability curve
+    for name in ("tiled", "shipped", "untiled", "exact_gp"):
+        s = e[name]["reading_scores"]
+        assert _finite(s["nlpd"]) and _finite(s["z_std"]) and s["z_std"] > 0, (name, s)
+        assert 0.0 <= s["within_1sd"] <= s["within_2sd"] <= 1.0, (name, s)
+        curve = list(s["reliability"].values())
+        assert len(curve) == 10 and curve == sorted(curve), (name, curve)
+    # the readings differ from the truth by the sensor's noise only (0.1 uT per axis)
+    assert abs(e["shipped"]["reading_scores"]["rmse"] - e["shipped"]["rmse"]) < 0.1
+    assert "within +-2 SD" in quick_run["md"] and (quick_run["out"] / "large_2d.png").stat().st_size > 1000
 
 
 def test_quick_bench_accuracy_protocols(quick_run):
