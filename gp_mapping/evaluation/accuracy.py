@@ -27,9 +27,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from gp_mapping.evaluation import calibration
 from gp_mapping.evaluation.baselines import (ConstantMean, ExactGPBaseline, KernelSpec, NearestNeighbour,
-                                             OfflineSVGP, ReducedRankGP, StreamingSparseGP, gaussian_log_density,
-                                             nlpd, rmse)
+                                             OfflineSVGP, ReducedRankGP, StreamingSparseGP, rmse)
 from gp_mapping.evaluation.bench_engine import _summary
 from gp_mapping.config import GridConfig, ModelConfig
 from gp_mapping.evaluation.datasets import load_solin2018
@@ -38,6 +38,8 @@ from gp_mapping.gp import ENGINES, build_model
 HSGP_BASIS = (256, 1024)  # the reduced-rank GP's basis sizes (magnetic SLAM uses m = 256-1024)
 SAMPLE_RATE_HZ = 50.0
 TILE = GridConfig().tile_size  # the shipped default
+#: what a method is scored by on the held-out readings (a mean alone: RMSE only)
+SCORES = ("rmse", "nlpd", "within_1sd", "within_2sd", "z_std")
 
 
 def engine_config(**overrides) -> ModelConfig:
@@ -55,12 +57,21 @@ def plan_config(plan: dict, **overrides) -> ModelConfig:
 
 # ------------------------------------------------------------------------------------------------ methods
 
-class _Streaming:
-    """A streaming method: ``step(x, y)`` conditions on a batch; ``score(x, y)`` -> (rmse, nlpd, mean, var)."""
+def _scores(mean: np.ndarray, var: np.ndarray | None, y: np.ndarray) -> dict[str, float]:
+    """RMSE; with the variance of a reading, NLPD, within +-1 / +-2 SD and the std of z (calibration.scores)."""
+    if var is None:
+        return {"rmse": rmse(mean, y)}
+    s = calibration.scores(mean, var, y)
+    return {k: s[k] for k in SCORES}
 
-    def __init__(self, name: str, label: str, step: Callable, predict: Callable, lpd: Callable | None):
+
+class _Streaming:
+    """A streaming method: ``step(x, y)`` conditions on a batch; ``reading(x)`` -> mean and variance of a reading
+    (None: a mean alone); ``score(x, y)`` -> :data:`SCORES`."""
+
+    def __init__(self, name: str, label: str, step: Callable, reading: Callable):
         self.name, self.label = name, label
-        self._step, self._predict, self._lpd = step, predict, lpd
+        self._step, self._reading = step, reading
         self.model: Any = None  # the fitted model, for the grid timing (None for the refitted floors)
         self.seconds: list[float] = []
         self.cpu_seconds: list[float] = []
@@ -72,11 +83,7 @@ class _Streaming:
         self.cpu_seconds.append(time.process_time() - start_cpu)
 
     def score(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        mean = self._predict(x)
-        out = {"rmse": rmse(mean, y)}
-        if self._lpd is not None:
-            out["nlpd"] = nlpd(self._lpd(x, y))
-        return out
+        return _scores(*self._reading(x), y)
 
 
 def _engine_method(name: str, label: str, config: ModelConfig, schedule: Callable[[int], str]) -> _Streaming:
@@ -87,8 +94,7 @@ def _engine_method(name: str, label: str, config: ModelConfig, schedule: Callabl
         model.update(x, y, mode=schedule(count[0]))
         count[0] += 1
 
-    method = _Streaming(name, label, step, lambda x: model.predict(x)[0].cpu().numpy(),
-                        lambda x, y: model.log_predictive_density(x, y).cpu().numpy())
+    method = _Streaming(name, label, step, lambda x: tuple(t.cpu().numpy() for t in model.predict_reading(x)))
     method.model = model
     return method
 
@@ -96,7 +102,7 @@ def _engine_method(name: str, label: str, config: ModelConfig, schedule: Callabl
 def _osgpr_method(config: ModelConfig, iterations: int) -> _Streaming:
     model = StreamingSparseGP.from_model_config(config, iterations=iterations, seed=config.seed)
     method = _Streaming("bui2017_osgpr", f"Bui et al. 2017 OSGPR-VFE ({iterations} L-BFGS it/batch)",
-                        model.update, lambda x: model.predict(x)[0], model.log_predictive_density)
+                        model.update, model.predict_reading)
     method.model = model
     return method
 
@@ -105,7 +111,7 @@ class _Refit(_Streaming):
     """Nearest neighbour / constant mean on all data seen so far (refitted when scored)."""
 
     def __init__(self, name: str, label: str):
-        super().__init__(name, label, self._append, None, None)
+        super().__init__(name, label, self._append, None)
         self.xs: list[np.ndarray] = []
         self.ys: list[np.ndarray] = []
 
@@ -116,17 +122,16 @@ class _Refit(_Streaming):
     def score(self, x, y):
         xs, ys = np.vstack(self.xs), np.vstack(self.ys)
         if self.name == "nearest_neighbour":
-            return {"rmse": rmse(NearestNeighbour(xs, ys).predict(x), y)}
-        const = ConstantMean(ys)
-        mean = const.predict(x)
+            return _scores(NearestNeighbour(xs, ys).predict(x), None, y)
         # A Gaussian with the training mean and variance: the NLPD any map must beat.
-        return {"rmse": rmse(mean, y), "nlpd": nlpd(gaussian_log_density(y, mean, np.full_like(y, ys.var())))}
+        mean = ConstantMean(ys).predict(x)
+        return _scores(mean, np.full_like(mean, ys.var()), y)
 
 
 def _hsgp_method(config: ModelConfig, area, num_basis: int) -> _Streaming:
     model = ReducedRankGP.from_model_config(config, area, num_basis=num_basis)
     method = _Streaming(f"hsgp_{num_basis}", f"reduced-rank GP, Solin & Sarkka 2020 (m = {num_basis})",
-                        model.update, lambda x: model.predict(x)[0], model.log_predictive_density)
+                        model.update, model.predict_reading)
     method.model = model
     return method
 
@@ -172,14 +177,14 @@ def offline_methods(x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np
     out: dict[str, dict[str, Any]] = {}
     svgp = OfflineSVGP.from_model_config(cfg, iterations=int(plan["offline_iterations"]), batch_size=1024,
                                          lr=0.05, ngd_lr=0.1, seed=0).fit(x, y)
-    s = svgp.evaluate(x_test, y_test)
-    out["offline_svgp"] = {"label": f"offline SVGP (GPyTorch, {plan['offline_iterations']} it)", "rmse": s.rmse,
-                           "nlpd": s.nlpd, "train_seconds": svgp.train_seconds, "model": svgp}
+    out["offline_svgp"] = {"label": f"offline SVGP (GPyTorch, {plan['offline_iterations']} it)",
+                           **_scores(*svgp.predict_reading(x_test), y_test), "train_seconds": svgp.train_seconds,
+                           "model": svgp}
     exact = ExactGPBaseline(KernelSpec.from_model_config(cfg), max_points=int(plan["exact_points"]),
                             iterations=int(plan["exact_iterations"]), seed=0).fit(x, y)
-    s = exact.evaluate(x_test, y_test)
     label = f"exact GP ({'subsample ' if exact.subsampled else ''}n={exact.n_used})"
-    out["exact_gp"] = {"label": label, "rmse": s.rmse, "nlpd": s.nlpd, "train_seconds": exact.train_seconds,
+    out["exact_gp"] = {"label": label, **_scores(*exact.predict_reading(x_test), y_test),
+                       "train_seconds": exact.train_seconds,
                        "n_used": exact.n_used, "subsampled": exact.subsampled, "model": exact}
     return out
 
@@ -198,7 +203,7 @@ def run_protocol(name: str, batches: list[tuple[np.ndarray, np.ndarray]], x_test
     x_all = np.vstack([xb for xb, _ in batches] + [x_test])
     area = (*x_all.min(0), *x_all.max(0))
     methods = streaming_methods(plan, notes, area)
-    curves: dict[str, dict[str, list]] = {m.name: {"batch": [], "num_seen": [], "rmse": [], "nlpd": []}
+    curves: dict[str, dict[str, list]] = {m.name: {"batch": [], "num_seen": [], **{k: [] for k in SCORES}}
                                           for m in methods}
     seen = 0
     start = time.perf_counter()
@@ -213,8 +218,8 @@ def run_protocol(name: str, batches: list[tuple[np.ndarray, np.ndarray]], x_test
                 c = curves[m.name]
                 c["batch"].append(b + 1)
                 c["num_seen"].append(seen)
-                c["rmse"].append(s["rmse"])
-                c["nlpd"].append(s.get("nlpd"))
+                for k in SCORES:
+                    c[k].append(s.get(k))
         if ((b + 1) % max(1, len(batches) // 5) == 0 or last) and curves["dual_svgp_full"]["rmse"]:
             log(f"  {name}: batch {b + 1}/{len(batches)}, dual full RMSE {curves['dual_svgp_full']['rmse'][-1]:.2f} "
                 f"(at batch {curves['dual_svgp_full']['batch'][-1]}; {time.perf_counter() - start:.0f} s)")
@@ -230,7 +235,8 @@ def run_protocol(name: str, batches: list[tuple[np.ndarray, np.ndarray]], x_test
         c["rmse_ratio"] = [r / ref_rmse for r in c["rmse"]]
         c["nlpd_gap"] = [None if v is None else v - ref_nlpd for v in c["nlpd"]]
         results[m.name] = {"label": m.label, "kind": "streaming", "curve": c, "final_rmse": c["rmse"][-1],
-                           "final_nlpd": c["nlpd"][-1], "final_rmse_ratio": c["rmse_ratio"][-1],
+                           "final_nlpd": c["nlpd"][-1], "final_within_2sd": c["within_2sd"][-1],
+                           "final_z_std": c["z_std"][-1], "final_rmse_ratio": c["rmse_ratio"][-1],
                            "final_nlpd_gap": c["nlpd_gap"][-1]}
         if m.name not in ("nearest_neighbour", "constant_mean"):
             results[m.name]["update_latency"] = _summary(m.seconds, m.cpu_seconds)

@@ -212,13 +212,11 @@ def peer_scores(rec: Recording, config: ModelConfig, plan: dict) -> dict[str, di
     out["nearest_neighbour"] = {"rmse": float(np.sqrt(np.mean((nn.predict(rec.x_test) - rec.y_test) ** 2)))}
     svgp = OfflineSVGP.from_model_config(config, iterations=int(plan.get("calibration_offline_iterations", 500)),
                                          batch_size=1024, lr=0.05, ngd_lr=0.1, seed=0).fit(rec.x, rec.y)
-    mean, var = svgp.predict(rec.x_test)
-    out["offline_svgp"] = scores(mean, var + svgp.noise_variance[None, :], rec.y_test)
+    out["offline_svgp"] = scores(*svgp.predict_reading(rec.x_test), rec.y_test)
     exact = ExactGPBaseline(KernelSpec.from_model_config(config), max_points=int(plan.get("calibration_exact_points",
                                                                                           2000)),
                             iterations=100, seed=0).fit(rec.x, rec.y)
-    mean, var = exact.predict(rec.x_test)
-    out["exact_gp"] = scores(mean, var + exact.noise_variance[None, :], rec.y_test)
+    out["exact_gp"] = scores(*exact.predict_reading(rec.x_test), rec.y_test)
     return out
 
 

@@ -58,8 +58,7 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
             start = time.perf_counter()
             gp = ExactGPBaseline(spec, max_points=points, iterations=iterations, seed=0,
                                  time_error=time_error).fit(rec.x, rec.y, rec.t)
-            mean, var = gp.predict(rec.x_test)
-            s = calibration.scores(mean, var + (gp.noise_variance + gp.error_variance)[None, :], rec.y_test)
+            s = calibration.scores(*gp.predict_reading(rec.x_test), rec.y_test)
             row["models"][label] = {**{k: s[k] for k in ("rmse", "nlpd", "within_2sd", "z_std")},
                                     "hyperparameters": gp.hyperparameters(), "seconds": time.perf_counter() - start}
             log(f"  {name}, {label}: RMSE {s['rmse']:.3f}, NLPD {s['nlpd']:.3f}, +-2 SD {s['within_2sd']:.3f}")

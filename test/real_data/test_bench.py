@@ -138,11 +138,17 @@ def test_quick_bench_accuracy_protocols(quick_run):
             assert all(_finite(v) and v > 0 for v in c["rmse"])
             if name != "nearest_neighbour":
                 assert all(_finite(v) for v in c["nlpd"]), (name, c["nlpd"])
+                # every accuracy figure with its calibration (issue 37): coverage of held-out readings, std of z
+                assert all(0.0 <= a <= b <= 1.0 for a, b in zip(c["within_1sd"], c["within_2sd"])), name
+                assert all(_finite(v) and v > 0 for v in c["z_std"]), (name, c["z_std"])
+            else:  # a mean alone states no variance
+                assert c["nlpd"][-1] is None and c["within_2sd"][-1] is None
         if n_batches:
             assert p["num_batches"] == n_batches
             assert p["methods"]["dual_svgp_full"]["curve"]["batch"] == list(range(1, n_batches + 1))
         off = p["methods"]["offline_svgp"]
         assert off["rmse_ratio"] == pytest.approx(1.0) and off["nlpd_gap"] == pytest.approx(0.0)
+        assert 0.0 < off["within_2sd"] <= 1.0 and _finite(off["z_std"])
         assert p["grid_prediction"]["dual_svgp_full"]["median_ms"] > 0
         assert (quick_run["out"] / f"{key}.png").stat().st_size > 1000
     # Real data, real result: on protocol 2 the gold standard beats the constant-mean floor by a wide margin.

@@ -60,6 +60,25 @@ def test_exact_gp_matches_closed_form_posterior():
                                                  / (ref_var + noise)), rtol=1e-5)
 
 
+def test_a_readings_variance_is_the_latent_variance_plus_what_a_new_reading_adds():
+    """predict_reading (what the benches score coverage and NLPD with) is predict plus the learned noise, and with
+    an error in time a new pass's own e(t) too; log_predictive_density is the Gaussian under it."""
+    x, y = _data(60)
+    xs = np.random.default_rng(2).uniform(-2.0, 2.0, size=(20, 2))
+    white = ExactGPBaseline(SPEC, iterations=0).fit(x, y)
+    mean, var = white.predict(xs)
+    r_mean, r_var = white.predict_reading(xs)
+    np.testing.assert_array_equal(r_mean, mean)
+    np.testing.assert_allclose(r_var, var + white.noise_variance[None, :], rtol=1e-12)
+    np.testing.assert_allclose(white.log_predictive_density(xs, y[:20]), gaussian_log_density(y[:20], r_mean, r_var))
+    t = np.arange(60, dtype=float)  # one reading a second: e(t) shared by neighbours
+    shared = ExactGPBaseline(SPEC, iterations=0, time_error=True, error_variance=0.2).fit(x, y, t)
+    mean, var = shared.predict(xs)
+    assert float(shared.error_variance[0]) > 0
+    np.testing.assert_allclose(shared.predict_reading(xs)[1],
+                               var + (shared.noise_variance + shared.error_variance)[None, :], rtol=1e-12)
+
+
 def test_exact_gp_subsamples_and_says_so():
     x, y = _data(300)
     model = ExactGPBaseline(SPEC, max_points=120, iterations=5).fit(x, y)

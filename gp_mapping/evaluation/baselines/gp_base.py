@@ -180,18 +180,27 @@ class GPBaseline:
         return np.array([float(lik.noise.detach()) * self._scaler.std[p] ** 2
                          for p, lik in enumerate(self._likelihoods)])
 
+    @property
+    def reading_noise_variance(self) -> np.ndarray:
+        """(P,) what a new reading adds to the latent variance, in the squared units of y: the learned noise."""
+        return self.noise_variance
+
+    def predict_reading(self, x: Any, batch_size: int = 8192) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and variance (G, P) of a reading at x, in the units of y: the latent variance plus
+        :attr:`reading_noise_variance` (what the engines' ``predict_reading`` states, uncalibrated)."""
+        mean, var = self.predict(x, batch_size)
+        return mean, var + self.reading_noise_variance[None, :]
+
     def log_predictive_density(self, x: Any, y: Any) -> np.ndarray:
-        """(G, P) log p(y* | data) under the Gaussian likelihood (latent variance plus noise)."""
+        """(G, P) log p(y* | data) of readings under :meth:`predict_reading`."""
         xa, ya = check_pair(x, y, self.input_dims, len(self._models) or None)
-        mean, var = self.predict(xa)
-        return gaussian_log_density(ya, mean, var + self.noise_variance[None, :])
+        return gaussian_log_density(ya, *self.predict_reading(xa))
 
     def evaluate(self, x: Any, y: Any) -> BaselineScores:
         """RMSE and NLPD on a test set."""
         xa, ya = check_pair(x, y, self.input_dims, len(self._models) or None)
-        mean, var = self.predict(xa)
-        ld = gaussian_log_density(ya, mean, var + self.noise_variance[None, :])
-        return BaselineScores(rmse=rmse(mean, ya), nlpd=nlpd(ld))
+        mean, var = self.predict_reading(xa)
+        return BaselineScores(rmse=rmse(mean, ya), nlpd=nlpd(gaussian_log_density(ya, mean, var)))
 
     def hyperparameters(self) -> list[dict[str, Any]]:
         """Per output: kernel hyperparameters (standardised units) and the noise variance (units of y^2)."""

@@ -277,6 +277,11 @@ class ExactGPBaseline(GPBaseline):
         return np.array([float(m.covar_module.error.outputscale.detach()) * self._scaler.std[p] ** 2
                          if self.time_error else 0.0 for p, m in enumerate(self._models)])
 
+    @property
+    def reading_noise_variance(self) -> np.ndarray:
+        """(P,) a new pass's reading adds the learned noise and, with ``time_error``, its own e(t)."""
+        return self.noise_variance + self.error_variance
+
     def hyperparameters(self) -> list[dict[str, Any]]:
         """GPBaseline's, and with ``time_error`` the field's kernel alone plus e(t)'s variance (units of y^2)
         and timescale [s]."""

@@ -153,7 +153,10 @@ class ReducedRankGP:
         m = np.concatenate(means)[:, None] * self._scale + self._offset
         return m, np.concatenate(variances)[:, None] * self._scale ** 2
 
+    def predict_reading(self, x: Any, batch_size: int = 8192) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and variance of a reading at x: the latent variance plus the learned noise."""
+        mean, var = self.predict(x, batch_size)
+        return mean, var + float(torch.exp(self.raw["noise"])) * self._scale ** 2
+
     def log_predictive_density(self, x: Any, y: Any) -> np.ndarray:
-        mean, var = self.predict(x)
-        noise = float(torch.exp(self.raw["noise"])) * self._scale ** 2
-        return gaussian_log_density(as_2d("y", y), mean, var + noise)
+        return gaussian_log_density(as_2d("y", y), *self.predict_reading(x))
