@@ -61,6 +61,17 @@ def _rmse(model, grid: np.ndarray, truth: np.ndarray) -> float:
     return float(np.sqrt(np.mean((model.predict(grid)[0][:, 0].numpy() - truth) ** 2)))
 
 
+def _scores(model, x: np.ndarray, truth: np.ndarray, reading: np.ndarray) -> dict[str, float]:
+    """RMSE of the map's mean against the true |B| at x (N,), and NLPD, within +-2 SD and z-std of held-out
+    readings there (N,) under the map's predictive distribution of a reading (every accuracy figure with its
+    calibration)."""
+    from gp_mapping.evaluation.calibration import scores
+
+    mean, var = model.predict_reading(x)
+    s = scores(mean.cpu().numpy(), var.cpu().numpy(), reading[:, None])
+    return {"rmse": _rmse(model, x, truth), **{k: s[k] for k in ("nlpd", "within_2sd", "z_std")}}
+
+
 def run(plan: dict, log: Callable[[str], None], data_root=None, why: str | None = None) -> dict[str, Any]:
     world = _world(plan["merge_seed"])
     grid, truth = _grid(world, plan["merge_resolution"])
@@ -141,13 +152,14 @@ def _mapped(cfg, parts, batch: int) -> tuple[Any, float]:
     return model, time.process_time() - start
 
 
-def _mapped_sessions(cfg, batch: int, rmse: Callable[[Any], float], parts: dict[str, list]
+def _mapped_sessions(cfg, batch: int, score: Callable[[Any], dict], parts: dict[str, list]
                      ) -> tuple[dict[str, dict], dict[str, Any]]:
-    """Each named session [(x, y), ...] mapped (:func:`_mapped`): its row (RMSE, CPU seconds) and its model."""
+    """Each named session [(x, y), ...] mapped (:func:`_mapped`): its row (``score``'s, CPU seconds) and its
+    model."""
     rows, models = {}, {}
     for name, session in parts.items():
         models[name], cpu = _mapped(cfg, session, batch)
-        rows[name] = {"rmse": rmse(models[name]), "cpu_s": cpu}
+        rows[name] = {**score(models[name]), "cpu_s": cpu}
     return rows, models
 
 
@@ -167,12 +179,12 @@ def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[st
     cfg, batch = _shipped_model(), 100  # one-second batches of the 100 Hz recording
     test_x, test_y = sequence(5)
 
-    def rmse(model) -> float:
-        return _rmse(model, test_x, test_y[:, 0])
+    def score(model) -> dict[str, float]:
+        return _scores(model, test_x, test_y[:, 0], test_y[:, 0])
 
     seqs = {i: sequence(i) for i in (1, 2, 3, 4)}
     out: dict[str, Any] = {"test": "sequence 5", "samples": {str(i): int(len(v[0])) for i, v in seqs.items()}}
-    rows, models = _mapped_sessions(cfg, batch, rmse, {name: [seqs[i] for i in ids] for name, ids in (
+    rows, models = _mapped_sessions(cfg, batch, score, {name: [seqs[i] for i in ids] for name, ids in (
         ("all", (1, 2, 3, 4)), ("first", (1, 2)), ("second", (3, 4)))})
     out.update(rows)
     first, second = models["first"], models["second"]
@@ -182,11 +194,11 @@ def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[st
     for label, steps in (("closed_form", 0), ("learned", int(plan["merge_steps"]))):
         start = time.process_time()
         model, result = merge_tiled(tiled, cfg, steps=steps)
-        out[f"tiled_{label}"] = {"rmse": rmse(model), "cpu_s": time.process_time() - start, "m": result.num_inducing}
+        out[f"tiled_{label}"] = {**score(model), "cpu_s": time.process_time() - start, "m": result.num_inducing}
         start = time.process_time()
         res = merge(engines, cfg, num_inducing=m_sum, steps=steps)
         engine = merged_engine(res, cfg, 1)  # one engine (tile_size 0), as the untiled path makes it
-        out[f"engine_{label}"] = {"rmse": rmse(engine), "cpu_s": time.process_time() - start, "m": res.num_inducing}
+        out[f"engine_{label}"] = {**score(engine), "cpu_s": time.process_time() - start, "m": res.num_inducing}
     log(f"  Solin sessions: merged tile by tile {out['tiled_closed_form']['rmse']:.3f} uT (closed form), "
         f"{out['tiled_learned']['rmse']:.3f} ({plan['merge_steps']} steps); as one engine "
         f"{out['engine_closed_form']['rmse']:.3f} / {out['engine_learned']['rmse']:.3f}; one map of 1-4 "
@@ -200,18 +212,18 @@ def sessions(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     from gp_mapping.gp.tiles import merge_tiled
 
     rec = large._world_and_drive(plan, 2, seed=int(plan["large_seed"]))
-    test_x, truth, _ = large._test_points(rec, plan, 2, np.random.default_rng(1))
+    test_x, truth, reading = large._test_points(rec, plan, 2, np.random.default_rng(1))
     x = rec.sensor_position[:, :2]
     y = np.linalg.norm(rec.field_sensor_tesla, axis=1)[:, None] * 1e6
     cfg, batch = _shipped_model(), int(plan["large_batch"])
 
-    def rmse(model) -> float:
-        return _rmse(model, test_x, truth)
+    def score(model) -> dict[str, float]:
+        return _scores(model, test_x, truth, reading)
 
     half = len(x) // 2 // batch * batch
     out: dict[str, Any] = {"samples": int(len(x)), "area_m": list(plan["large_area"]),
                            "tiles": f"{cfg.tile_size:g} m, M = {cfg.num_inducing}, memory {cfg.memory_size}"}
-    rows, models = _mapped_sessions(cfg, batch, rmse, {name: [(x[cut], y[cut])] for name, cut in (
+    rows, models = _mapped_sessions(cfg, batch, score, {name: [(x[cut], y[cut])] for name, cut in (
         ("whole", slice(None)), ("first", slice(0, half)), ("second", slice(half, None)))})
     for name, row in rows.items():
         out[name] = {**row, "tiles": models[name].num_tiles}
@@ -220,7 +232,7 @@ def sessions(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     for label, steps in (("closed_form", 0), ("learned", int(plan["merge_steps"]))):
         start = time.process_time()
         merged, result = merge_tiled(parts, cfg, steps=steps)
-        out[label] = {"rmse": rmse(merged), "tiles": merged.num_tiles, "cpu_s": time.process_time() - start,
+        out[label] = {**score(merged), "tiles": merged.num_tiles, "cpu_s": time.process_time() - start,
                       "max_m": result.num_inducing}
     out["ratio"] = out["learned"]["rmse"] / out["whole"]["rmse"]
     log(f"  sessions: merged {out['learned']['rmse']:.3f} uT ({out['closed_form']['rmse']:.3f} closed form), "
@@ -254,13 +266,15 @@ def markdown(sec: dict[str, Any]) -> list[str]:
     if ss:
         lines += [f"A building in two sessions (the large section's 2-D drive, {ss['area_m'][0]:g} m x "
                   f"{ss['area_m'][1]:g} m, {ss['samples']} samples, cut in two halves in time; shipped tiles "
-                  f"{ss['tiles']}), merged tile by tile; RMSE of |B| at the large section's test points, uT; CPU "
-                  "seconds:", "",
-                  "| map | RMSE | tiles | CPU s |", "|---|---:|---:|---:|"]
+                  f"{ss['tiles']}), merged tile by tile; RMSE of |B| at the large section's test points, uT, and "
+                  "NLPD, within +-2 SD and z-std of held-out readings there (the large section's); CPU seconds:", "",
+                  "| map | RMSE | NLPD | within +-2 SD | z-std | tiles | CPU s |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for key, label in (("whole", "one map of the whole drive"), ("first", "first session alone"),
                            ("second", "second session alone"), ("closed_form", "merged, closed form"),
                            ("learned", f"merged, {sec['steps']} Adam steps per tile")):
-            lines.append(f"| {label} | {ss[key]['rmse']:.3f} | {ss[key]['tiles']} | {ss[key]['cpu_s']:.1f} |")
+            lines.append(f"| {label} | {ss[key]['rmse']:.3f} | {_calibration_cells(ss[key])} | {ss[key]['tiles']} | "
+                         f"{ss[key]['cpu_s']:.1f} |")
         lines += ["", f"Merged / whole drive: {ss['ratio']:.3f}; largest merged tile M = {ss['learned']['max_m']}.",
                   ""]
     so = sec.get("solin_sessions")
@@ -268,14 +282,24 @@ def markdown(sec: dict[str, Any]) -> list[str]:
         lines += [f"Solin sessions skipped: {so['skipped']}", ""]
     elif so:
         lines += ["A real room in two sessions (Solin et al. 2018: sequences 1-2 and 3-4, each mapped with the shipped "
-                  "config, one tile each; RMSE of |B| on sequence 5, uT; CPU seconds of the mapping or the merge):",
-                  "", "| map | RMSE | M | CPU s |", "|---|---:|---:|---:|"]
+                  "config, one tile each; RMSE of |B| on sequence 5, uT, NLPD, within +-2 SD and z-std of its "
+                  "readings; CPU seconds of the mapping or the merge):",
+                  "", "| map | RMSE | NLPD | within +-2 SD | z-std | M | CPU s |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for key, label in (("all", "one map of sequences 1-4"), ("first", "sequences 1-2 alone"),
                            ("second", "sequences 3-4 alone"), ("tiled_closed_form", "merged tile by tile, closed form"),
                            ("tiled_learned", f"merged tile by tile, {sec['steps']} Adam steps"),
                            ("engine_closed_form", "merged as one engine (M = both sources'), closed form"),
                            ("engine_learned", f"merged as one engine (M = both sources'), {sec['steps']} Adam steps")):
             row = so[key]
-            lines.append(f"| {label} | {row['rmse']:.3f} | {row.get('m', '')} | {row['cpu_s']:.1f} |")
+            lines.append(f"| {label} | {row['rmse']:.3f} | {_calibration_cells(row)} | {row.get('m', '')} | "
+                         f"{row['cpu_s']:.1f} |")
         lines += [""]
     return lines
+
+
+def _calibration_cells(row: dict[str, Any]) -> str:
+    """NLPD | within +-2 SD | z-std of a row ('-' in reports written before they were measured)."""
+    if "nlpd" not in row:
+        return "- | - | -"
+    return f"{row['nlpd']:.3f} | {row['within_2sd']:.3f} | {row['z_std']:.2f}"

@@ -216,11 +216,15 @@ def test_quick_bench_merge_section(quick_run):
     for key in ("closed_form", "learned"):
         assert ss[key]["tiles"] == ss["whole"]["tiles"] and ss[key]["rmse"] <= 1.2 * ss["whole"]["rmse"]
         assert ss[key]["rmse"] < 0.7 * min(ss["first"]["rmse"], ss["second"]["rmse"])
+    # every map's readings scored with their variance too (the merged maps' included)
+    for key in ("whole", "first", "second", "closed_form", "learned"):
+        assert _finite(ss[key]["nlpd"]) and 0.0 < ss[key]["within_2sd"] <= 1.0 and ss[key]["z_std"] > 0, key
     assert "A building in two sessions" in quick_run["md"]
     so = sec["solin_sessions"]  # a real room in two sessions (the quick plan's first 30 s of each sequence)
     if "skipped" not in so:
         keys = ("all", "first", "second", "tiled_closed_form", "tiled_learned", "engine_closed_form", "engine_learned")
         assert all(_finite(so[k]["rmse"]) and so[k]["rmse"] > 0 for k in keys)
+        assert all(_finite(so[k]["nlpd"]) and 0.0 < so[k]["within_2sd"] <= 1.0 for k in keys)
         assert so["tiled_closed_form"]["m"] <= so["engine_closed_form"]["m"]
         assert "A real room in two sessions" in quick_run["md"]
 
