@@ -57,7 +57,7 @@ def plan_config(plan: dict, **overrides) -> ModelConfig:
 
 # ------------------------------------------------------------------------------------------------ methods
 
-def _scores(mean: np.ndarray, var: np.ndarray | None, y: np.ndarray) -> dict[str, float]:
+def reading_scores(mean: np.ndarray, var: np.ndarray | None, y: np.ndarray) -> dict[str, float]:
     """RMSE; with the variance of a reading, NLPD, within +-1 / +-2 SD and the std of z (calibration.scores)."""
     if var is None:
         return {"rmse": rmse(mean, y)}
@@ -83,7 +83,7 @@ class _Streaming:
         self.cpu_seconds.append(time.process_time() - start_cpu)
 
     def score(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        return _scores(*self._reading(x), y)
+        return reading_scores(*self._reading(x), y)
 
 
 def _engine_method(name: str, label: str, config: ModelConfig, schedule: Callable[[int], str]) -> _Streaming:
@@ -122,10 +122,10 @@ class _Refit(_Streaming):
     def score(self, x, y):
         xs, ys = np.vstack(self.xs), np.vstack(self.ys)
         if self.name == "nearest_neighbour":
-            return _scores(NearestNeighbour(xs, ys).predict(x), None, y)
+            return reading_scores(NearestNeighbour(xs, ys).predict(x), None, y)
         # A Gaussian with the training mean and variance: the NLPD any map must beat.
         mean = ConstantMean(ys).predict(x)
-        return _scores(mean, np.full_like(mean, ys.var()), y)
+        return reading_scores(mean, np.full_like(mean, ys.var()), y)
 
 
 def _hsgp_method(config: ModelConfig, area, num_basis: int) -> _Streaming:
@@ -178,12 +178,12 @@ def offline_methods(x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np
     svgp = OfflineSVGP.from_model_config(cfg, iterations=int(plan["offline_iterations"]), batch_size=1024,
                                          lr=0.05, ngd_lr=0.1, seed=0).fit(x, y)
     out["offline_svgp"] = {"label": f"offline SVGP (GPyTorch, {plan['offline_iterations']} it)",
-                           **_scores(*svgp.predict_reading(x_test), y_test), "train_seconds": svgp.train_seconds,
+                           **reading_scores(*svgp.predict_reading(x_test), y_test), "train_seconds": svgp.train_seconds,
                            "model": svgp}
     exact = ExactGPBaseline(KernelSpec.from_model_config(cfg), max_points=int(plan["exact_points"]),
                             iterations=int(plan["exact_iterations"]), seed=0).fit(x, y)
     label = f"exact GP ({'subsample ' if exact.subsampled else ''}n={exact.n_used})"
-    out["exact_gp"] = {"label": label, **_scores(*exact.predict_reading(x_test), y_test),
+    out["exact_gp"] = {"label": label, **reading_scores(*exact.predict_reading(x_test), y_test),
                        "train_seconds": exact.train_seconds,
                        "n_used": exact.n_used, "subsampled": exact.subsampled, "model": exact}
     return out

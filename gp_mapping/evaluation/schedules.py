@@ -8,8 +8,9 @@ every n-th batch for each n of ``--every`` (whatever the batch's size) and with 
 update once ``full_update_samples`` samples have arrived), beside the offline SVGP of the same M (GPyTorch, trained on all the
 streamed data; and with its inducing inputs fixed, to show what learning them is worth), the reduced-rank GP of Solin & Särkkä (2020) with m = 256 and 1024 basis functions (sequential
 Bayesian linear regression, hyperparameters on its exact marginal likelihood) and nearest neighbour. Per
-method: RMSE and NLPD on the test sequences after the last batch, update latency (median, p95) and the total
-time. Results: ``DIR/schedules.json`` and ``DIR/schedules.md``.
+method: RMSE, and NLPD, within +-2 SD and z-std under its predictive distribution of a reading, on the test
+sequences after the last batch; update latency (median, p95) and the total time. Results:
+``DIR/schedules.json`` and ``DIR/schedules.md``.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import numpy as np
 import torch
 
 from gp_mapping.config import ModelConfig
-from gp_mapping.evaluation.baselines import NearestNeighbour, OfflineSVGP, ReducedRankGP, nlpd, rmse
+from gp_mapping.evaluation.accuracy import reading_scores
+from gp_mapping.evaluation.baselines import NearestNeighbour, OfflineSVGP, ReducedRankGP
 from gp_mapping.evaluation.common import default_results_dir, machine_info
 from gp_mapping.evaluation.datasets import load_solin2018
 from gp_mapping.gp import build_model
@@ -52,10 +54,11 @@ def _stream(step, batches) -> tuple[list[float], float]:
     return seconds, time.perf_counter() - start
 
 
-def _row(name, predict, lpd, x_test, y_test, seconds, total) -> dict:
+def _row(name, reading, x_test, y_test, seconds, total) -> dict:
+    """A method's row: ``reading(x)`` -> mean and variance of a reading (variance None: a mean alone)."""
     ms = np.asarray(seconds) * 1e3 if seconds else np.zeros(1)
-    return {"method": name, "rmse": rmse(predict(x_test), y_test),
-            "nlpd": nlpd(lpd(x_test, y_test)) if lpd is not None else None,
+    return {"method": name, **{"nlpd": None, "within_2sd": None, "z_std": None},
+            **reading_scores(*reading(x_test), y_test),
             "update_median_ms": float(np.median(ms)), "update_p95_ms": float(np.percentile(ms, 95)),
             "total_s": total}
 
@@ -73,8 +76,8 @@ def run(root, every: list[int], log=print) -> dict:
         for label, config in schedules:
             model = build_model(config, 2, 1)
             seconds, total = _stream(model.update, batches)
-            rows.append(_row(label, lambda x: model.predict(x)[0].numpy(),
-                             lambda x, y: model.log_predictive_density(x, y).numpy(), x_test, y_test, seconds, total))
+            rows.append(_row(label, lambda x: tuple(t.numpy() for t in model.predict_reading(x)), x_test, y_test,
+                             seconds, total))
             log(f"{name}: {rows[-1]}")
         x_all = np.vstack([b[0] for b in batches])
         y_all = np.vstack([b[1] for b in batches])
@@ -82,8 +85,7 @@ def run(root, every: list[int], log=print) -> dict:
         for m in (256, 1024):
             rr = ReducedRankGP.from_model_config(base, area, num_basis=m)
             seconds, total = _stream(rr.update, batches)
-            rows.append(_row(f"reduced-rank GP (m = {m})", lambda x: rr.predict(x)[0], rr.log_predictive_density,
-                             x_test, y_test, seconds, total))
+            rows.append(_row(f"reduced-rank GP (m = {m})", rr.predict_reading, x_test, y_test, seconds, total))
             log(f"{name}: {rows[-1]}")
         # The same offline SVGP with its inducing inputs fixed at a random subset of the data: the online engine
         # places Z by pivoted Cholesky and does not move it by default, so this row shows how much of the gap to
@@ -93,10 +95,10 @@ def run(root, every: list[int], log=print) -> dict:
             svgp = OfflineSVGP.from_model_config(base, iterations=2000, batch_size=1024, lr=0.05, ngd_lr=0.1,
                                                  seed=0, learn_inducing=learn_z).fit(x_all, y_all)
             label = "2000 it" if learn_z else "2000 it, Z fixed"
-            rows.append(_row(f"offline SVGP (M = {base.num_inducing}, {label})", lambda x: svgp.predict(x)[0],
-                             svgp.log_predictive_density, x_test, y_test, [], time.perf_counter() - start))
+            rows.append(_row(f"offline SVGP (M = {base.num_inducing}, {label})", svgp.predict_reading, x_test,
+                             y_test, [], time.perf_counter() - start))
         nn = NearestNeighbour(x_all, y_all)
-        rows.append(_row("nearest neighbour", nn.predict, None, x_test, y_test, [], 0.0))
+        rows.append(_row("nearest neighbour", lambda x: (nn.predict(x), None), x_test, y_test, [], 0.0))
         ref = rows[-2]["rmse"]
         for r in rows:
             r["rmse_ratio"] = r["rmse"] / ref
@@ -111,11 +113,12 @@ def markdown(results: dict) -> str:
              f"{m['torch_threads']} thread(s), load average {m['load_average_1min']:.1f}; shipped model config "
              f"(M = {results['config']['num_inducing']}).", ""]
     for name, rows in results["protocols"].items():
-        lines += [f"**{name}**", "", "| method | RMSE | NLPD | RMSE / offline SVGP | update median ms | update p95 ms "
-                  "| total s |", "|:---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"**{name}**", "", "| method | RMSE | NLPD | within +-2 SD | z-std | RMSE / offline SVGP | "
+                  "update median ms | update p95 ms | total s |", "|:---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
-            nl = "-" if r["nlpd"] is None else f"{r['nlpd']:.2f}"
-            lines.append(f"| {r['method']} | {r['rmse']:.3f} | {nl} | {r['rmse_ratio']:.3f} | "
+            nl, cover, z = ("-" if r.get(k) is None else format(r[k], f) for k, f in
+                            (("nlpd", ".2f"), ("within_2sd", ".3f"), ("z_std", ".2f")))
+            lines.append(f"| {r['method']} | {r['rmse']:.3f} | {nl} | {cover} | {z} | {r['rmse_ratio']:.3f} | "
                          f"{r['update_median_ms']:.1f} | {r['update_p95_ms']:.1f} | {r['total_s']:.0f} |")
         lines.append("")
     return "\n".join(lines)
