@@ -220,6 +220,27 @@ def peer_scores(rec: Recording, config: ModelConfig, plan: dict) -> dict[str, di
     return out
 
 
+#: the shipped engine is streamed again with its batches this much smaller and larger (batching_spread)
+BATCH_FACTORS = (0.9, 0.96, 1.04, 1.1)
+
+
+def batching_spread(rec: Recording, at_batch: dict[str, Any], factors) -> dict[str, Any]:
+    """The shipped dual_svgp on ``rec`` with its batches ``factors`` times as large (``at_batch``: its scores at
+    the recording's own batch): RMSE, NLPD and +-2 SD per batch size, and their range. The online map depends on
+    where the batch boundaries fall (which readings are held, folded, and picked as inducing points when, and the
+    hyperparameter steps each update takes), so one run's figure is one draw of it (docs/calibration.md,
+    How well it holds)."""
+    keys = ("rmse", "nlpd", "within_2sd", "z_std")
+    runs = {str(rec.batch): {k: at_batch[k] for k in keys}}
+    for f in factors:
+        batch = max(1, int(round(rec.batch * float(f))))
+        if str(batch) not in runs:
+            s = engine_scores(shipped(), dataclasses.replace(rec, batch=batch))
+            runs[str(batch)] = {k: s[k] for k in keys}
+    return {"runs": runs, **{f"{k}_range": [min(r[k] for r in runs.values()), max(r[k] for r in runs.values())]
+                             for k in keys}}
+
+
 def shipped(**overrides) -> ModelConfig:
     return dataclasses.replace(ModelConfig(device="cpu", seed=0), **overrides)
 
@@ -268,6 +289,10 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
                 row["engines"][engine] = engine_scores(shipped(engine=engine), rec)
                 log(f"    {engine}: " + _line(row["engines"][engine]))
         out["recordings"][name] = row
+        if "dual_svgp" in row["engines"] and plan.get("calibration_batch_factors", BATCH_FACTORS):
+            row["batching"] = batching_spread(rec, row["engines"]["dual_svgp"],
+                                              plan.get("calibration_batch_factors", BATCH_FACTORS))
+            log("    batching: " + ", ".join(f"{b}: {r['rmse']:.3f}" for b, r in row["batching"]["runs"].items()))
     if "solin_p2" in names and "sessions" in plan.get("calibration_parts", ("sessions",)):
         out["sessions"] = session_offsets(root, log)
     for cand, overrides in CANDIDATES.items():
@@ -385,6 +410,20 @@ def markdown(sec: dict[str, Any]) -> list[str]:
                              f"{s['within_2sd']:.3f} | {s['z_std']:.2f} | - | - | - |")
             else:
                 lines.append(f"| {peer} | {s['rmse']:.3f} | - | - | - | - | - | - | - |")
+        lines.append("")
+    spread = {name: row["batching"] for name, row in sec.get("recordings", {}).items() if "batching" in row}
+    if spread:
+        lines += ["### The shipped dual_svgp with other batch sizes", "",
+                  "The same streams cut into batches of other sizes (the recording's own first); each cell RMSE / "
+                  "NLPD / +-2 SD. One run's figure is one draw of this spread.", "",
+                  "| recording | runs (batch: RMSE / NLPD / +-2 SD) | RMSE range | NLPD range | +-2 SD range |",
+                  "|:---|:---|---:|---:|---:|"]
+        for name, b in spread.items():
+            cells = "; ".join(f"{k}: {r['rmse']:.3f} / {r['nlpd']:.3f} / {r['within_2sd']:.3f}"
+                              for k, r in b["runs"].items())
+            lines.append(f"| {name} | {cells} | {b['rmse_range'][0]:.3f}-{b['rmse_range'][1]:.3f} | "
+                         f"{b['nlpd_range'][0]:.3f}-{b['nlpd_range'][1]:.3f} | "
+                         f"{b['within_2sd_range'][0]:.3f}-{b['within_2sd_range'][1]:.3f} |")
         lines.append("")
     ses = sec.get("sessions")
     if ses:

@@ -72,7 +72,7 @@ FULL = {
 QUICK = {  # a smoke run of every section (make test runs it): small enough to keep the suite's time down
     "calibration_recordings": ("solin_p1",), "calibration_engines": ("dual_svgp",),
     "calibration_candidates": ("shipped", "no calibration"), "calibration_offline_iterations": 50,
-    "calibration_parts": (),
+    "calibration_parts": (), "calibration_batch_factors": (0.9,),
     "calibration_exact_points": 300,
     "p1_batches": 6, "p2_batch_seconds": 20.0, "p2_eval_every": 3, "fast_full_every": 10,
     "test_stride": 4, "p2_seconds_per_sequence": 60.0,

@@ -289,6 +289,12 @@ def test_quick_bench_calibration_section(quick_run):
     assert set(d) == {"shipped", "no calibration"}
     assert d["shipped"]["worst_nlpd_gap"] == max(v["nlpd_gap"] for v in d["shipped"]["per_recording"].values())
     assert (quick_run["out"] / "calibration_solin_p1.png").exists()
+    # the shipped engine at another batch size too: its own run first, the range spans every run
+    b = row["batching"]
+    assert list(b["runs"])[0] == str(math.ceil(row["num_train"] / 20)) and len(b["runs"]) == 2
+    assert b["runs"][list(b["runs"])[0]]["rmse"] == s["rmse"]
+    assert b["rmse_range"] == [min(r["rmse"] for r in b["runs"].values()), max(r["rmse"] for r in b["runs"].values())]
+    assert "other batch sizes" in quick_run["md"]
 
 
 def test_the_memory_section_is_opt_in_and_reports_the_resident_memory_of_a_random_walk():
