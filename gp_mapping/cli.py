@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     name = argv[0]
     if name not in SUBCOMMANDS:
         parser.parse_args(argv)  # prints the usage error and exits 2
-    from gp_mapping.runtime import keep_freed_memory
+    from gp_mapping.runtime import keep_freed_memory, set_cpu_threads
 
     keep_freed_memory()  # maps drawn tile by tile no longer page-fault every tile (see gp_mapping.runtime)
+    set_cpu_threads()  # one torch thread unless OMP_NUM_THREADS says otherwise (see gp_mapping.runtime)
     module = importlib.import_module(SUBCOMMANDS[name][0])
     command_parser = argparse.ArgumentParser(prog=f"gp-mapping {name}", description=SUBCOMMANDS[name][1])
     module.add_arguments(command_parser)

@@ -8,12 +8,23 @@ default 2048 cells and M = 256) was a fresh mapping whose pages fault in on firs
 map markedly slower. Blocks of up to 16 MiB come from the heap (a tile's buffers at M = 512 are 8 MiB) and up to
 64 MiB of free heap is kept before trimming; larger settings draw no faster and cost resident memory. The bench's
 speed section times the grid, its explore section watches the resident memory of a node's work.
+
+Torch's CPU threads: one, unless ``OMP_NUM_THREADS`` says otherwise (:func:`set_cpu_threads`). An update's
+matrices (M = 256 inducing points, batches of 50) are too small for a second thread to pay, and on a robot's
+shared CPU the threads of one operation wait on each other for cores that other processes hold, which stalls every
+update: the demo bag replayed in 21.5 s with one thread and 42.6 s with torch's default of two on a quiet
+two-core machine, and in 468 s with two beside two busy processes (2026-11-30). The benches run with one thread
+for the same reason, so their figures are what the executables do.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
+
+#: torch CPU threads of the executables when OMP_NUM_THREADS is not set (module docstring)
+DEFAULT_CPU_THREADS = 1
 
 # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -39,3 +50,13 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, KEPT_FREE_BYTES))
+
+
+def set_cpu_threads() -> int:
+    """Torch's CPU threads for this process: OMP_NUM_THREADS where the user set it (torch reads it itself), else
+    DEFAULT_CPU_THREADS (module docstring). Returns the number torch now uses."""
+    import torch
+
+    if not os.environ.get("OMP_NUM_THREADS", "").strip():
+        torch.set_num_threads(DEFAULT_CPU_THREADS)
+    return torch.get_num_threads()

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import rclpy
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 
-from gp_mapping.runtime import keep_freed_memory
+from gp_mapping.runtime import keep_freed_memory, set_cpu_threads
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_CONFIG = 0, 1, 2
 
@@ -28,6 +28,7 @@ def spin_node(argv: list[str], program: str, logger_name: str, make_node: Callab
     """The process around a gp_mapping node: start ROS with ``argv``, build the node (a NodeStartError is a bad
     configuration, exit 2), ``prepare`` it (False: exit 2), spin until Ctrl-C or shutdown, ``close()`` it, exit 0."""
     keep_freed_memory()  # the published maps are drawn tile by tile (see gp_mapping.runtime)
+    set_cpu_threads()  # a shared CPU: one torch thread unless OMP_NUM_THREADS says otherwise (gp_mapping.runtime)
     faulthandler.enable()  # a crash in a C extension (rclpy, torch) leaves every thread's Python stack in the log
     try:
         rclpy.init(args=argv)
