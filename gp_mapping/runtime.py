@@ -9,12 +9,13 @@ map markedly slower. Blocks of up to 16 MiB come from the heap (a tile's buffers
 64 MiB of free heap is kept before trimming; larger settings draw no faster and cost resident memory. The bench's
 speed section times the grid, its explore section watches the resident memory of a node's work.
 
-Torch's CPU threads: one, unless ``OMP_NUM_THREADS`` says otherwise (:func:`set_cpu_threads`). An update's
-matrices (M = 256 inducing points, batches of 50) are too small for a second thread to pay, and on a robot's
+Torch's CPU threads: one, unless ``OMP_NUM_THREADS`` says otherwise (:func:`set_cpu_threads`). On a robot's
 shared CPU the threads of one operation wait on each other for cores that other processes hold, which stalls every
-update: the demo bag replayed in 21.5 s with one thread and 42.6 s with torch's default of two on a quiet
-two-core machine, and in 468 s with two beside two busy processes (2026-11-30). The benches run with one thread
-for the same reason, so their figures are what the executables do.
+update: beside two busy processes the demo bag replayed in 468 s with torch's default of two threads on a two-core
+machine, and in 21.5 s with one. On the same machine idle, two threads take 0.78x the wall time of one (19.1
+against 24.4 s, median of 3 paired runs) for 1.38x the CPU time (2026-11-30), too little to risk the stall; set
+OMP_NUM_THREADS on a machine of its own. The benches run with one thread, so their figures are what the
+executables do.
 """
 from __future__ import annotations
 
