@@ -466,27 +466,32 @@ def markdown(sec: dict[str, Any]) -> list[str]:
     return lines
 
 
-def plot(sec: dict[str, Any], out) -> list[str]:
-    """One reliability diagram per recording (observed against nominal coverage, every method)."""
+def reliability_diagram(curves: list[tuple[str, dict[str, Any]]], title: str, path) -> None:
+    """A reliability diagram (observed against nominal central coverage) of ``curves`` ([(label, scores)], scores
+    as :func:`scores` gives them; those without a reliability curve are left out), written to ``path``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    ax.plot([0, 1], [0, 1], "k:", lw=1, label="ideal")
+    for label, s in curves:
+        if "reliability" in s:
+            ax.plot([float(k) for k in s["reliability"]], list(s["reliability"].values()), "o-", ms=3, label=label)
+    ax.set_xlabel("nominal central coverage")
+    ax.set_ylabel("observed coverage (held out)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot(sec: dict[str, Any], out) -> list[str]:
+    """One reliability diagram per recording (every method)."""
     written = []
     for name, row in sec.get("recordings", {}).items():
-        fig, ax = plt.subplots(figsize=(4.5, 4.5))
-        ax.plot([0, 1], [0, 1], "k:", lw=1, label="ideal")
-        for label, s in [*row["engines"].items(), *row["peers"].items()]:
-            if "reliability" in s:
-                levels = [float(k) for k in s["reliability"]]
-                ax.plot(levels, list(s["reliability"].values()), "o-", ms=3, label=label)
-        ax.set_xlabel("nominal central coverage")
-        ax.set_ylabel("observed coverage (held out)")
-        ax.set_title(name)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
         path = out / f"calibration_{name}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
+        reliability_diagram([*row["engines"].items(), *row["peers"].items()], name, path)
         written.append(str(path))
     return written

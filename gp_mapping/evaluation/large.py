@@ -413,33 +413,17 @@ def _calibration_table(e: dict[str, Any], rows: list[tuple[str, dict]]) -> list[
 
 
 def plot(sec: dict[str, Any], out) -> list[str]:
-    """One reliability diagram per input dimension (observed against nominal coverage of held-out readings, every
-    map and the exact GP): large_2d.png, large_3d.png."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """One reliability diagram per input dimension (held-out readings, every map and the exact GP): large_2d.png,
+    large_3d.png."""
+    from gp_mapping.evaluation.calibration import reliability_diagram
 
     written = []
     for key in ("2d", "3d"):
         e = sec.get(key)
-        if not e:
-            continue
-        curves = [(name, e[name].get("reading_scores")) for name in ("tiled", "shipped", "untiled", "exact_gp")
-                  if name in e]
-        curves = [(name, s) for name, s in curves if s]
-        if not curves:
-            continue
-        fig, ax = plt.subplots(figsize=(4.5, 4.5))
-        ax.plot([0, 1], [0, 1], "k:", lw=1, label="ideal")
-        for name, s in curves:
-            ax.plot([float(k) for k in s["reliability"]], list(s["reliability"].values()), "o-", ms=3, label=name)
-        ax.set_xlabel("nominal central coverage")
-        ax.set_ylabel("observed coverage (held-out readings)")
-        ax.set_title(f"large area, {key[0]}-D inputs")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / f"large_{key}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written.append(path.name)
+        curves = [(name, e[name]["reading_scores"]) for name in ("tiled", "shipped", "untiled", "exact_gp")
+                  if e and "reading_scores" in e.get(name, {})]
+        if curves:
+            path = out / f"large_{key}.png"
+            reliability_diagram(curves, f"large area, {key[0]}-D inputs", path)
+            written.append(path.name)
     return written
