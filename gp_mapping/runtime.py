@@ -9,7 +9,8 @@ map markedly slower. Blocks of up to 16 MiB come from the heap (a tile's buffers
 64 MiB of free heap is kept before trimming; larger settings draw no faster and cost resident memory. The bench's
 speed section times the grid, its explore section watches the resident memory of a node's work.
 
-Torch's CPU threads: one, unless ``OMP_NUM_THREADS`` says otherwise (:func:`set_cpu_threads`). On a robot's
+Torch's CPU threads: one, unless ``OMP_NUM_THREADS`` says otherwise (:func:`set_cpu_threads`; where torch is
+not yet imported it sets ``OMP_NUM_THREADS``, which an OpenMP BLAS and child processes read too). On a robot's
 shared CPU the threads of one operation wait on each other for cores that other processes hold, which stalls every
 update: beside two busy processes the demo bag replayed in 468 s with torch's default of two threads on a two-core
 machine, and in 21.5 s with one. On the same machine idle, two threads take 0.78x the wall time of one (19.1
@@ -53,11 +54,14 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, KEPT_FREE_BYTES))
 
 
-def set_cpu_threads() -> int:
+def set_cpu_threads() -> None:
     """Torch's CPU threads for this process: OMP_NUM_THREADS where the user set it (torch reads it itself), else
-    DEFAULT_CPU_THREADS (module docstring). Returns the number torch now uses."""
-    import torch
-
-    if not os.environ.get("OMP_NUM_THREADS", "").strip():
-        torch.set_num_threads(DEFAULT_CPU_THREADS)
-    return torch.get_num_threads()
+    DEFAULT_CPU_THREADS (module docstring). Before torch is imported this only sets OMP_NUM_THREADS, which torch
+    reads when it is, so a command that never needs torch (``gp-mapping magnetometer``) does not pay its import
+    (about a second) at start."""
+    if os.environ.get("OMP_NUM_THREADS", "").strip():
+        return
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(DEFAULT_CPU_THREADS)
+    else:
+        os.environ["OMP_NUM_THREADS"] = str(DEFAULT_CPU_THREADS)

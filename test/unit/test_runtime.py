@@ -48,6 +48,21 @@ def test_the_command_sets_one_torch_thread_unless_the_user_says_otherwise(monkey
     assert threads("2") == 2
 
 
+def test_a_process_that_already_imported_torch_gets_one_thread_too(monkeypatch):
+    """The node processes import torch before they start: the threads are set on torch itself."""
+    import torch
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(2)
+        runtime.set_cpu_threads()
+        assert torch.get_num_threads() == runtime.DEFAULT_CPU_THREADS
+        assert "OMP_NUM_THREADS" not in __import__("os").environ
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_node_process_sets_them_before_ros_starts(monkeypatch):
     from gp_mapping.ros import process
 
