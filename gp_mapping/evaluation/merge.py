@@ -15,6 +15,9 @@
    engine the way maps made with ``model.tile_size: 0`` merge (the sources' inducing points together, closed form
    and ``merge_steps``); against one map of sequences 1-4 and each session alone, RMSE of |B| on sequence 5
    (protocol 2's test). ``merge_solin_seconds`` cuts each sequence (quick). Skipped without the recording.
+
+In parts 3 and 4 each merged map's calibration is fitted on its sources' records (Engine.pool_calibration), as
+``gp_mapping.mapping.merge.merge_maps`` does; NLPD, within +-2 SD and z-std score it.
 """
 from __future__ import annotations
 
@@ -190,14 +193,17 @@ def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[st
     first, second = models["first"], models["second"]
     tiled = [("1-2", first.tile_summaries(), None), ("3-4", second.tile_summaries(), None)]
     engines = [Source.from_summary(m.recyclable_summary(), name=n) for n, m in (("1-2", first), ("3-4", second))]
+    records = [first.calibration_records(), second.calibration_records()]
     m_sum = sum(s.num_inducing for s in engines)
     for label, steps in (("closed_form", 0), ("learned", int(plan["merge_steps"]))):
         start = time.process_time()
         model, result = merge_tiled(tiled, cfg, steps=steps)
+        model.pool_calibration(records)  # as merge_maps does
         out[f"tiled_{label}"] = {**score(model), "cpu_s": time.process_time() - start, "m": result.num_inducing}
         start = time.process_time()
         res = merge(engines, cfg, num_inducing=m_sum, steps=steps)
         engine = merged_engine(res, cfg, 1)  # one engine (tile_size 0), as the untiled path makes it
+        engine.pool_calibration(records)
         out[f"engine_{label}"] = {**score(engine), "cpu_s": time.process_time() - start, "m": res.num_inducing}
     log(f"  Solin sessions: merged tile by tile {out['tiled_closed_form']['rmse']:.3f} uT (closed form), "
         f"{out['tiled_learned']['rmse']:.3f} ({plan['merge_steps']} steps); as one engine "
@@ -232,6 +238,7 @@ def sessions(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     for label, steps in (("closed_form", 0), ("learned", int(plan["merge_steps"]))):
         start = time.process_time()
         merged, result = merge_tiled(parts, cfg, steps=steps)
+        merged.pool_calibration([first.calibration_records(), second.calibration_records()])  # as merge_maps does
         out[label] = {**score(merged), "tiles": merged.num_tiles, "cpu_s": time.process_time() - start,
                       "max_m": result.num_inducing}
     out["ratio"] = out["learned"]["rmse"] / out["whole"]["rmse"]
@@ -267,7 +274,8 @@ def markdown(sec: dict[str, Any]) -> list[str]:
         lines += [f"A building in two sessions (the large section's 2-D drive, {ss['area_m'][0]:g} m x "
                   f"{ss['area_m'][1]:g} m, {ss['samples']} samples, cut in two halves in time; shipped tiles "
                   f"{ss['tiles']}), merged tile by tile; RMSE of |B| at the large section's test points, uT, and "
-                  "NLPD, within +-2 SD and z-std of held-out readings there (the large section's); CPU seconds:", "",
+                  "NLPD, within +-2 SD and z-std of held-out readings there (the large section's; a merged map "
+                  "calibrated on its sources' records); CPU seconds:", "",
                   "| map | RMSE | NLPD | within +-2 SD | z-std | tiles | CPU s |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for key, label in (("whole", "one map of the whole drive"), ("first", "first session alone"),
@@ -283,7 +291,8 @@ def markdown(sec: dict[str, Any]) -> list[str]:
     elif so:
         lines += ["A real room in two sessions (Solin et al. 2018: sequences 1-2 and 3-4, each mapped with the shipped "
                   "config, one tile each; RMSE of |B| on sequence 5, uT, NLPD, within +-2 SD and z-std of its "
-                  "readings; CPU seconds of the mapping or the merge):",
+                  "readings, a merged map calibrated on its sources' records; CPU seconds of the mapping or the "
+                  "merge):",
                   "", "| map | RMSE | NLPD | within +-2 SD | z-std | M | CPU s |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for key, label in (("all", "one map of sequences 1-4"), ("first", "sequences 1-2 alone"),

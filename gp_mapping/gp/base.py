@@ -453,6 +453,20 @@ class Engine(nn.Module, abc.ABC):
                 self._keep_lagged(xt)
             return torch.where(seen, yt - offset, yt)
 
+    def calibration_records(self) -> dict[str, torch.Tensor] | None:
+        """What a merge carries of this map's calibration: its out-of-sample records (gp/calibration.py,
+        ``records_summary``); None when this engine does not calibrate."""
+        return self.calibration.records_summary() if self.calibrates else None
+
+    def pool_calibration(self, records: list[dict[str, torch.Tensor]]) -> int:
+        """Fit this map's calibration on other maps' records (a merged map on its sources'; gp/calibration.py,
+        ``pool``). A merged map has made no out-of-sample predictions of its own, and without its sources'
+        it would state the latent variance and learned noise alone, 2-3.5x too narrow in SD on a real room
+        (docs/merging.md). Returns the records kept (0 when this engine does not calibrate or none came)."""
+        if not self.calibrates:
+            return 0
+        return self.calibration.pool(list(records), self._target_variance(), self._prior_latent_variance())
+
     def _lagged(self) -> "Engine | None":
         """The map as it was between one and two calibration lags of path ago (None until it exists)."""
         return (self.__dict__.get("_lag_copies") or (None, None, 0.0))[0]

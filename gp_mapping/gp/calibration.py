@@ -88,6 +88,9 @@ EXTRA_BOUNDS = (1e-8, 10.0)
 POSITION_BOUNDS = (1e-6, 10 ** -0.6)
 #: coarse grid points of b over POSITION_BOUNDS (with the records' slopes; one, at the floor, without)
 POSITION_POINTS = 10
+#: a record's values (besides ``filled``), each (N, P) in the targets' units: what a merge carries of a map's
+#: calibration (PrequentialCalibration.records_summary)
+RECORD_FIELDS = ("err2", "latent_var", "noise_var", "prior_var", "slope2")
 
 
 class _OptionalState(nn.Module):
@@ -283,6 +286,42 @@ class PrequentialCalibration(_OptionalState):
     def _loaded(self) -> None:
         self.records = self.err2.shape[0]
 
+    # ------------------------------------------------------------------ carried through a merge
+    def records_summary(self, most: int = FIT_RECORDS) -> dict[str, torch.Tensor]:
+        """The stored records as a merge carries them (:data:`RECORD_FIELDS` and ``filled``, (N, P), targets'
+        units, on the CPU): at most ``most`` of them, evenly spaced over the store, as many as a refit uses."""
+        rows = torch.nonzero(self.filled.any(1)).reshape(-1)
+        if rows.numel() > most:
+            rows = rows[torch.linspace(0, rows.numel() - 1, most, device=rows.device).round().long()]
+        return {k: getattr(self, k)[rows].detach().cpu().clone() for k in RECORD_FIELDS + ("filled",)}
+
+    def pool(self, sources: list[dict[str, torch.Tensor]], target_var: torch.Tensor,
+             prior_var: torch.Tensor) -> int:
+        """Make the store the records of ``sources`` (:meth:`records_summary` of other maps: a merge's sources)
+        and refit, so a merged map states its readings' variance as its sources' out-of-sample errors say maps of
+        that ground err. A record's latent variance is relative to the prior variance of the map that made it, so
+        records of other maps refit as this map's own do (module docstring). Each source keeps an equal share of
+        the store when all do not fit. ``target_var``, ``prior_var``: as :meth:`refit`. Returns the records
+        kept (0: none, the store and the fit unchanged)."""
+        sources = [r for r in sources if r["err2"].shape[0] > 0]
+        if not sources or self.records == 0:
+            return 0
+        share = self.records // len(sources)
+        picked = []
+        for r in sources:
+            n = r["err2"].shape[0]
+            rows = torch.linspace(0, n - 1, min(n, share)).round().long()
+            picked.append({k: r[k][rows] for k in RECORD_FIELDS + ("filled",)})
+        kept = sum(r["err2"].shape[0] for r in picked)
+        dev = self.err2.device
+        for k in RECORD_FIELDS + ("filled",):
+            buf = getattr(self, k)
+            buf.zero_()
+            buf[:kept] = torch.cat([r[k] for r in picked]).to(device=dev, dtype=buf.dtype)
+        self.record_count.fill_(kept)
+        self.refit(target_var, prior_var, force=True)
+        return kept
+
 class SessionOffsets(_OptionalState):
     """A constant offset per session (a bag, a node run: another day or another sensor reads differently).
 
@@ -364,3 +403,41 @@ class SessionOffsets(_OptionalState):
         yet adds to its predictive variance (0 while there is one session)."""
         means = self._means()
         return ((means - self.level()) ** 2).mean(0)
+
+
+def check_records(records: dict, output_dims: int) -> dict[str, torch.Tensor]:
+    """``records`` (:meth:`PrequentialCalibration.records_summary`, e.g. read from a summary) checked: every
+    field present, (N, P) with P = ``output_dims``, the values float64, finite and not negative, ``filled``
+    boolean. Returns them as float64 / bool tensors; raises ValueError saying what is wrong."""
+    out = {}
+    n = None
+    for k in RECORD_FIELDS + ("filled",):
+        if k not in records:
+            raise ValueError(f"calibration records lack {k!r}")
+        t = torch.as_tensor(records[k])
+        if t.dim() != 2 or t.shape[1] != output_dims or (n is not None and t.shape[0] != n):
+            raise ValueError(f"calibration records' {k!r} has shape {tuple(t.shape)}, expected (N, {output_dims}) "
+                             "like the others")
+        n = t.shape[0]
+        if k == "filled":
+            if t.dtype != torch.bool:
+                raise ValueError(f"calibration records' 'filled' is {t.dtype}, expected torch.bool")
+        elif not t.is_floating_point() or not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+            raise ValueError(f"calibration records' {k!r} must be finite numbers, none negative")
+        out[k] = t if k == "filled" else t.to(torch.float64)
+    return out
+
+
+def rotated_records(records: dict[str, torch.Tensor], rotation: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Records of a vector map (P = 3) seen in a frame whose field is ``rotation`` (3, 3) times the source's: each
+    channel's values become sum_j R_dj^2 of the source's channels' (as a merge moves a source's variances;
+    cross-channel terms are dropped), on the rows that have all three channels. Other maps' records, and an
+    identity rotation, come back as they are."""
+    rotation = torch.as_tensor(rotation, dtype=torch.float64)
+    if records["err2"].shape[1] != 3 or torch.allclose(rotation, torch.eye(3, dtype=torch.float64)):
+        return records
+    rows = records["filled"].all(1)
+    r2 = rotation ** 2
+    out = {k: records[k][rows] @ r2.T for k in RECORD_FIELDS}
+    out["filled"] = records["filled"][rows]
+    return out

@@ -41,6 +41,7 @@ from gp_mapping.config import ConfigError, MapperConfig, config_from_dict, to_di
 from gp_mapping.gp import merging
 from gp_mapping.gp.merging import MergeError, MergeResult, RigidTransform, Source, merge, merged_engine
 from gp_mapping.gp.base import Recyclable
+from gp_mapping.gp.calibration import RECORD_FIELDS, check_records, rotated_records
 from gp_mapping.gp.tiles import TiledMergeResult, TiledModel, TiledSummary, merge_tiled, parse_tile_key, tile_key
 from gp_mapping.mapping.mapper import Mapper
 
@@ -66,6 +67,9 @@ _SUMMARY_TENSORS = {"z": (torch.float64, 2), "target_mean": (torch.float64, 1), 
 # summary holds them per tile as "tile/<key>/<name>", its running target statistics as "tiled/<name>".
 _MODEL_TENSORS = tuple(k for k in _SUMMARY_TENSORS if k not in ("coverage_cells", "trajectory"))
 _TILED_STATISTICS = ("target_count", "target_mean", "target_m2", "scale_offset", "scale_std")
+# The map's calibration records (gp/calibration.py RECORD_FIELDS and "filled"), map-wide, as "calibration/<name>":
+# a merged map's calibration is fitted on its sources' (merge_maps).
+_CALIBRATION_TENSORS = {**{k: (torch.float64, 2) for k in RECORD_FIELDS}, "filled": (torch.bool, 2)}
 # Config keys that every source of a merge must share (what the map's values mean and where they live).
 MERGE_DEFINING_KEYS = (("sync", "target"), ("sync", "input_dims"), ("sync", "field_unit"), ("grid", "frame_id"))
 
@@ -80,7 +84,9 @@ class MapSource:
     for a map of several tiles, which has none), the config it was made with, its identity (source id, lineage),
     its visited cells and trajectory (for the merged map's grid), its transform into the merged frame, and, for a
     tiled map, its tiles' summaries (merged tile by tile). A part of a tiled map (a summary that holds some of its
-    tiles) has ``tile_index``: every tile of the map, with the samples it had taken; None when all are held."""
+    tiles) has ``tile_index``: every tile of the map, with the samples it had taken; None when all are held.
+    ``calibration``: the map's calibration records (Engine.calibration_records; None for a map that does not
+    calibrate, or a summary sent before they were carried), which the merged map's calibration is fitted on."""
 
     name: str
     summary: dict | None
@@ -94,6 +100,7 @@ class MapSource:
     transform: RigidTransform | None = None
     tiles: TiledSummary | None = None
     tile_index: dict[tuple[int, ...], int] | None = None
+    calibration: dict[str, torch.Tensor] | None = None
 
     @property
     def missing_tiles(self) -> list[tuple[int, ...]]:
@@ -132,7 +139,8 @@ class MapSource:
                    lineage=list(mapper.lineage), coverage_cells=np.asarray(mapper.coverage.cells),
                    coverage_resolution=float(mapper.coverage.resolution),
                    trajectory=np.asarray(mapper.trajectory, dtype=np.float64).reshape(-1, 2),
-                   last_stamp=float(mapper.last_stamp), transform=transform, tile_index=index)
+                   last_stamp=float(mapper.last_stamp), transform=transform, tile_index=index,
+                   calibration=model.calibration_records())
 
 
 class SummaryError(MergeError):
@@ -176,7 +184,9 @@ def summary_overhead_bytes(mapper: Mapper) -> int:
     """About how many bytes a summary takes besides its tiles: the visited cells and trajectory, the config and
     the other metadata (64 KiB is several times a shipped config's JSON), the tile list of a part."""
     tiles = mapper.model.num_tiles if isinstance(mapper.model, TiledModel) else 0
-    return 16 * (len(mapper.coverage.cells) + len(mapper.trajectory)) + 65536 + 64 * tiles
+    records = mapper.model.calibration_records()
+    calibration = 0 if records is None else sum(t.numel() * t.element_size() for t in records.values())
+    return 16 * (len(mapper.coverage.cells) + len(mapper.trajectory)) + 65536 + 64 * tiles + calibration
 
 
 class TileRotation:
@@ -277,6 +287,10 @@ def encode_summary(source: MapSource, precision: str = "float64") -> bytes:
         raise SummaryError(f"{source.name} has no model summary to send")
     else:
         tensors = _model_tensors(source.summary, precision=precision)
+    if source.calibration is not None:
+        tensors.update({f"calibration/{k}": (v.to(torch.float32) if precision == "float32" and v.dtype == torch.float64
+                                             else v).detach().cpu().contiguous().clone()
+                        for k, v in source.calibration.items() if k in _CALIBRATION_TENSORS})
     tensors["coverage_cells"] = torch.as_tensor(np.asarray(source.coverage_cells, dtype=np.int64).reshape(-1, 2))
     tensors["trajectory"] = torch.as_tensor(np.asarray(source.trajectory, dtype=np.float64).reshape(-1, 2)).to(
         torch.float32 if precision == "float32" else torch.float64)
@@ -353,6 +367,14 @@ def decode_summary(data: bytes, max_bytes: int, name: str = "summary") -> MapSou
                 raise SummaryError(f"{name}: a part's tile list does not fit a layout of {tiles.layout.dims} tiled "
                                    "axes")
             summary = next(iter(tiles.tiles.values())) if len(tiles.tiles) == 1 and index is None else None
+        calibration = None
+        if any(k.startswith("calibration/") for k in tensors):
+            p = tiles.output_dims if tiles is not None else int(summary["target_mean"].shape[0])
+            try:
+                calibration = check_records({k[len("calibration/"):]: v for k, v in tensors.items()
+                                             if k.startswith("calibration/")}, p)
+            except ValueError as err:
+                raise SummaryError(f"{name}: {err}") from None
         cells = tensors.get("coverage_cells", torch.zeros(0, 2, dtype=torch.int64)).numpy()
         trajectory = tensors.get("trajectory", torch.zeros(0, 2, dtype=torch.float64)).numpy()
         resolution = float(info["coverage_resolution"])
@@ -366,7 +388,7 @@ def decode_summary(data: bytes, max_bytes: int, name: str = "summary") -> MapSou
         raise SummaryError(f"{name}: malformed coverage or trajectory")
     return MapSource(name=name, summary=summary, config=config, source_id=source_id, lineage=lineage,
                      coverage_cells=cells, coverage_resolution=resolution, trajectory=trajectory, last_stamp=stamp,
-                     tiles=tiles, tile_index=index)
+                     tiles=tiles, tile_index=index, calibration=calibration)
 
 
 def _expected_tensor(key: str, tiled: bool, tile_keys: list[str]):
@@ -374,6 +396,8 @@ def _expected_tensor(key: str, tiled: bool, tile_keys: list[str]):
     loads), None for a name that has no place in the summary."""
     if key in ("coverage_cells", "trajectory"):
         return _SUMMARY_TENSORS[key]
+    if key.startswith("calibration/"):
+        return _CALIBRATION_TENSORS.get(key[len("calibration/"):])
     part = key
     if tiled:
         if key.startswith("tiled/"):
@@ -537,7 +561,12 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
 
 
 def _merged_mapper(sources: Sequence[MapSource], mapper: Mapper) -> Mapper:
-    """The merged model's Mapper given the sources' visited cells, trajectories (moved), last stamp, lineage."""
+    """The merged model's Mapper given the sources' visited cells, trajectories (moved), last stamp, lineage, and
+    its calibration fitted on the sources' records (Engine.pool_calibration; a vector source's moved into the
+    merged frame)."""
+    mapper.model.pool_calibration([s.calibration if s.transform is None else
+                                   rotated_records(s.calibration, s.transform.rotation)
+                                   for s in sources if s.calibration is not None])
     trajectory = []
     for src in sources:
         centres = (np.asarray(src.coverage_cells, dtype=np.float64).reshape(-1, 2) + 0.5) * src.coverage_resolution

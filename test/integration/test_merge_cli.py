@@ -161,6 +161,47 @@ def test_model_summaries_round_trip_and_bad_ones_are_refused(saved_maps):
             decode_summary(encode_summary(tampered), 10**8)
 
 
+
+def test_a_merged_map_is_calibrated_on_its_sources_records_which_summaries_carry(saved_maps):
+    """A summary carries its map's calibration records (its out-of-sample errors), and the merged map's
+    calibration is fitted on the sources' together (Engine.pool_calibration), so the merged map does not state
+    the latent variance and noise alone. Tampered records are refused with a reason; a summary without them (a
+    sender before they were carried) still merges, its records missing from the fit."""
+    from gp_mapping.gp.calibration import CALIBRATION_MIN_RECORDS
+    from gp_mapping.mapping.merge import SummaryError, decode_summary, encode_summary
+
+    _, _, a, b = saved_maps
+    tf = parse_transform(f"{SHIFT[0]},{SHIFT[1]},{YAW}")
+    src_a, src_b = MapSource.from_mapper("A", a), MapSource.from_mapper("B", b, tf)
+    kept = [int(s.calibration["filled"].any(1).sum()) for s in (src_a, src_b)]
+    assert min(kept) >= CALIBRATION_MIN_RECORDS
+    back = decode_summary(encode_summary(src_a), 10**8, name="A")
+    for k, v in src_a.calibration.items():
+        torch.testing.assert_close(back.calibration[k], v)
+    half = decode_summary(encode_summary(src_a, "float32"), 10**8, name="A")
+    torch.testing.assert_close(half.calibration["err2"], src_a.calibration["err2"], rtol=1e-6, atol=1e-9)
+    merged, _ = merge_maps([back, src_b], steps=0)
+    cal = merged.model.calibration
+    assert int(cal.record_count) == sum(kept)
+    assert float(cal.extra) > 0.0 or float(cal.scale) > 1.0 or float(cal.widen) > 1.0  # wider than latent + noise
+    one_map = merge_maps([src_a], steps=0)[0].model.calibration
+    torch.testing.assert_close(one_map.extra, a.model.calibration.extra)  # the source's own records, its own fit
+    xy = np.random.default_rng(0).uniform(-4, 4, (50, 2))
+    merged_var = merged.model.predict_reading(xy)[1]
+    latent_var = merged.model.predict(xy)[1]
+    assert bool((merged_var > latent_var).all())
+    without = MapSource(**{**src_a.__dict__, "calibration": None})
+    old, _ = merge_maps([decode_summary(encode_summary(without), 10**8), src_b], steps=0)
+    assert int(old.model.calibration.record_count) == kept[1]
+    for key, value, match in (("err2", src_a.calibration["err2"] * float("nan"), "finite"),
+                              ("latent_var", -src_a.calibration["latent_var"], "none negative"),
+                              ("slope2", src_a.calibration["slope2"][:3], "like the others"),
+                              ("filled", src_a.calibration["filled"].double(), "expected torch.bool")):
+        tampered = MapSource(**{**src_a.__dict__, "calibration": {**src_a.calibration, key: value}})
+        with pytest.raises(SummaryError, match=match):
+            decode_summary(encode_summary(tampered), 10**8)
+
+
 @pytest.fixture(scope="module")
 def tiled_maps():
     """Robot A's tiled map of the left half; robot B's of the right half, in its own frame (a quarter turn and
@@ -195,6 +236,9 @@ def test_tiled_maps_merge_tile_by_tile_into_a_tiled_map_a_node_continues(tiled_m
     merged = Mapper.load(out / "merged.safetensors", config=config_from_dict(TILED))
     assert isinstance(merged.model, TiledModel) and merged.model.layout == a.model.layout
     assert merged.model.num_seen == a.model.num_seen + b.model.num_seen
+    # calibrated on both sources' records, and saved so (the merged state file holds the fit)
+    assert int(merged.model.calibration.record_count) == sum(
+        int(m.model.calibration_records()["filled"].any(1).sum()) for m in (a, b))
     b_moved = merge_maps([MapSource.from_mapper("B", b, parse_transform(b_frame))], steps=0)[0]
     assert set(merged.model.tile_indices()) == set(a.model.tile_indices()) | set(b_moved.model.tile_indices())
     grid = merged.grid()

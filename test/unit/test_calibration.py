@@ -485,3 +485,81 @@ def test_the_inducing_ladder_says_where_a_larger_m_maps_worse():
     assert "| b | 0.980 / 1.000 / 0.990 | 1.000 / 1.000 / 0.990 | no |" in table
     del defaults["M = 512"]
     assert bench.inducing_ladder(defaults) == {}  # a table without every rung has no ladder
+
+
+
+def _records(rng, n: int, a: float, tau2: float, p: int = 1) -> dict:
+    """n records of errors drawn from N(0, a v + noise + tau2), as records_summary returns them."""
+    v = torch.as_tensor(rng.uniform(0.01, 1.0, (n, p)))
+    noise = torch.full((n, p), 0.05, dtype=torch.float64)
+    err = torch.as_tensor(rng.normal(size=(n, p))) * (a * v + noise + tau2).sqrt()
+    return {"err2": err ** 2, "latent_var": v, "noise_var": noise, "prior_var": torch.ones(n, p, dtype=torch.float64),
+            "slope2": torch.zeros(n, p, dtype=torch.float64), "filled": torch.ones(n, p, dtype=torch.bool)}
+
+
+def _store(records: dict, size: int) -> PrequentialCalibration:
+    cal = PrequentialCalibration(2, records["err2"].shape[1], records=size)
+    one = torch.ones(records["err2"].shape[1], dtype=torch.float64)
+    cal.record(records["err2"].sqrt(), records["latent_var"], records["noise_var"], records["filled"], one)
+    cal.refit(one, one, force=True)
+    return cal
+
+
+def test_a_merged_maps_calibration_is_the_fit_of_its_sources_records():
+    # Two maps' records, one erring with tau^2 = 0.2 and one with 2.0. Pooled into a map that has none (a merge),
+    # the fit is that of one store that recorded both: the merged map is as wide as its sources' errors together
+    # say. records_summary carries at most FIT_RECORDS evenly spaced records (what a refit uses).
+    from gp_mapping.gp.calibration import FIT_RECORDS
+
+    rng = np.random.default_rng(1)
+    narrow, wide = _records(rng, 600, 1.0, 0.2), _records(rng, 600, 1.0, 2.0)
+    one = torch.ones(1, dtype=torch.float64)
+    sources = [_store(r, 4096).records_summary() for r in (narrow, wide)]
+    for got, sent in zip(sources, (narrow, wide)):
+        torch.testing.assert_close(got["err2"], sent["err2"])
+    merged = PrequentialCalibration(2, 1, records=4096)
+    assert merged.pool(sources, one, one) == 1200
+    both = _store({k: torch.cat([narrow[k], wide[k]]) for k in narrow}, 4096)
+    for name in ("scale", "extra", "widen"):
+        torch.testing.assert_close(getattr(merged, name), getattr(both, name))
+    assert float(_store(narrow, 4096).extra) < float(merged.extra) < float(_store(wide, 4096).extra)
+    assert _store(_records(rng, 3000, 1.0, 0.2), 4096).records_summary()["err2"].shape[0] == FIT_RECORDS
+    # A store smaller than the sources' records together keeps an equal share of each.
+    small = PrequentialCalibration(2, 1, records=500)
+    assert small.pool(sources, one, one) == 500 and int(small.record_count) == 500
+    assert float(small.err2[250:].mean()) > 2.0 * float(small.err2[:250].mean())
+    # Nothing to pool (sources without records, or none): the store and its fit stay as they were.
+    kept = _store(narrow, 4096)
+    before = {k: v.clone() for k, v in kept.state_dict().items()}
+    empty = {k: v[:0] for k, v in sources[0].items()}
+    assert kept.pool([empty], one, one) == 0 and kept.pool([], one, one) == 0
+    for k, v in kept.state_dict().items():
+        torch.testing.assert_close(v, before[k])
+
+
+def test_calibration_records_from_outside_are_checked_and_a_vector_maps_are_rotated():
+    # What a summary brings is checked before it is pooled: each kind of bad record is refused with its reason.
+    from gp_mapping.gp.calibration import check_records, rotated_records
+
+    rng = np.random.default_rng(2)
+    good = _records(rng, 10, 1.0, 0.1, p=3)
+    assert check_records(good, 3)["err2"].dtype == torch.float64
+    bad = [({k: v for k, v in good.items() if k != "slope2"}, "lack 'slope2'"),
+           ({**good, "err2": good["err2"][:, :2]}, "expected \\(N, 3\\)"),
+           ({**good, "noise_var": good["noise_var"][:5]}, "like the others"),
+           ({**good, "latent_var": -good["latent_var"]}, "none negative"),
+           ({**good, "err2": good["err2"] * float("nan")}, "finite"),
+           ({**good, "filled": good["filled"].double()}, "expected torch.bool")]
+    for records, match in bad:
+        with pytest.raises(ValueError, match=match):
+            check_records(records, 3)
+    # A quarter turn about z: the field's x becomes y and y becomes -x, so their records swap channels; rows
+    # missing a channel are dropped. |B| records and the identity stay as they are.
+    quarter = torch.tensor([[0.0, -1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float64)
+    good["filled"][0, 2] = False
+    moved = rotated_records(good, quarter)
+    assert moved["err2"].shape[0] == 9
+    torch.testing.assert_close(moved["err2"][:, [1, 0, 2]], good["err2"][1:])
+    assert rotated_records(good, torch.eye(3, dtype=torch.float64)) is good
+    magnitude = _records(rng, 10, 1.0, 0.1)
+    assert rotated_records(magnitude, quarter) is magnitude
