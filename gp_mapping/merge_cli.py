@@ -5,7 +5,9 @@ followed by ``@x,y,yaw_deg`` (or ``@x,y,z,yaw_deg``): the rigid transform from t
 frame. Writes ``DIR/merged.safetensors`` (a state file: start a node from it with ``node.initial_map``, or merge
 it again), ``DIR/map.npz`` and ``DIR/map.png`` (as the replay writes them). Maps made from the same data (one
 map twice, a map and a map merged or continued from it) are refused: their data would count twice. Tiled maps
-merge tile by tile into a map tiled alike. The merge itself is gp_mapping/mapping/merge.py's, which the merger
+merge tile by tile into a map tiled alike. Each map is a session: its constant offset to the first map (another
+sensor, another day) is measured where the maps overlap and removed, and printed (``--same-level``: the maps read
+alike, merge them as they are). The merge itself is gp_mapping/mapping/merge.py's, which the merger
 node (gp_mapping/ros/merger_node.py) drives from model summaries instead of state files.
 """
 from __future__ import annotations
@@ -32,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="global inducing points (default: the sum of the maps', up to 1024 or "
                              "model.num_inducing); for tiled maps per tile (default: the largest source tile's, or "
                              "model.num_inducing if larger)")
+    parser.add_argument("--same-level", action="store_true",
+                        help="the maps read alike (one sensor and its calibration): do not measure and remove a "
+                             "constant offset between them")
 
 
 def _split(arg: str) -> tuple[Path, str | None]:
@@ -67,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
             sources.append(MapSource.from_mapper(str(path), Mapper.load(path),
                                      parse_transform(frame) if frame is not None else None))
         steps = {} if args.steps is None else {"steps": args.steps, "tiled_steps": args.steps}
-        mapper, result = merge_maps(sources, config, num_inducing=args.num_inducing, **steps)
+        mapper, result = merge_maps(sources, config, num_inducing=args.num_inducing, levels=not args.same_level,
+                                    **steps)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         state = out / STATE_NAME
@@ -83,6 +89,16 @@ def run(args: argparse.Namespace) -> int:
     tiles = f"{result.tiles} tiles of up to " if result.tiles else ""
     print(f"merged {len(sources)} maps ({result.num_data} samples, {tiles}{result.num_inducing} inducing points, "
           f"bound {result.bound:.1f} after {result.steps} steps, {result.seconds:.1f} s)")
+    if result.levels is not None:
+        unit, lv = mapper.config.sync.field_unit, result.levels
+
+        def level(k: int) -> str:
+            if not bool(lv.measured[k].any()):
+                return "not measured (too little ground shared with the others), taken as 0"
+            return ", ".join(f"{v:+.2f}" if ok else "not measured"
+                             for v, ok in zip(lv.offsets[k].tolist(), lv.measured[k].tolist())) + f" {unit}"
+        print(f"offsets to {sources[0].name} (removed; the map is at their median level): " + "; ".join(
+            f"{s.name} {level(k)}" for k, s in enumerate(sources[1:], start=1)))
     for path in (state, npz, png):
         print(f"wrote {Path(path).resolve()}")
     return 0

@@ -8,16 +8,21 @@
    Adam steps on Z* and the kernel, with the merged map's RMSE.
 3. Two sessions of a building (``merge_sessions``): the ``large`` section's 2-D drive (its plan keys) cut into
    its first and second half, each mapped with the shipped model section (tiles as shipped), merged tile by tile
-   (gp/tiles/merge.py ``merge_tiled``) in closed form and with ``merge_steps`` Adam steps per tile; against one map of
-   the whole drive and each session alone, RMSE of |B| at the large section's test points.
+   by the package's merge (gp_mapping.mapping.merge.merge_maps) in closed form and with ``merge_steps`` Adam steps
+   per tile; against one map of the whole drive and each session alone, RMSE of |B| at the large section's test
+   points.
 4. Two sessions of a real room (``merge_solin``): Solin et al.'s sequences 1-2 and 3-4, each mapped with the
-   shipped config (one tile each), merged tile by tile (closed form, and ``merge_steps`` per tile) and as one
-   engine the way maps made with ``model.tile_size: 0`` merge (the sources' inducing points together, closed form
-   and ``merge_steps``); against one map of sequences 1-4 and each session alone, RMSE of |B| on sequence 5
-   (protocol 2's test). ``merge_solin_seconds`` cuts each sequence (quick). Skipped without the recording.
+   shipped config (one tile each), merged tile by tile by merge_maps (closed form, and ``merge_steps`` per tile)
+   and as one engine the way maps made with ``model.tile_size: 0`` merge (the sources' inducing points together,
+   closed form and ``merge_steps``); against one map of sequences 1-4 and each session alone, RMSE of |B| on
+   sequence 5 (protocol 2's test), scored at the first source's level. Then sequences 3-4 read SESSION_OFFSET
+   higher (another sensor or day) and are merged levelled (merge_maps' default) and as they are.
+   ``merge_solin_seconds`` cuts each sequence (quick). Skipped without the recording.
 
-In parts 3 and 4 each merged map's calibration is fitted on its sources' records (Engine.pool_calibration), as
-``gp_mapping.mapping.merge.merge_maps`` does; NLPD, within +-2 SD and z-std score it.
+merge_maps levels the sources (each a session: its constant offset to the first measured where the maps overlap
+and removed, gp/merging/levels.py) and fits the merged map's calibration on their records; NLPD, within +-2 SD and
+z-std score it. The merges as one engine are made by hand (merge and merged_engine, the sources' records pooled as
+merge_maps does; not levelled).
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ from gp_mapping.gp.config import ModelConfig
 from gp_mapping.gp.merging import merge, merged_engine, source_from_engine
 
 AREA = (-5.0, -5.0, 5.0, 5.0)
+#: what part 4 adds to sequences 3-4 (uT): another sensor's or day's constant offset (the issue's 5 uT)
+SESSION_OFFSET = 5.0
 
 
 def _world(seed: int) -> sim.World:
@@ -170,7 +177,6 @@ def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[st
     """Part 4 (module docstring): two sessions of a real room merged, tile by tile and as one engine."""
     from gp_mapping.evaluation.datasets import load_solin2018
     from gp_mapping.gp.merging import Source
-    from gp_mapping.gp.tiles import merge_tiled
 
     cut = plan.get("merge_solin_seconds")
 
@@ -183,28 +189,40 @@ def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[st
     test_x, test_y = sequence(5)
 
     def score(model) -> dict[str, float]:
-        return _scores(model, test_x, test_y[:, 0], test_y[:, 0])
+        # at the first source's level (a merge's map is published at its sources' median level), which
+        # sequence 5, read by the same sensor as the others, shares
+        y = test_y[:, 0] + float(model.sessions.level()[0])
+        return _scores(model, test_x, y, y)
 
     seqs = {i: sequence(i) for i in (1, 2, 3, 4)}
-    out: dict[str, Any] = {"test": "sequence 5", "samples": {str(i): int(len(v[0])) for i, v in seqs.items()}}
-    rows, models = _mapped_sessions(cfg, batch, score, {name: [seqs[i] for i in ids] for name, ids in (
-        ("all", (1, 2, 3, 4)), ("first", (1, 2)), ("second", (3, 4)))})
-    out.update(rows)
+    off = [(x, y + SESSION_OFFSET) for x, y in (seqs[3], seqs[4])]
+    out: dict[str, Any] = {"test": "sequence 5", "samples": {str(i): int(len(v[0])) for i, v in seqs.items()},
+                           "offset": SESSION_OFFSET}
+    rows, models = _mapped_sessions(cfg, batch, score, {name: parts for name, parts in (
+        ("all", [seqs[i] for i in (1, 2, 3, 4)]), ("first", [seqs[1], seqs[2]]), ("second", [seqs[3], seqs[4]]),
+        ("second_offset", off))})
+    out.update({k: v for k, v in rows.items() if k != "second_offset"})
     first, second = models["first"], models["second"]
-    tiled = [("1-2", first.tile_summaries(), None), ("3-4", second.tile_summaries(), None)]
     engines = [Source.from_summary(m.recyclable_summary(), name=n) for n, m in (("1-2", first), ("3-4", second))]
     records = [first.calibration_records(), second.calibration_records()]
     m_sum = sum(s.num_inducing for s in engines)
     for label, steps in (("closed_form", 0), ("learned", int(plan["merge_steps"]))):
         start = time.process_time()
-        model, result = merge_tiled(tiled, cfg, steps=steps)
-        model.pool_calibration(records)  # as merge_maps does
-        out[f"tiled_{label}"] = {**score(model), "cpu_s": time.process_time() - start, "m": result.num_inducing}
+        mapper, result = _merge_maps(cfg, {"1-2": first, "3-4": second}, tiled_steps=steps)
+        out[f"tiled_{label}"] = {**score(mapper.model), "cpu_s": time.process_time() - start,
+                                 "m": result.num_inducing, "offset": float(result.levels.offsets[1, 0])}
         start = time.process_time()
         res = merge(engines, cfg, num_inducing=m_sum, steps=steps)
         engine = merged_engine(res, cfg, 1)  # one engine (tile_size 0), as the untiled path makes it
-        engine.pool_calibration(records)
+        engine.pool_calibration(records)  # as merge_maps does (sources of one level: not levelled here)
         out[f"engine_{label}"] = {**score(engine), "cpu_s": time.process_time() - start, "m": res.num_inducing}
+    # Sequences 3-4 read SESSION_OFFSET higher (another sensor or day): levelled as merge_maps does by default,
+    # and merged as they are (levels=False, `gp-mapping merge --same-level`).
+    for label, levels in (("offset_levelled", True), ("offset_as_they_are", False)):
+        start = time.process_time()
+        mapper, result = _merge_maps(cfg, {"1-2": first, "3-4 +offset": models["second_offset"]}, levels=levels)
+        out[label] = {**score(mapper.model), "cpu_s": time.process_time() - start, "m": result.num_inducing,
+                      "offset": float(result.levels.offsets[1, 0]) if result.levels is not None else None}
     log(f"  Solin sessions: merged tile by tile {out['tiled_closed_form']['rmse']:.3f} uT (closed form), "
         f"{out['tiled_learned']['rmse']:.3f} ({plan['merge_steps']} steps); as one engine "
         f"{out['engine_closed_form']['rmse']:.3f} / {out['engine_learned']['rmse']:.3f}; one map of 1-4 "
@@ -212,10 +230,23 @@ def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[st
     return out
 
 
+def _merge_maps(cfg, models: dict[str, Any], **kwargs):
+    """The package's merge of maps (gp_mapping.mapping.merge.merge_maps: levelled, calibrated on the sources'
+    records) of engines ``models`` by name, each as the map of a Mapper with the shipped config and ``cfg``."""
+    import dataclasses
+
+    from gp_mapping.evaluation.speed import shipped_config
+    from gp_mapping.mapping.mapper import Mapper
+    from gp_mapping.mapping.merge import MapSource, merge_maps
+
+    config = dataclasses.replace(shipped_config(), model=cfg)
+    return merge_maps([MapSource.from_mapper(name, Mapper(config, model=model)) for name, model in models.items()],
+                      **kwargs)
+
+
 def sessions(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     """Part 3 (module docstring): a building mapped in two sessions with the shipped tiles, merged tile by tile."""
     from gp_mapping.evaluation import large
-    from gp_mapping.gp.tiles import merge_tiled
 
     rec = large._world_and_drive(plan, 2, seed=int(plan["large_seed"]))
     test_x, truth, reading = large._test_points(rec, plan, 2, np.random.default_rng(1))
@@ -233,14 +264,11 @@ def sessions(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
         ("whole", slice(None)), ("first", slice(0, half)), ("second", slice(half, None)))})
     for name, row in rows.items():
         out[name] = {**row, "tiles": models[name].num_tiles}
-    first, second = models["first"], models["second"]
-    parts = [("first", first.tile_summaries(), None), ("second", second.tile_summaries(), None)]
     for label, steps in (("closed_form", 0), ("learned", int(plan["merge_steps"]))):
         start = time.process_time()
-        merged, result = merge_tiled(parts, cfg, steps=steps)
-        merged.pool_calibration([first.calibration_records(), second.calibration_records()])  # as merge_maps does
-        out[label] = {**score(merged), "tiles": merged.num_tiles, "cpu_s": time.process_time() - start,
-                      "max_m": result.num_inducing}
+        mapper, result = _merge_maps(cfg, {"first": models["first"], "second": models["second"]}, tiled_steps=steps)
+        out[label] = {**score(mapper.model), "tiles": mapper.model.num_tiles, "cpu_s": time.process_time() - start,
+                      "max_m": result.num_inducing, "offset": float(result.levels.offsets[1, 0])}
     out["ratio"] = out["learned"]["rmse"] / out["whole"]["rmse"]
     log(f"  sessions: merged {out['learned']['rmse']:.3f} uT ({out['closed_form']['rmse']:.3f} closed form), "
         f"whole drive {out['whole']['rmse']:.3f}, sessions alone {out['first']['rmse']:.3f}, "
@@ -299,11 +327,21 @@ def markdown(sec: dict[str, Any]) -> list[str]:
                            ("second", "sequences 3-4 alone"), ("tiled_closed_form", "merged tile by tile, closed form"),
                            ("tiled_learned", f"merged tile by tile, {sec['steps']} Adam steps"),
                            ("engine_closed_form", "merged as one engine (M = both sources'), closed form"),
-                           ("engine_learned", f"merged as one engine (M = both sources'), {sec['steps']} Adam steps")):
-            row = so[key]
+                           ("engine_learned", f"merged as one engine (M = both sources'), {sec['steps']} Adam steps"),
+                           ("offset_levelled", f"3-4 read {so.get('offset', SESSION_OFFSET):g} uT higher: merged "
+                                               "tile by tile, levelled"),
+                           ("offset_as_they_are", f"3-4 read {so.get('offset', SESSION_OFFSET):g} uT higher: merged "
+                                                  "as they are")):
+            row = so.get(key)
+            if row is None:  # a report written before the row was measured
+                continue
             lines.append(f"| {label} | {row['rmse']:.3f} | {_calibration_cells(row)} | {row.get('m', '')} | "
                          f"{row['cpu_s']:.1f} |")
-        lines += [""]
+        offsets = [f"{so[k]['offset']:+.2f} uT {what}" for k, what in (
+            ("tiled_closed_form", "between the sessions as recorded"), ("offset_levelled", "with the offset added"))
+            if so.get(k, {}).get("offset") is not None]
+        lines += ["", "Offset of 3-4 to 1-2 measured by the merge: " + "; ".join(offsets) + ".", ""] if offsets \
+            else [""]
     return lines
 
 

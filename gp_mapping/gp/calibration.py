@@ -385,7 +385,27 @@ class SessionOffsets(_OptionalState):
         self.precision[s] += torch.where(has, batch_precision, torch.zeros_like(total))
         self.weighted[s] += torch.where(has, batch_precision * mean_err, torch.zeros_like(total))
 
-    def _means(self) -> torch.Tensor:
+    #: the precision of offsets set by :meth:`hold`: taken as measured, a later session's data barely move them
+    HELD_PRECISION = 1.0e12
+
+    def hold(self, offsets: torch.Tensor) -> None:
+        """Make the sessions a merge's sources (gp/merging/levels.py): ``offsets`` (S, P), each source's offset to
+        the first (the reference, whose row is 0), as measured; the last source's is the current session, whose
+        data the merged map holds at the reference's level (``applied``). One source: nothing changes."""
+        n = offsets.shape[0]
+        if n < 2:
+            return
+        if n > self.precision.shape[0]:
+            raise ValueError(f"{n} sources are more sessions than a map keeps ({self.precision.shape[0]})")
+        offsets = offsets.to(self.weighted)
+        self.session.fill_(n - 1)
+        self.precision.zero_()
+        self.weighted.zero_()
+        self.precision[1:n] = self.HELD_PRECISION
+        self.weighted[1:n] = self.HELD_PRECISION * offsets[1:]
+        self.applied.copy_(offsets[n - 1])
+
+    def offsets(self) -> torch.Tensor:
         """(S, P) posterior mean offsets of the sessions so far (the reference's 0 first)."""
         n = int(self.session) + 1
         return torch.where(self.precision[:n] > 0, self.weighted[:n] / self.precision[:n].clamp_min(1e-300),
@@ -396,12 +416,12 @@ class SessionOffsets(_OptionalState):
         a typical session (0 while there is one session). The median, not the mean: with a few sessions, one
         miscalibrated sensor must not move the map off the level that the others agree on (four Solin sessions,
         one read 5 uT off: the mean put the map 1.4 uT off the other three and the held-out fifth)."""
-        return torch.quantile(self._means(), 0.5, dim=0)
+        return torch.quantile(self.offsets(), 0.5, dim=0)
 
     def spread(self) -> torch.Tensor:
         """(P,) mean square of the session offsets about :meth:`level`: what a reading of a session not seen
         yet adds to its predictive variance (0 while there is one session)."""
-        means = self._means()
+        means = self.offsets()
         return ((means - self.level()) ** 2).mean(0)
 
 

@@ -40,8 +40,9 @@ import torch
 from gp_mapping.config import ConfigError, MapperConfig, config_from_dict, to_dict
 from gp_mapping.gp import merging
 from gp_mapping.gp.merging import MergeError, MergeResult, RigidTransform, Source, merge, merged_engine
-from gp_mapping.gp.base import Recyclable
+from gp_mapping.gp.base import MAX_SESSIONS, Recyclable
 from gp_mapping.gp.calibration import RECORD_FIELDS, check_records, rotated_records
+from gp_mapping.gp.merging.levels import Levels, pair_offsets, source_offsets
 from gp_mapping.gp.tiles import TiledMergeResult, TiledModel, TiledSummary, merge_tiled, parse_tile_key, tile_key
 from gp_mapping.mapping.mapper import Mapper
 
@@ -70,6 +71,12 @@ _TILED_STATISTICS = ("target_count", "target_mean", "target_m2", "scale_offset",
 # The map's calibration records (gp/calibration.py RECORD_FIELDS and "filled"), map-wide, as "calibration/<name>":
 # a merged map's calibration is fitted on its sources' (merge_maps).
 _CALIBRATION_TENSORS = {**{k: (torch.float64, 2) for k in RECORD_FIELDS}, "filled": (torch.bool, 2)}
+#: the most places at which the sources' maps are compared for their offsets (evenly spaced over their inducing
+#: inputs, which lie where each map's data are)
+LEVEL_PROBES = 4000
+#: a live merge (with a tile cache) keeps the sources' last offsets while the new ones differ from them by less
+#: than this fraction of the readings' noise SD: a new offset re-merges every tile of its source
+LEVEL_TOLERANCE = 0.1
 # Config keys that every source of a merge must share (what the map's values mean and where they live).
 MERGE_DEFINING_KEYS = (("sync", "target"), ("sync", "input_dims"), ("sync", "field_unit"), ("grid", "frame_id"))
 
@@ -518,7 +525,7 @@ def merged_config(sources: Sequence[MapSource], config: MapperConfig | None = No
 
 def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None, *, steps: int | None = None,
                tiled_steps: int = DEFAULT_TILED_STEPS, num_inducing: int | None = None, lr: float = 0.02,
-               tile_cache: dict | None = None) -> tuple[Mapper, MergeResult | TiledMergeResult]:
+               tile_cache: dict | None = None, levels: bool = True) -> tuple[Mapper, MergeResult | TiledMergeResult]:
     """Merge ``sources`` into a new Mapper (see the module docstring): tile by tile when every source is a tiled
     map (the merged map is tiled alike; ``tiled_steps`` Adam steps per tile), else as one engine (``steps``; None:
     the closed form when the merged inducing points explain every source's, else DEFAULT_STEPS, see
@@ -527,6 +534,10 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
     ``num_inducing`` defaults to the sum of the sources' inducing points, capped at DEFAULT_MAX_INDUCING (or
     ``model.num_inducing`` if larger); per tile when tiled to the largest source tile's (or
     ``model.num_inducing`` if larger: gp/tiles/merge.py ``merge_tiled``).
+    ``levels``: each source is a session, whose constant offset to the first source is measured where their maps
+    overlap (:func:`source_levels`) and removed before the merge; the merged map holds the offsets as its
+    sessions' (published at their median level, their spread added to a reading's variance). False: the sources
+    read alike (one sensor), merged as they are. Up to MAX_SESSIONS sources are levelled; more merge as they are.
     Raises MergeError (DuplicateSourceError) with the reason when the sources cannot be merged."""
     sources = list(sources)
     if not sources:
@@ -538,11 +549,23 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
     check_compatible(sources)
     check_lineage(sources)
     cfg = merged_config(sources, config)
+    found = None
+    if levels and 1 < len(sources) <= MAX_SESSIONS and (all(s.tiles is not None for s in sources)
+                                                        or all(s.summary is not None for s in sources)):
+        found = source_levels(sources, cfg.model)
+        held = (tile_cache or {}).get("levels")
+        if held is not None and held.offsets.shape == found.offsets.shape \
+                and bool(((held.offsets - found.offsets).abs() <= LEVEL_TOLERANCE * found.noise_sd).all()):
+            found = held  # a live merge: offsets that barely moved keep every tile's cached merge
+        if tile_cache is not None:
+            tile_cache["levels"] = found
+        sources = [_shifted(s, -o) for s, o in zip(sources, found.offsets)]
+    offsets = None if found is None else found.offsets
     if all(s.tiles is not None for s in sources):
         model, result = merge_tiled([(s.name, s.tiles, s.transform) for s in sources], cfg.model,
                                     steps=tiled_steps, lr=lr, num_inducing=num_inducing, cache=tile_cache)
         cfg.model = model.config
-        return _merged_mapper(sources, Mapper(cfg, model=model)), result
+        return _merged_mapper(sources, Mapper(cfg, model=model), offsets), dataclasses.replace(result, levels=found)
     several = [s for s in sources if s.summary is None]
     if several:
         one = next(s for s in sources if s.tiles is None)
@@ -557,13 +580,69 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
     result = merge(local, cfg.model, num_inducing=m, steps=steps, lr=lr)
     cfg.model.num_inducing = max(int(cfg.model.num_inducing), int(result.z.shape[0]))
     engine = merged_engine(result, cfg.model, local[0].output_dims)
-    return _merged_mapper(sources, Mapper(cfg, model=engine)), result
+    return _merged_mapper(sources, Mapper(cfg, model=engine), offsets), dataclasses.replace(result, levels=found)
 
 
-def _merged_mapper(sources: Sequence[MapSource], mapper: Mapper) -> Mapper:
-    """The merged model's Mapper given the sources' visited cells, trajectories (moved), last stamp, lineage, and
-    its calibration fitted on the sources' records (Engine.pool_calibration; a vector source's moved into the
-    merged frame)."""
+def source_levels(sources: Sequence[MapSource], model_config) -> Levels:
+    """Each source's constant offset to the first, in the merged frame (gp/merging/levels.py). Each source's map
+    alone is merged in closed form and asked at up to LEVEL_PROBES of the sources' inducing inputs."""
+    maps, probes = [], []
+    for s in sources:
+        if s.tiles is not None:
+            maps.append(merge_tiled([(s.name, s.tiles, s.transform)], model_config, steps=0)[0])
+            z = [torch.as_tensor(t["z"], dtype=torch.float64) for t in s.tiles.tiles.values()]
+        else:
+            local = Source.from_summary(s.summary, name=s.name)
+            result = merge([local.transformed(s.transform) if s.transform is not None else local], model_config,
+                           num_inducing=local.num_inducing, steps=0)
+            maps.append(merged_engine(result, model_config, local.output_dims))
+            z = [local.z]
+        z = torch.cat(z)
+        probes.append(s.transform.apply_inputs(z) if s.transform is not None else z)
+    x = torch.cat(probes)
+    if x.shape[0] > LEVEL_PROBES:
+        x = x[torch.linspace(0, x.shape[0] - 1, LEVEL_PROBES).round().long()]
+    moments = []
+    with torch.no_grad():
+        for m in maps:
+            mean, var = (t.detach().cpu().to(torch.float64) for t in m.predict(x.numpy()))
+            reading = m.predict_reading(x.numpy())[1].detach().cpu().to(torch.float64)
+            moments.append((mean, var, (reading - var).clamp_min(0.0)))
+    offsets, measured = source_offsets(len(sources), pair_offsets(moments), int(moments[0][0].shape[1]))
+    noise_sd = torch.stack([n.median(0).values for _, _, n in moments]).min(0).values.sqrt()
+    return Levels(offsets, measured, noise_sd)
+
+
+def _shifted(source: MapSource, shift: torch.Tensor) -> MapSource:
+    """``source`` with ``shift`` (P,), in the merged frame, added to every value its map states (its summaries'
+    prior means and, in the moments form, posterior means; a tiled map's target statistics): the same sites
+    about a moved mean are the same map moved by a constant."""
+    if not bool((shift != 0).any()):
+        return source
+    if source.transform is not None and shift.shape[0] == 3:
+        shift = source.transform.rotation.T @ shift  # into the source's own frame, where its summary lives
+
+    def moved(summary: dict) -> dict:
+        out = dict(summary, target_mean=torch.as_tensor(summary["target_mean"], dtype=torch.float64) + shift)
+        if "mean" in summary:
+            out["mean"] = torch.as_tensor(summary["mean"], dtype=torch.float64) + shift[:, None]
+        return out
+
+    if source.tiles is None:
+        return dataclasses.replace(source, summary=moved(source.summary))
+    tiles = dataclasses.replace(source.tiles, tiles={i: moved(t) for i, t in source.tiles.tiles.items()},
+                                target_mean=source.tiles.target_mean + shift,
+                                scale_offset=source.tiles.scale_offset + shift)
+    summary = next(iter(tiles.tiles.values())) if source.summary is not None else None
+    return dataclasses.replace(source, tiles=tiles, summary=summary)
+
+
+def _merged_mapper(sources: Sequence[MapSource], mapper: Mapper, offsets: torch.Tensor | None = None) -> Mapper:
+    """The merged model's Mapper given the sources' visited cells, trajectories (moved), last stamp, lineage, its
+    calibration fitted on the sources' records (Engine.pool_calibration; a vector source's moved into the
+    merged frame), and the sources' ``offsets`` (S, P) to the first as its sessions' (None: one level)."""
+    if offsets is not None:
+        mapper.model.sessions.hold(offsets)
     mapper.model.pool_calibration([s.calibration if s.transform is None else
                                    rotated_records(s.calibration, s.transform.rotation)
                                    for s in sources if s.calibration is not None])
@@ -596,4 +675,4 @@ def _move(transform: RigidTransform, xy: np.ndarray) -> np.ndarray:
 
 __all__ = ["DuplicateSourceError", "MERGE_DEFINING_KEYS", "MapSource", "SummaryError", "TileRotation", "assemble_tiles",
            "check_lineage", "decode_summary", "encode_summary", "merge_maps", "merged_config", "parse_transform",
-           "summary_overhead_bytes", "tile_summary_bytes"]
+           "source_levels", "summary_overhead_bytes", "tile_summary_bytes"]

@@ -433,3 +433,55 @@ def test_a_merge_with_a_tile_cache_redoes_only_the_tiles_whose_sources_changed(t
     assert result.reused == result.tiles - len(changed)
     fresh = {"unit": unit}  # no tiles: every one merged anew, in the same unit
     same(cached, merge_maps(sources, tile_cache=fresh)[0])
+
+
+def test_two_sensors_that_read_apart_are_levelled_before_their_maps_merge(capsys, tmp_path):
+    """Two robots over overlapping ground whose magnetometers read |B| 5 uT apart: the merge measures the offset
+    where both maps know the field, removes it, and holds it as the sessions' (the map at their median level, their
+    spread added to a reading's variance). Levelled, the merged map is as good about its level as a merge of two
+    sensors that read alike; merged as they are (``levels=False``, ``--same-level``) the middle is their average
+    and the map is smeared."""
+    world = sim.World.from_config(sim.WorldConfig(area=(-5, -5, 5, 5), depth_range=(1.0, 2.5)),
+                                  np.random.default_rng(3))
+    recs = [_record(world, area, seed) for area, seed in (((-5, -5, 1.5, 5), 1), ((-1.5, -5, 5, 5), 2))]
+
+    def mapped(rec, offset: float) -> Mapper:
+        mapper = Mapper(config_from_dict(CONFIG))
+        y = np.linalg.norm(rec.field_sensor_tesla, axis=1)[:, None] * 1e6 + offset
+        for i in range(0, len(y), 50):
+            mapper.model.update(rec.sensor_position[i:i + 50, :2], y[i:i + 50])
+        mapper.coverage.add(rec.sensor_position[:, :2])  # what the readings visited, for the map's grid
+        return mapper
+
+    grid = np.vstack([r.sensor_position[5::10, :2] for r in recs])  # beside both drives: where the maps know
+    truth = world.magnitude(np.column_stack([grid, np.zeros(len(grid))])) * 1e6
+
+    def about_level(mapper) -> float:  # RMSE once the map's constant offset to the truth is taken out
+        err = mapper.model.predict(grid)[0][:, 0].numpy() - truth
+        return float(np.sqrt(np.mean((err - err.mean()) ** 2)))
+
+    alike = [MapSource.from_mapper(n, mapped(r, 0.0)) for n, r in zip("AB", recs)]
+    a, b = mapped(recs[0], 0.0), mapped(recs[1], 5.0)
+    apart = [MapSource.from_mapper("A", a), MapSource.from_mapper("B", b)]
+    same, _ = merge_maps(alike, steps=0)
+    levelled, result = merge_maps(apart, steps=0)
+    smeared, unlevelled = merge_maps(apart, steps=0, levels=False)
+    assert unlevelled.levels is None and result.levels.measured.all()
+    assert float(result.levels.offsets[1, 0]) == pytest.approx(5.0, abs=0.3)
+    sessions = levelled.model.sessions
+    assert float(sessions.level()[0]) == pytest.approx(2.5, abs=0.15)  # the median of 0 and 5
+    reading = levelled.model.predict_reading(grid)[1] - same.model.predict_reading(grid)[1]
+    assert float(reading.median()) == pytest.approx(float(sessions.spread()[0]), rel=0.2)  # about 6.25 uT^2
+    with capsys.disabled():
+        print(f"about their level: alike {about_level(same):.3f} uT, levelled {about_level(levelled):.3f}, "
+              f"merged as they are {about_level(smeared):.3f}")
+    assert about_level(levelled) <= 1.1 * about_level(same)
+    assert about_level(smeared) > 1.5 * about_level(levelled)
+    # The command prints what it removed, and --same-level merges as they are.
+    a.save(tmp_path / "A.safetensors")
+    b.save(tmp_path / "B.safetensors")
+    maps = [str(tmp_path / "A.safetensors"), str(tmp_path / "B.safetensors")]
+    assert main(["merge", *maps, "--out", str(tmp_path / "out")]) == 0
+    assert "B.safetensors +5." in capsys.readouterr().out
+    assert main(["merge", *maps, "--out", str(tmp_path / "flat"), "--same-level"]) == 0
+    assert "offsets to" not in capsys.readouterr().out

@@ -226,6 +226,12 @@ def test_quick_bench_merge_section(quick_run):
         assert all(_finite(so[k]["rmse"]) and so[k]["rmse"] > 0 for k in keys)
         assert all(_finite(so[k]["nlpd"]) and 0.0 < so[k]["within_2sd"] <= 1.0 for k in keys)
         assert so["tiled_closed_form"]["m"] <= so["engine_closed_form"]["m"]
+        # sequences 3-4 read 5 uT higher, merged levelled and as they are (the quick cut's sessions may share too
+        # little ground for the offset to be measured: it is then 0 and the two merges are one)
+        levelled, flat = so["offset_levelled"], so["offset_as_they_are"]
+        assert all(_finite(r[k]) for r in (levelled, flat) for k in ("rmse", "nlpd")) and flat["offset"] is None
+        assert _finite(levelled["offset"]) and levelled["rmse"] <= flat["rmse"] + 1e-9
+        assert "read 5 uT higher" in quick_run["md"]
         assert "A real room in two sessions" in quick_run["md"]
 
 

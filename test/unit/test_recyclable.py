@@ -415,3 +415,34 @@ def test_initial_kernel_averages_source_lengthscales_per_axis_then_over_each_sha
     z = np.exp(w @ np.log([0.5, 2.0]))
     assert kernel.lengthscale_param.value.shape == (2,)
     np.testing.assert_allclose(kernel.lengthscale.detach().numpy(), [xy, xy, z], rtol=1e-12)
+
+
+def test_source_offsets_are_measured_where_both_maps_know_the_field_and_chained_through_overlaps():
+    # Four sources at probe points: 1 reads 5 above 0 where both know the field, 2 reads 2 below 1 (and shares
+    # nothing known with 0), 3 shares nothing known with anyone. The pairs give 1 -> +5, 2 -> +3 through 1; 3
+    # cannot be told and keeps 0. Where a map does not know the field (latent variance above its noise) its
+    # value does not count, however far off it is.
+    from gp_mapping.gp.merging.levels import MIN_OVERLAP, pair_offsets, source_offsets
+
+    n = 4 * MIN_OVERLAP
+    rng = np.random.default_rng(0)
+    field = torch.as_tensor(rng.normal(size=(n, 1)))
+    noise = torch.full((n, 1), 0.1, dtype=torch.float64)
+
+    def source(offset: float, known: slice) -> tuple:
+        var = torch.full((n, 1), 10.0, dtype=torch.float64)
+        var[known] = 0.01
+        mean = field + offset + torch.as_tensor(rng.normal(scale=0.05, size=(n, 1)))
+        mean[var[:, 0] > 1.0] += 100.0  # unknown ground: wild values that must not count
+        return mean, var, noise
+
+    # 0 knows the first half, 1 all, 2 the last quarter (it overlaps 1 alone), 3 nothing
+    moments = [source(0.0, slice(0, 2 * MIN_OVERLAP)), source(5.0, slice(0, n)),
+               source(3.0, slice(3 * MIN_OVERLAP, n)), source(-4.0, slice(0, 0))]
+    pairs = pair_offsets(moments)
+    assert set(pairs) == {(0, 1), (1, 2)}
+    offsets, measured = source_offsets(4, pairs, 1)
+    assert float(offsets[1, 0]) == pytest.approx(5.0, abs=0.05)
+    assert float(offsets[2, 0]) == pytest.approx(3.0, abs=0.05)
+    assert measured[:3, 0].all() and not bool(measured[3, 0]) and float(offsets[3, 0]) == 0.0
+    assert float(offsets[0, 0]) == 0.0

@@ -52,7 +52,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import nn
@@ -62,6 +62,9 @@ from ..inducing import DEFAULT_REL_TOL, pivoted_cholesky
 from ..kernels import Kernel, build_kernel, constant_part, stationary_parts
 from ..linalg import jittered_cholesky, symmetrise
 from .sources import MergeError, Source
+
+if TYPE_CHECKING:
+    from .levels import Levels
 
 LOG_2PI = math.log(2.0 * math.pi)
 
@@ -95,6 +98,8 @@ class MergeResult:
     #: what a merge of one engine shares with TiledMergeResult: no tiles made, none taken from a cache
     tiles: int = 0
     reused: int = 0
+    #: the sources' offsets removed before the merge (gp/merging/levels.py; set by mapping/merge.py merge_maps)
+    levels: "Levels | None" = None
 
     @property
     def num_inducing(self) -> int:

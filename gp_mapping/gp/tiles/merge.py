@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -15,6 +15,9 @@ from ..dual_svgp import DualSVGP
 from ..merging import MergeError, MergeResult, RigidTransform, Source, merge
 from .layout import TileLayout, tile_key
 from .model import TiledModel, TiledSummary
+
+if TYPE_CHECKING:
+    from ..merging.levels import Levels
 
 
 @dataclasses.dataclass
@@ -29,6 +32,8 @@ class TiledMergeResult:
     steps: int
     seconds: float
     reused: int = 0
+    #: the sources' offsets removed before the merge (gp/merging/levels.py; set by mapping/merge.py merge_maps)
+    levels: "Levels | None" = None
 
 
 def moved_tile(layout: TileLayout, index: tuple[int, ...], input_dims: int,
