@@ -203,12 +203,13 @@ def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[st
         ("second_offset", off))})
     out.update({k: v for k, v in rows.items() if k != "second_offset"})
     first, second = models["first"], models["second"]
+    xy = [np.vstack([seqs[i][0] for i in ids]) for ids in ((1, 2), (3, 4))]  # where each session's readings are
     engines = [Source.from_summary(m.recyclable_summary(), name=n) for n, m in (("1-2", first), ("3-4", second))]
     records = [first.calibration_records(), second.calibration_records()]
     m_sum = sum(s.num_inducing for s in engines)
     for label, steps in (("closed_form", 0), ("learned", int(plan["merge_steps"]))):
         start = time.process_time()
-        mapper, result = _merge_maps(cfg, {"1-2": first, "3-4": second}, tiled_steps=steps)
+        mapper, result = _merge_maps(cfg, {"1-2": (first, xy[0]), "3-4": (second, xy[1])}, tiled_steps=steps)
         out[f"tiled_{label}"] = {**score(mapper.model), "cpu_s": time.process_time() - start,
                                  "m": result.num_inducing, "offset": float(result.levels.offsets[1, 0])}
         start = time.process_time()
@@ -220,7 +221,8 @@ def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[st
     # and merged as they are (levels=False, `gp-mapping merge --same-level`).
     for label, levels in (("offset_levelled", True), ("offset_as_they_are", False)):
         start = time.process_time()
-        mapper, result = _merge_maps(cfg, {"1-2": first, "3-4 +offset": models["second_offset"]}, levels=levels)
+        mapper, result = _merge_maps(cfg, {"1-2": (first, xy[0]), "3-4 +offset": (models["second_offset"], xy[1])},
+                                     levels=levels)
         out[label] = {**score(mapper.model), "cpu_s": time.process_time() - start, "m": result.num_inducing,
                       "offset": float(result.levels.offsets[1, 0]) if result.levels is not None else None}
     log(f"  Solin sessions: merged tile by tile {out['tiled_closed_form']['rmse']:.3f} uT (closed form), "
@@ -230,9 +232,10 @@ def solin_sessions(plan: dict, data_root, log: Callable[[str], None]) -> dict[st
     return out
 
 
-def _merge_maps(cfg, models: dict[str, Any], **kwargs):
+def _merge_maps(cfg, models: dict[str, tuple[Any, np.ndarray]], **kwargs):
     """The package's merge of maps (gp_mapping.mapping.merge.merge_maps: levelled, calibrated on the sources'
-    records) of engines ``models`` by name, each as the map of a Mapper with the shipped config and ``cfg``."""
+    records) of engines by name, each given with the (N, 2) positions of its readings, as the map of a Mapper with
+    the shipped config and ``cfg`` that visited them."""
     import dataclasses
 
     from gp_mapping.evaluation.speed import shipped_config
@@ -240,8 +243,12 @@ def _merge_maps(cfg, models: dict[str, Any], **kwargs):
     from gp_mapping.mapping.merge import MapSource, merge_maps
 
     config = dataclasses.replace(shipped_config(), model=cfg)
-    return merge_maps([MapSource.from_mapper(name, Mapper(config, model=model)) for name, model in models.items()],
-                      **kwargs)
+    sources = []
+    for name, (model, xy) in models.items():
+        mapper = Mapper(config, model=model)
+        mapper.coverage.add(xy)
+        sources.append(MapSource.from_mapper(name, mapper))
+    return merge_maps(sources, **kwargs)
 
 
 def sessions(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
@@ -266,7 +273,8 @@ def sessions(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
         out[name] = {**row, "tiles": models[name].num_tiles}
     for label, steps in (("closed_form", 0), ("learned", int(plan["merge_steps"]))):
         start = time.process_time()
-        mapper, result = _merge_maps(cfg, {"first": models["first"], "second": models["second"]}, tiled_steps=steps)
+        halves = {"first": (models["first"], x[:half]), "second": (models["second"], x[half:])}
+        mapper, result = _merge_maps(cfg, halves, tiled_steps=steps)
         out[label] = {**score(mapper.model), "tiles": mapper.model.num_tiles, "cpu_s": time.process_time() - start,
                       "max_m": result.num_inducing, "offset": float(result.levels.offsets[1, 0])}
     out["ratio"] = out["learned"]["rmse"] / out["whole"]["rmse"]

@@ -71,8 +71,8 @@ _TILED_STATISTICS = ("target_count", "target_mean", "target_m2", "scale_offset",
 # The map's calibration records (gp/calibration.py RECORD_FIELDS and "filled"), map-wide, as "calibration/<name>":
 # a merged map's calibration is fitted on its sources' (merge_maps).
 _CALIBRATION_TENSORS = {**{k: (torch.float64, 2) for k in RECORD_FIELDS}, "filled": (torch.bool, 2)}
-#: the most places at which the sources' maps are compared for their offsets (evenly spaced over their inducing
-#: inputs, which lie where each map's data are)
+#: the most places at which the sources' maps are compared for their offsets (evenly spaced over the cells they
+#: visited, or for 3-D inputs over their inducing inputs, which lie where each map's data are)
 LEVEL_PROBES = 4000
 #: a live merge (with a tile cache) keeps the sources' last offsets while the new ones differ from them by less
 #: than this fraction of the readings' noise SD: a new offset re-merges every tile of its source
@@ -585,8 +585,9 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
 
 def source_levels(sources: Sequence[MapSource], model_config) -> Levels:
     """Each source's constant offset to the first, in the merged frame (gp/merging/levels.py). Each source's map
-    alone is merged in closed form and asked at up to LEVEL_PROBES of the sources' inducing inputs."""
-    maps, probes = [], []
+    alone is merged in closed form and asked at up to LEVEL_PROBES places: the centres of the cells the sources
+    visited (2-D inputs), else (3-D inputs, or maps without visited cells) their inducing inputs."""
+    maps, probes, cells = [], [], []
     for s in sources:
         if s.tiles is not None:
             maps.append(merge_tiled([(s.name, s.tiles, s.transform)], model_config, steps=0)[0])
@@ -599,6 +600,10 @@ def source_levels(sources: Sequence[MapSource], model_config) -> Levels:
             z = [local.z]
         z = torch.cat(z)
         probes.append(s.transform.apply_inputs(z) if s.transform is not None else z)
+        centres = (np.asarray(s.coverage_cells, dtype=np.float64).reshape(-1, 2) + 0.5) * s.coverage_resolution
+        cells.append(torch.as_tensor(_move(s.transform, centres) if s.transform is not None else centres))
+    if probes[0].shape[1] == 2 and sum(c.shape[0] for c in cells) > 0:
+        probes = cells
     x = torch.cat(probes)
     if x.shape[0] > LEVEL_PROBES:
         x = x[torch.linspace(0, x.shape[0] - 1, LEVEL_PROBES).round().long()]

@@ -15,6 +15,7 @@ Parameters (validated at start; a bad one stops the node with exit status 2, nam
 | ``tiled_steps`` | int | the same per tile, when the sources are tiled maps (0, the default: the closed form) |
 | ``num_inducing`` | int | global inducing points (0: the sum of the sources', up to 1024; tiled maps: per tile, 0: the largest source tile's) |
 | ``max_summary_bytes`` | int | larger summaries are refused unread |
+| ``same_level`` | bool | the sources read alike (one sensor): do not measure and remove a constant offset between them (false, the default: each source is a session, levelled as ``gp-mapping merge`` does) |
 
 Subscribes (reliable, transient local, depth 1) to every source topic; publishes ``~/mean``, ``~/variance``
 (per layer for a vector target), ``~/cloud``, ``~/scale`` (latched, the mapping node's layout and code) and
@@ -66,6 +67,9 @@ _PARAMETERS = {
     "tiled_steps": (0, ParameterType.PARAMETER_INTEGER, "the same per tile, for tiled maps (0: closed form); >= 0"),
     "num_inducing": (0, ParameterType.PARAMETER_INTEGER, "global inducing points (0: sum of the sources', <= 1024)"),
     "max_summary_bytes": (16_000_000, ParameterType.PARAMETER_INTEGER, "larger summaries are refused; >= 1024"),
+    "same_level": (False, ParameterType.PARAMETER_BOOL, "the sources read alike: merge them without measuring and "
+                   "removing a constant offset between them (false: each source is a session, its offset to the "
+                   "first measured where they overlap and removed)"),
 }
 
 
@@ -136,6 +140,7 @@ class MergerNode(Node):
         self.tiled_steps = int(values["tiled_steps"])
         self.num_inducing = int(values["num_inducing"]) or None
         self.max_summary_bytes = int(values["max_summary_bytes"])
+        self.same_level = bool(values["same_level"])
 
     # ------------------------------------------------------------------------------------------- input
 
@@ -208,7 +213,8 @@ class MergerNode(Node):
         start = time.perf_counter()
         try:
             mapper, result = merge_maps(sources, steps=self.steps, tiled_steps=self.tiled_steps,
-                                        num_inducing=self.num_inducing, tile_cache=self._tile_cache)
+                                        num_inducing=self.num_inducing, tile_cache=self._tile_cache,
+                                        levels=not self.same_level)
             self._tiles_reused = result.reused
             grid = mapper.grid(predict_unknown=False)
         except Exception as err:  # a merge that fails leaves the last map published

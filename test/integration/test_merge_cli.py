@@ -485,3 +485,29 @@ def test_two_sensors_that_read_apart_are_levelled_before_their_maps_merge(capsys
     assert "B.safetensors +5." in capsys.readouterr().out
     assert main(["merge", *maps, "--out", str(tmp_path / "flat"), "--same-level"]) == 0
     assert "offsets to" not in capsys.readouterr().out
+    # The merger node levels its sources as merge_maps does, unless told they read alike (same_level).
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.parameter import Parameter
+    from std_msgs.msg import UInt8MultiArray
+
+    from gp_mapping.mapping.merge import encode_summary
+    from gp_mapping.ros.merger_node import MergerNode
+
+    for same_level, expected in ((False, levelled), (True, smeared)):
+        context = Context()
+        rclpy.init(context=context)
+        try:
+            node = MergerNode(context=context, parameter_overrides=[
+                Parameter("sources", value=["/a/model", "/b/model"]), Parameter("steps", value=0),
+                Parameter("same_level", value=same_level)])
+            try:
+                for topic, source in zip(("/a/model", "/b/model"), apart):
+                    node.on_summary(topic, UInt8MultiArray(data=encode_summary(source)))
+                assert node.merge_if_changed()
+                for u, v in zip(expected.model.predict(grid[:30]), node.mapper.model.predict(grid[:30])):
+                    torch.testing.assert_close(u, v, rtol=1e-9, atol=1e-9)
+            finally:
+                node.close()
+        finally:
+            rclpy.shutdown(context=context)
