@@ -552,7 +552,7 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
     found = None
     if levels and 1 < len(sources) <= MAX_SESSIONS and (all(s.tiles is not None for s in sources)
                                                         or all(s.summary is not None for s in sources)):
-        found = source_levels(sources, cfg.model)
+        found = source_levels(sources, cfg.model, tile_cache)
         held = (tile_cache or {}).get("levels")
         if held is not None and held.offsets.shape == found.offsets.shape \
                 and bool(((held.offsets - found.offsets).abs() <= LEVEL_TOLERANCE * found.noise_sd).all()):
@@ -583,14 +583,17 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
     return _merged_mapper(sources, Mapper(cfg, model=engine), offsets), dataclasses.replace(result, levels=found)
 
 
-def source_levels(sources: Sequence[MapSource], model_config) -> Levels:
+def source_levels(sources: Sequence[MapSource], model_config, tile_cache: dict | None = None) -> Levels:
     """Each source's constant offset to the first, in the merged frame (gp/merging/levels.py). Each source's map
     alone is merged in closed form and asked at up to LEVEL_PROBES places: the centres of the cells the sources
-    visited (2-D inputs), else (3-D inputs, or maps without visited cells) their inducing inputs."""
+    visited (2-D inputs), else (3-D inputs, or maps without visited cells) their inducing inputs. ``tile_cache``
+    (merge_maps'): a tiled source's tiles alone are kept there too (under "alone/<name>"), so a live merge
+    recomputes only those that changed."""
     maps, probes, cells = [], [], []
     for s in sources:
         if s.tiles is not None:
-            maps.append(merge_tiled([(s.name, s.tiles, s.transform)], model_config, steps=0)[0])
+            cache = None if tile_cache is None else tile_cache.setdefault(f"alone/{s.name}", {})
+            maps.append(merge_tiled([(s.name, s.tiles, s.transform)], model_config, steps=0, cache=cache)[0])
             z = [torch.as_tensor(t["z"], dtype=torch.float64) for t in s.tiles.tiles.values()]
         else:
             local = Source.from_summary(s.summary, name=s.name)

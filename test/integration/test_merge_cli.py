@@ -422,6 +422,8 @@ def test_a_merge_with_a_tile_cache_redoes_only_the_tiles_whose_sources_changed(t
     again, result = merge_maps([MapSource.from_mapper("A", a), MapSource.from_mapper("B", b, tf)], tile_cache=cache)
     assert result.reused == result.tiles
     same(first, again)
+    # each map's tiles alone (what its offset to the other is measured on) are kept too
+    assert {k for k in cache if isinstance(k, str) and k.startswith("alone/")} == {"alone/A", "alone/B"}
     a2 = copy.deepcopy(a)
     before = a2.model.tile_samples()
     a2.model.update(np.array([[-4.0, -4.0], [-3.9, -4.0], [-3.8, -4.1]]), np.array([[50.0], [50.1], [50.2]]))
