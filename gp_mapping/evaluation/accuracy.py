@@ -27,9 +27,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from gp_mapping.evaluation import calibration
+from gp_mapping.evaluation.calibration import SCORES, reading_scores
 from gp_mapping.evaluation.baselines import (ConstantMean, ExactGPBaseline, KernelSpec, NearestNeighbour,
-                                             OfflineSVGP, ReducedRankGP, StreamingSparseGP, rmse)
+                                             OfflineSVGP, ReducedRankGP, StreamingSparseGP)
 from gp_mapping.evaluation.bench_engine import _summary
 from gp_mapping.config import GridConfig, ModelConfig
 from gp_mapping.evaluation.datasets import load_solin2018
@@ -38,8 +38,6 @@ from gp_mapping.gp import ENGINES, build_model
 HSGP_BASIS = (256, 1024)  # the reduced-rank GP's basis sizes (magnetic SLAM uses m = 256-1024)
 SAMPLE_RATE_HZ = 50.0
 TILE = GridConfig().tile_size  # the shipped default
-#: what a method is scored by on the held-out readings (a mean alone: RMSE only)
-SCORES = ("rmse", "nlpd", "within_1sd", "within_2sd", "z_std")
 
 
 def engine_config(**overrides) -> ModelConfig:
@@ -56,14 +54,6 @@ def plan_config(plan: dict, **overrides) -> ModelConfig:
 
 
 # ------------------------------------------------------------------------------------------------ methods
-
-def reading_scores(mean: np.ndarray, var: np.ndarray | None, y: np.ndarray) -> dict[str, float]:
-    """RMSE; with the variance of a reading, NLPD, within +-1 / +-2 SD and the std of z (calibration.scores)."""
-    if var is None:
-        return {"rmse": rmse(mean, y)}
-    s = calibration.scores(mean, var, y)
-    return {k: s[k] for k in SCORES}
-
 
 class _Streaming:
     """A streaming method: ``step(x, y)`` conditions on a batch; ``reading(x)`` -> mean and variance of a reading

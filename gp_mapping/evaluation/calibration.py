@@ -39,7 +39,7 @@ import numpy as np
 from scipy.special import erfinv
 
 from gp_mapping.config import ModelConfig
-from gp_mapping.evaluation.baselines import ExactGPBaseline, KernelSpec, NearestNeighbour, OfflineSVGP
+from gp_mapping.evaluation.baselines import ExactGPBaseline, KernelSpec, NearestNeighbour, OfflineSVGP, rmse
 from gp_mapping.gp import build_model
 from gp_mapping.gp.outliers import isolated_spikes
 
@@ -168,6 +168,20 @@ def scores(mean: np.ndarray, var: np.ndarray, y: np.ndarray) -> dict[str, Any]:
             "within_1sd": float(np.mean(np.abs(z) <= 1.0)), "within_2sd": float(np.mean(np.abs(z) <= 2.0)),
             "z_std": float(np.std(z)),
             "reliability": {f"{lv:g}": float(np.mean(np.abs(z) <= w)) for lv, w in zip(LEVELS, half_widths)}}
+
+
+#: what a method is scored by on held-out readings (a mean alone: RMSE only), the accuracy and schedules sections'
+#: columns
+SCORES = ("rmse", "nlpd", "within_1sd", "within_2sd", "z_std")
+
+
+def reading_scores(mean: np.ndarray, var: np.ndarray | None, y: np.ndarray) -> dict[str, float]:
+    """:data:`SCORES` of predictions of readings y (N, P): RMSE; with the variance of a reading, NLPD, within +-1
+    / +-2 SD and the std of z (:func:`scores`)."""
+    if var is None:
+        return {"rmse": rmse(mean, y)}
+    s = scores(mean, var, y)
+    return {k: s[k] for k in SCORES}
 
 
 def stream_engine(config: ModelConfig, rec: Recording) -> tuple[Any, float]:
@@ -493,5 +507,5 @@ def plot(sec: dict[str, Any], out) -> list[str]:
     for name, row in sec.get("recordings", {}).items():
         path = out / f"calibration_{name}.png"
         reliability_diagram([*row["engines"].items(), *row["peers"].items()], name, path)
-        written.append(str(path))
+        written.append(path.name)
     return written

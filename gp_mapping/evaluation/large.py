@@ -109,9 +109,9 @@ def _stream(rec, plan: dict, dims: int, tiled: bool | str, test_x: np.ndarray, t
     seen, ms, cpu_ms = fed["updates"]["num_seen"], fed["updates"]["ms"], fed["updates"]["cpu_ms"]
     mapper.flush()
     processing = fed["processing_s"]
-    with torch.no_grad():
-        mean, var = mapper.model.predict(test_x)
-    mean = mean.numpy()[:, 0]
+    with torch.no_grad():  # a reading's mean is the latent field's: one prediction serves the RMSE and the scores
+        reading_mean, reading_var = mapper.model.predict_reading(test_x)
+    mean = reading_mean.cpu().numpy()[:, 0]
     grid_start = time.perf_counter()
     window = mapper.grid()  # what the node publishes: the window around the robot
     window_seconds = time.perf_counter() - grid_start
@@ -127,9 +127,7 @@ def _stream(rec, plan: dict, dims: int, tiled: bool | str, test_x: np.ndarray, t
                     "window_seconds": window_seconds},
            "curve": fed["updates"], "memory": fed["memory"]}
     if reading is not None:  # the map's predictive distribution of a held-out reading (module docstring)
-        with torch.no_grad():
-            rm, rv = mapper.model.predict_reading(test_x)
-        out["reading_scores"] = scores(rm.cpu().numpy(), rv.cpu().numpy(), reading[:, None])
+        out["reading_scores"] = scores(reading_mean.cpu().numpy(), reading_var.cpu().numpy(), reading[:, None])
     a, b, r = _decile_ratio(s, m, lo, float(n))
     out.update(latency_first_decile_ms=a, latency_last_decile_ms=b, latency_ratio=r)
     a, b, r = _decile_ratio(s, np.asarray(cpu_ms, float), lo, float(n))

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from gp_mapping.config import ModelConfig
-from gp_mapping.evaluation.accuracy import reading_scores
+from gp_mapping.evaluation.calibration import reading_scores
 from gp_mapping.evaluation.baselines import NearestNeighbour, OfflineSVGP, ReducedRankGP
 from gp_mapping.evaluation.common import default_results_dir, machine_info
 from gp_mapping.evaluation.datasets import load_solin2018
