@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from gp_mapping.gp.merging import MergeError
     from gp_mapping.mapping.grid import GridError
     from gp_mapping.mapping.mapper import Mapper
-    from gp_mapping.mapping.merge import MapSource, merge_maps, parse_transform
+    from gp_mapping.mapping.merge import MapSource, levels_text, merge_maps, parse_transform
     from gp_mapping.mapping.state import MapStateError
     from gp_mapping.mapping.map_files import NPZ_NAME, PNG_NAME, draw_map, unwritable_folder, write_map_npz
 
@@ -90,15 +90,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"merged {len(sources)} maps ({result.num_data} samples, {tiles}{result.num_inducing} inducing points, "
           f"bound {result.bound:.1f} after {result.steps} steps, {result.seconds:.1f} s)")
     if result.levels is not None:
-        unit, lv = mapper.config.sync.field_unit, result.levels
-
-        def level(k: int) -> str:
-            if not bool(lv.measured[k].any()):
-                return "not measured (too little ground shared with the others), taken as 0"
-            return ", ".join(f"{v:+.2f}" if ok else "not measured"
-                             for v, ok in zip(lv.offsets[k].tolist(), lv.measured[k].tolist())) + f" {unit}"
-        print(f"offsets to {sources[0].name} (removed; the map is at their median level): " + "; ".join(
-            f"{s.name} {level(k)}" for k, s in enumerate(sources[1:], start=1)))
+        print(levels_text([s.name for s in sources], result.levels, mapper.config.sync.field_unit))
     for path in (state, npz, png):
         print(f"wrote {Path(path).resolve()}")
     return 0

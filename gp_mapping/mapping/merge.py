@@ -621,6 +621,17 @@ def source_levels(sources: Sequence[MapSource], model_config, tile_cache: dict |
     return Levels(offsets, measured, noise_sd)
 
 
+def levels_text(names: Sequence[str], levels: Levels, unit: str) -> str:
+    """What a merge removed, for people: each source's offset to the first (``names``: the sources', in order)."""
+    def one(k: int) -> str:
+        if not bool(levels.measured[k].any()):
+            return "not measured (too little ground shared with the others), taken as 0"
+        return ", ".join(f"{v:+.2f}" if ok else "not measured"
+                         for v, ok in zip(levels.offsets[k].tolist(), levels.measured[k].tolist())) + f" {unit}"
+    return f"offsets to {names[0]} (removed; the map is at their median level): " + "; ".join(
+        f"{name} {one(k)}" for k, name in enumerate(names[1:], start=1))
+
+
 def _shifted(source: MapSource, shift: torch.Tensor) -> MapSource:
     """``source`` with ``shift`` (P,), in the merged frame, added to every value its map states (its summaries'
     prior means and, in the moments form, posterior means; a tiled map's target statistics): the same sites
@@ -683,4 +694,4 @@ def _move(transform: RigidTransform, xy: np.ndarray) -> np.ndarray:
 
 __all__ = ["DuplicateSourceError", "MERGE_DEFINING_KEYS", "MapSource", "SummaryError", "TileRotation", "assemble_tiles",
            "check_lineage", "decode_summary", "encode_summary", "merge_maps", "merged_config", "parse_transform",
-           "source_levels", "summary_overhead_bytes", "tile_summary_bytes"]
+           "levels_text", "source_levels", "summary_overhead_bytes", "tile_summary_bytes"]

@@ -49,7 +49,7 @@ from gp_mapping.gp.merging import MergeError
 from gp_mapping.mapping import publication
 from gp_mapping.mapping.health import OK, WARN
 from gp_mapping.mapping.merge import (DuplicateSourceError, MapSource, SummaryError, assemble_tiles, check_compatible,
-                                      check_lineage, decode_summary, merge_maps, parse_transform)
+                                      check_lineage, decode_summary, levels_text, merge_maps, parse_transform)
 from gp_mapping.ros.diagnostics import DIAGNOSTICS_PERIOD, diagnostic_array
 from gp_mapping.ros.process import NodeStartError, spin_node
 from gp_mapping.ros.publishers import MAP_QOS, create_map_publishers, publish_map_layout
@@ -93,6 +93,7 @@ class MergerNode(Node):
         self._last_error = ""
         self._merge_seconds = math.nan
         self._tiles_reused = 0  # tiles the last merge took unchanged from the one before
+        self._levels = "no merge yet"  # the sources' offsets the last merge removed (mapping/merge.py levels_text)
         self._pubs = None  # created at the first merge, for the sources' target (layers)
         self.mapper = None  # the merged Mapper
         self._worker: threading.Thread | None = None  # the merge in progress (callbacks never wait for it)
@@ -216,6 +217,9 @@ class MergerNode(Node):
                                         num_inducing=self.num_inducing, tile_cache=self._tile_cache,
                                         levels=not self.same_level)
             self._tiles_reused = result.reused
+            self._levels = (levels_text([s.name for s in sources], result.levels, mapper.config.sync.field_unit)
+                            if result.levels is not None else "none removed (same_level)" if self.same_level
+                            else "none removed (one source)")
             grid = mapper.grid(predict_unknown=False)
         except Exception as err:  # a merge that fails leaves the last map published
             self._counts["failed_merges"] += 1
@@ -249,6 +253,7 @@ class MergerNode(Node):
         values["sources_incomplete"] = sum(bool(s.missing_tiles) for s in self._parts.values())
         values["merge_seconds_last"] = self._merge_seconds
         values["merge_tiles_reused_last"] = self._tiles_reused
+        values["source_offsets_last"] = self._levels
         if self._last_error:
             level, message = WARN, self._last_error
         elif not self._sources:

@@ -509,6 +509,11 @@ def test_two_sensors_that_read_apart_are_levelled_before_their_maps_merge(capsys
                 assert node.merge_if_changed()
                 for u, v in zip(expected.model.predict(grid[:30]), node.mapper.model.predict(grid[:30])):
                     torch.testing.assert_close(u, v, rtol=1e-9, atol=1e-9)
+                published = []  # the diagnostics say what was removed
+                node._diag_pub.publish = published.append
+                node._publish_diagnostics()
+                said = {kv.key: kv.value for kv in published[-1].status[0].values}["source_offsets_last"]
+                assert ("/b/model +5." in said) != same_level and ("same_level" in said) == same_level, said
             finally:
                 node.close()
         finally:
