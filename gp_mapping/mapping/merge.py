@@ -249,13 +249,15 @@ def assemble_tiles(held: MapSource | None, part: MapSource) -> MapSource:
     return dataclasses.replace(part, tiles=tiles, summary=summary, tile_index=None if whole else part.tile_index)
 
 
+def _in_precision(v, precision: str) -> torch.Tensor:
+    """A summary tensor on the CPU, a float64 one in ``precision`` (float32: a reduced summary), copied."""
+    v = torch.as_tensor(v).detach().cpu()
+    return (v.to(torch.float32) if precision == "float32" and v.dtype == torch.float64 else v).contiguous().clone()
+
+
 def _model_tensors(summary: dict, prefix: str = "", precision: str = "float64") -> dict[str, torch.Tensor]:
     """An engine summary's tensors (float64 ones in ``precision``) and kernel state, named with ``prefix``."""
-    def cast(v: torch.Tensor) -> torch.Tensor:
-        return v.to(torch.float32) if precision == "float32" and v.dtype == torch.float64 else v
-
-    tensors = {prefix + k: cast(torch.as_tensor(v).detach().cpu()).contiguous().clone() for k, v in summary.items()
-               if k in _MODEL_TENSORS}
+    tensors = {prefix + k: _in_precision(v, precision) for k, v in summary.items() if k in _MODEL_TENSORS}
     kernel = summary.get("kernel")
     if kernel is not None:
         tensors.update({f"{prefix}kernel/{k}": v.detach().cpu().contiguous().clone()
@@ -295,9 +297,8 @@ def encode_summary(source: MapSource, precision: str = "float64") -> bytes:
     else:
         tensors = _model_tensors(source.summary, precision=precision)
     if source.calibration is not None:
-        tensors.update({f"calibration/{k}": (v.to(torch.float32) if precision == "float32" and v.dtype == torch.float64
-                                             else v).detach().cpu().contiguous().clone()
-                        for k, v in source.calibration.items() if k in _CALIBRATION_TENSORS})
+        tensors.update({f"calibration/{k}": _in_precision(v, precision) for k, v in source.calibration.items()
+                        if k in _CALIBRATION_TENSORS})
     tensors["coverage_cells"] = torch.as_tensor(np.asarray(source.coverage_cells, dtype=np.int64).reshape(-1, 2))
     tensors["trajectory"] = torch.as_tensor(np.asarray(source.trajectory, dtype=np.float64).reshape(-1, 2)).to(
         torch.float32 if precision == "float32" else torch.float64)
