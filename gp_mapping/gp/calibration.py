@@ -88,6 +88,11 @@ EXTRA_BOUNDS = (1e-8, 10.0)
 POSITION_BOUNDS = (1e-6, 10 ** -0.6)
 #: coarse grid points of b over POSITION_BOUNDS (with the records' slopes; one, at the floor, without)
 POSITION_POINTS = 10
+def evenly_spaced(n: int, most: int, device=None) -> torch.Tensor:
+    """Indices of at most ``most`` of ``n`` items, evenly spaced from the first to the last (all when n <= most)."""
+    return torch.linspace(0, n - 1, min(n, most), device=device).round().long()
+
+
 #: a record's values (besides ``filled``), each (N, P) in the targets' units: what a merge carries of a map's
 #: calibration (PrequentialCalibration.records_summary)
 RECORD_FIELDS = ("err2", "latent_var", "noise_var", "prior_var", "slope2")
@@ -229,7 +234,7 @@ class PrequentialCalibration(_OptionalState):
                 g = self.slope2[keep, p]
                 then = self.prior_var[keep, p]
                 if e2.shape[0] > FIT_RECORDS:
-                    pick = torch.linspace(0, e2.shape[0] - 1, FIT_RECORDS, device=e2.device).round().long()
+                    pick = evenly_spaced(e2.shape[0], FIT_RECORDS, e2.device)
                     e2, v, s, g, then = e2[pick], v[pick], s[pick], g[pick], then[pick]
                 v = torch.where(then > 0, v * (float(prior_var[p]) / then.clamp_min(1e-300)), v)
                 unit = max(float(target_var[p]), 1e-12)
@@ -245,7 +250,7 @@ class PrequentialCalibration(_OptionalState):
         grids = [torch.linspace(math.log(lo), math.log(hi), n, dtype=e2.dtype, device=e2.device)
                  for lo, hi, n in (SCALE_BOUNDS + (15,), (EXTRA_BOUNDS[0] * unit, EXTRA_BOUNDS[1] * unit, 15),
                                    POSITION_BOUNDS + (POSITION_POINTS if bool((g > 0).any()) else 1,))]
-        coarse = torch.linspace(0, e2.shape[0] - 1, min(e2.shape[0], COARSE_RECORDS), device=e2.device).round().long()
+        coarse = evenly_spaced(e2.shape[0], COARSE_RECORDS, e2.device)
         for step in range(5):  # a coarse grid, then four finer ones around the best cell (each twice as fine)
             rows = coarse if step == 0 else slice(None)
             best = cls._best(e2[rows], v[rows], s[rows], g[rows], *grids)
@@ -291,8 +296,7 @@ class PrequentialCalibration(_OptionalState):
         """The stored records as a merge carries them (:data:`RECORD_FIELDS` and ``filled``, (N, P), targets'
         units, on the CPU): at most ``most`` of them, evenly spaced over the store, as many as a refit uses."""
         rows = torch.nonzero(self.filled.any(1)).reshape(-1)
-        if rows.numel() > most:
-            rows = rows[torch.linspace(0, rows.numel() - 1, most, device=rows.device).round().long()]
+        rows = rows[evenly_spaced(rows.numel(), most, rows.device)]
         return {k: getattr(self, k)[rows].detach().cpu().clone() for k in RECORD_FIELDS + ("filled",)}
 
     def pool(self, sources: list[dict[str, torch.Tensor]], target_var: torch.Tensor,
@@ -309,8 +313,7 @@ class PrequentialCalibration(_OptionalState):
         share = self.records // len(sources)
         picked = []
         for r in sources:
-            n = r["err2"].shape[0]
-            rows = torch.linspace(0, n - 1, min(n, share)).round().long()
+            rows = evenly_spaced(r["err2"].shape[0], share)
             picked.append({k: r[k][rows] for k in RECORD_FIELDS + ("filled",)})
         kept = sum(r["err2"].shape[0] for r in picked)
         dev = self.err2.device

@@ -41,7 +41,7 @@ from gp_mapping.config import ConfigError, MapperConfig, config_from_dict, to_di
 from gp_mapping.gp import merging
 from gp_mapping.gp.merging import MergeError, MergeResult, RigidTransform, Source, merge, merged_engine
 from gp_mapping.gp.base import MAX_SESSIONS, Recyclable
-from gp_mapping.gp.calibration import RECORD_FIELDS, check_records, rotated_records
+from gp_mapping.gp.calibration import RECORD_FIELDS, check_records, evenly_spaced, rotated_records
 from gp_mapping.gp.merging.levels import Levels, pair_offsets, source_offsets
 from gp_mapping.gp.tiles import TiledMergeResult, TiledModel, TiledSummary, merge_tiled, parse_tile_key, tile_key
 from gp_mapping.mapping.mapper import Mapper
@@ -609,8 +609,7 @@ def source_levels(sources: Sequence[MapSource], model_config, tile_cache: dict |
     if probes[0].shape[1] == 2 and sum(c.shape[0] for c in cells) > 0:
         probes = cells
     x = torch.cat(probes)
-    if x.shape[0] > LEVEL_PROBES:
-        x = x[torch.linspace(0, x.shape[0] - 1, LEVEL_PROBES).round().long()]
+    x = x[evenly_spaced(x.shape[0], LEVEL_PROBES)]
     moments = []
     with torch.no_grad():
         for m in maps:
