@@ -14,12 +14,13 @@ on new ground; the track just driven, whose errors the batch shares, is not in t
 (squared error, latent variance, noise variance, the map's squared slope) per output, and a variance model of a
 reading
 
-    s^2 = a * v_latent + sigma_noise^2 + b * |grad m(x)|^2 + tau^2
+    s^2 = a * v_latent + c * sigma_noise^2 + b * |grad m(x)|^2 + tau^2
 
 is fitted by maximum likelihood (a: how far the latent variance is off; tau^2: the error a new pass adds that
 no part of the model sees; b, where the engine states its mean's slope (dual_svgp) and model.calibration_slope
 is on: the variance of a position error [m^2], which reads as slope times that error, so a steep place errs
-more than a flat one; 0 otherwise).
+more than a flat one; 0 otherwise; c in [0.1, 1]: how much of the engine's noise the readings show, below 1
+for a sensor quieter than model.noise_floor, which the engine learns its noise above).
 
 Two fits. A position error is not in a reading taken exactly at x, only in one taken where the robot *thought*
 it was. A new pass over mapped ground is the second kind: its variance is the fit with the slope term. A
@@ -46,9 +47,9 @@ variance as that fraction of the prior variance *now* (v * prior_now / prior_the
 whose variance was 5x that of later maps for the same errors, made the latent variance look uninformative (a = 0.07)
 and put the error into tau^2: 2.5 uT^2 on a field read with 0.25 uT^2 of noise, every held-out reading of the
 simulated revisit (bench recording ``sim_revisit``) within +-2 SD and a z-std of 0.38. It is refitted every
-``REFIT_EVERY`` new records (a grid search over a, tau^2 and, in the second fit, b, refined four times; at most
+``REFIT_EVERY`` new records (a grid search over a, tau^2, c and, in the second fit, b, refined four times; at most
 ``FIT_RECORDS`` of the stored records) and only after ``CALIBRATION_MIN_RECORDS`` records; until then a = 1,
-tau^2 = 0, the model as it is.
+c = 1, tau^2 = 0, the model as it is.
 The lagged map is a copy the engine keeps (``Engine._lagged``); it is not part of the saved state, so a loaded map
 calibrates again after two lags. The same idea is conformal/recalibration of regression uncertainty (Kuleshov et al.
 2018, "Accurate uncertainties for deep learning using calibrated regression"), here with a parametric variance
@@ -88,6 +89,15 @@ EXTRA_BOUNDS = (1e-8, 10.0)
 POSITION_BOUNDS = (1e-6, 10 ** -0.6)
 #: coarse grid points of b over POSITION_BOUNDS (with the records' slopes; one, at the floor, without)
 POSITION_POINTS = 10
+#: bounds of c, the factor on the engine's noise in a reading's variance: the noise floor (model.noise_floor) holds
+#: the noise the engine learns with, but a sensor quieter than the floor reads closer to the map than it says, and
+#: its readings were over-covered (the demo bag: 1.000 within +-2 SD, z-std 0.50). c <= 1: the fit never widens
+#: the noise (tau^2 does that); 0.1: at most ten times narrower (docs/calibration.md, The noise term)
+NOISE_BOUNDS = (0.1, 1.0)
+#: coarse grid points of c over NOISE_BOUNDS
+NOISE_POINTS = 7
+
+
 def evenly_spaced(n: int, most: int, device=None) -> torch.Tensor:
     """Indices of at most ``most`` of ``n`` items, evenly spaced from the first to the last (all when n <= most)."""
     return torch.linspace(0, n - 1, min(n, most), device=device).round().long()
@@ -155,22 +165,28 @@ class PrequentialCalibration(_OptionalState):
         self.register_buffer("last_x", torch.zeros(input_dims, **f64))
         self.register_buffer("has_last_x", torch.zeros((), dtype=torch.bool))
         # Two fitted models (module docstring, "two fits"). For a reading taken exactly at x (a localizer's
-        # particle, a map file's cell): s^2 = scale * v + noise + extra (extra in the targets' squared units) ...
+        # particle, a map file's cell): s^2 = scale * v + noise_scale * noise + extra (extra in the targets' squared
+        # units) ...
         self.register_buffer("scale", torch.ones(output_dims, **f64))
         self.register_buffer("extra", torch.zeros(output_dims, **f64))
+        self.register_buffer("noise_scale", torch.ones(output_dims, **f64))
         # ... and the whole widened so that +-2 SD holds 95 % of the records (>= 1; module docstring).
         self.register_buffer("widen", torch.ones(output_dims, **f64))
         # For a reading at a reported position (a new pass): the same with the slope term, fitted jointly,
-        # s^2 = reported_widen * (reported_scale * v + noise + position * slope^2 + reported_extra), position in
-        # m^2. Where the records hold no slope (or b fits at its floor) it equals the first.
+        # s^2 = reported_widen * (reported_scale * v + reported_noise_scale * noise + position * slope^2
+        # + reported_extra), position in m^2. Where the records hold no slope (or b fits at its floor) it equals the
+        # first.
         self.register_buffer("reported_scale", torch.ones(output_dims, **f64))
         self.register_buffer("reported_extra", torch.zeros(output_dims, **f64))
+        self.register_buffer("reported_noise_scale", torch.ones(output_dims, **f64))
         self.register_buffer("reported_widen", torch.ones(output_dims, **f64))
         self.register_buffer("position", torch.zeros(output_dims, **f64))
 
-    ADDED_LATER = ("prior_var", "widen", "slope2", "position", "reported_scale", "reported_extra", "reported_widen")
+    ADDED_LATER = ("prior_var", "widen", "slope2", "position", "reported_scale", "reported_extra", "reported_widen",
+                   "noise_scale", "reported_noise_scale")
     #: the reported-position fit's buffers and the exact-position ones a state without them loads them from
-    REPORTED = {"reported_scale": "scale", "reported_extra": "extra", "reported_widen": "widen"}
+    REPORTED = {"reported_scale": "scale", "reported_extra": "extra", "reported_widen": "widen",
+                "reported_noise_scale": "noise_scale"}
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -228,7 +244,7 @@ class PrequentialCalibration(_OptionalState):
         for p in range(self.err2.shape[1]):
             keep = self.filled[:, p]
             if int(keep.sum()) < CALIBRATION_MIN_RECORDS:
-                exact = reported = (1.0, 0.0, 0.0, 1.0)
+                exact = reported = (1.0, 0.0, 0.0, 1.0, 1.0)
             else:
                 e2, v, s = self.err2[keep, p], self.latent_var[keep, p], self.noise_var[keep, p]
                 g = self.slope2[keep, p]
@@ -240,16 +256,18 @@ class PrequentialCalibration(_OptionalState):
                 unit = max(float(target_var[p]), 1e-12)
                 exact = self._fit(e2, v, s, torch.zeros_like(g), unit)
                 reported = self._fit(e2, v, s, g, unit) if bool((g > 0).any()) else exact
-            self.scale[p], self.extra[p], _, self.widen[p] = exact
-            self.reported_scale[p], self.reported_extra[p], self.position[p], self.reported_widen[p] = reported
+            self.scale[p], self.extra[p], _, self.noise_scale[p], self.widen[p] = exact
+            (self.reported_scale[p], self.reported_extra[p], self.position[p], self.reported_noise_scale[p],
+             self.reported_widen[p]) = reported
 
     @classmethod
-    def _fit(cls, e2, v, s, g, unit: float) -> tuple[float, float, float, float]:
-        """(a, tau^2, b, w) of the records (squared errors e2, latent and noise variances v and s, squared slopes
+    def _fit(cls, e2, v, s, g, unit: float) -> tuple[float, float, float, float, float]:
+        """(a, tau^2, b, c, w) of the records (squared errors e2, latent and noise variances v and s, squared slopes
         g: all 0 for the fit without the slope term); ``unit`` scales the tau^2 grid."""
         grids = [torch.linspace(math.log(lo), math.log(hi), n, dtype=e2.dtype, device=e2.device)
                  for lo, hi, n in (SCALE_BOUNDS + (15,), (EXTRA_BOUNDS[0] * unit, EXTRA_BOUNDS[1] * unit, 15),
-                                   POSITION_BOUNDS + (POSITION_POINTS if bool((g > 0).any()) else 1,))]
+                                   POSITION_BOUNDS + (POSITION_POINTS if bool((g > 0).any()) else 1,),
+                                   NOISE_BOUNDS + (NOISE_POINTS,))]
         coarse = evenly_spaced(e2.shape[0], COARSE_RECORDS, e2.device)
         for step in range(5):  # a coarse grid, then four finer ones around the best cell (each twice as fine)
             rows = coarse if step == 0 else slice(None)
@@ -259,24 +277,27 @@ class PrequentialCalibration(_OptionalState):
                                     device=e2.device) for grid, b in zip(grids, best)]
             grids[0] = grids[0].clamp(math.log(SCALE_BOUNDS[0]), math.log(SCALE_BOUNDS[1]))
             grids[2] = grids[2].clamp(math.log(POSITION_BOUNDS[0]), math.log(POSITION_BOUNDS[1]))
-        a, t = math.exp(best[0]), math.exp(best[1])
+            grids[3] = grids[3].clamp(math.log(NOISE_BOUNDS[0]), math.log(NOISE_BOUNDS[1]))
+        a, t, c = math.exp(best[0]), math.exp(best[1]), math.exp(best[3])
         # at the grid's low end (1 mm) the term is off: no slope, or none that the records show
         at_floor = len(grids[2]) == 1 or best[2] <= math.log(POSITION_BOUNDS[0]) + 1e-9
         b = 0.0 if at_floor else math.exp(best[2])
-        z2 = e2 / (a * v + s + b * g + t)
-        return a, t, b, max(1.0, float(torch.quantile(z2, COVERED)) / COVERED_Z ** 2)
+        z2 = e2 / (a * v + c * s + b * g + t)
+        return a, t, b, c, max(1.0, float(torch.quantile(z2, COVERED)) / COVERED_Z ** 2)
 
     @staticmethod
-    def _best(e2, v, s, g, log_a, log_t, log_b) -> tuple[float, float, float]:
-        """The grid cell (log a, log tau^2, log b) of the smallest Gaussian negative log likelihood."""
-        a = log_a.exp()[:, None, None, None]
-        t = log_t.exp()[None, :, None, None]
-        b = log_b.exp()[None, None, :, None]
-        total = a * v + s + b * g + t
+    def _best(e2, v, s, g, log_a, log_t, log_b, log_c) -> tuple[float, float, float, float]:
+        """The grid cell (log a, log tau^2, log b, log c) of the smallest Gaussian negative log likelihood."""
+        a = log_a.exp()[:, None, None, None, None]
+        t = log_t.exp()[None, :, None, None, None]
+        b = log_b.exp()[None, None, :, None, None]
+        c = log_c.exp()[None, None, None, :, None]
+        total = a * v + c * s + b * g + t
         nll = (total.log() + e2 / total).mean(-1)
         i = int(torch.argmin(nll))
-        n_t, n_b = log_t.shape[0], log_b.shape[0]
-        return float(log_a[i // (n_t * n_b)]), float(log_t[(i // n_b) % n_t]), float(log_b[i % n_b])
+        n_t, n_b, n_c = log_t.shape[0], log_b.shape[0], log_c.shape[0]
+        return (float(log_a[i // (n_t * n_b * n_c)]), float(log_t[(i // (n_b * n_c)) % n_t]),
+                float(log_b[(i // n_c) % n_b]), float(log_c[i % n_c]))
 
     def reading_variance(self, latent_var: torch.Tensor, noise_var: torch.Tensor,
                          slope2: torch.Tensor | None = None) -> torch.Tensor:
@@ -284,9 +305,9 @@ class PrequentialCalibration(_OptionalState):
         predicted (``slope2`` None), or at a reported position where the map's squared slope is ``slope2``
         (targets' units per m^2)."""
         if slope2 is None:
-            return self.widen * (self.scale * latent_var + noise_var + self.extra)
-        return self.reported_widen * (self.reported_scale * latent_var + noise_var + self.position * slope2
-                                      + self.reported_extra)
+            return self.widen * (self.scale * latent_var + self.noise_scale * noise_var + self.extra)
+        return self.reported_widen * (self.reported_scale * latent_var + self.reported_noise_scale * noise_var
+                                      + self.position * slope2 + self.reported_extra)
 
     def _loaded(self) -> None:
         self.records = self.err2.shape[0]
