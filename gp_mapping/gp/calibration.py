@@ -89,10 +89,11 @@ EXTRA_BOUNDS = (1e-8, 10.0)
 POSITION_BOUNDS = (1e-6, 10 ** -0.6)
 #: coarse grid points of b over POSITION_BOUNDS (with the records' slopes; one, at the floor, without)
 POSITION_POINTS = 10
-#: bounds of c, the factor on the engine's noise in a reading's variance: the noise floor (model.noise_floor) holds
+#: bounds of c, the factor on the part of the engine's noise that is its floor (model.noise_floor): the floor holds
 #: the noise the engine learns with, but a sensor quieter than the floor reads closer to the map than it says, and
-#: its readings were over-covered (the demo bag: 1.000 within +-2 SD, z-std 0.50). c <= 1: the fit never widens
-#: the noise (tau^2 does that); 0.1: at most ten times narrower (docs/calibration.md, The noise term)
+#: its readings were over-covered (the demo bag: 1.000 within +-2 SD, z-std 0.50). The noise the engine learned
+#: above the floor is the data's and stays. c <= 1: the fit never widens the noise (tau^2 does that); 0.1: the
+#: floor's part at most ten times narrower (docs/calibration.md, The noise floor's part)
 NOISE_BOUNDS = (0.1, 1.0)
 #: coarse grid points of c over NOISE_BOUNDS
 NOISE_POINTS = 7
@@ -142,9 +143,12 @@ class _OptionalState(nn.Module):
 class PrequentialCalibration(_OptionalState):
     """Records out-of-sample residuals and fits (a, tau^2) per output; see the module docstring."""
 
-    def __init__(self, input_dims: int, output_dims: int, records: int) -> None:
+    def __init__(self, input_dims: int, output_dims: int, records: int, noise_floor: float = 0.0) -> None:
         super().__init__()
         self.records = int(records)
+        #: the engine's noise floor (targets' units, model.noise_floor): the part of a noise variance that the
+        #: noise factor c scales (NOISE_BOUNDS)
+        self.noise_floor = float(noise_floor)
         f64 = {"dtype": torch.float64}
         # Ring of records, per output: squared error, latent variance, noise variance (targets' units), and
         # whether the entry is filled (a vector output can miss a channel).
@@ -254,24 +258,35 @@ class PrequentialCalibration(_OptionalState):
                     e2, v, s, g, then = e2[pick], v[pick], s[pick], g[pick], then[pick]
                 v = torch.where(then > 0, v * (float(prior_var[p]) / then.clamp_min(1e-300)), v)
                 unit = max(float(target_var[p]), 1e-12)
-                exact = self._fit(e2, v, s, torch.zeros_like(g), unit)
-                reported = self._fit(e2, v, s, g, unit) if bool((g > 0).any()) else exact
+                exact = self._fit(e2, v, s, torch.zeros_like(g), unit, self.noise_floor)
+                reported = self._fit(e2, v, s, g, unit, self.noise_floor) if bool((g > 0).any()) else exact
             self.scale[p], self.extra[p], _, self.noise_scale[p], self.widen[p] = exact
             (self.reported_scale[p], self.reported_extra[p], self.position[p], self.reported_noise_scale[p],
              self.reported_widen[p]) = reported
 
+    @staticmethod
+    def _noise_parts(s: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A noise variance split into what the engine learned above its floor and the floor's part (which c
+        scales)."""
+        learned = (s - floor).clamp_min(0.0)
+        return learned, s - learned
+
     @classmethod
-    def _fit(cls, e2, v, s, g, unit: float) -> tuple[float, float, float, float, float]:
+    def _fit(cls, e2, v, s, g, unit: float, floor: float = 0.0) -> tuple[float, float, float, float, float]:
         """(a, tau^2, b, c, w) of the records (squared errors e2, latent and noise variances v and s, squared slopes
-        g: all 0 for the fit without the slope term); ``unit`` scales the tau^2 grid."""
+        g: all 0 for the fit without the slope term); ``unit`` scales the tau^2 grid; ``floor``: the engine's
+        noise floor, the part of s that c scales."""
+        s, s_floor = cls._noise_parts(s, floor)
         grids = [torch.linspace(math.log(lo), math.log(hi), n, dtype=e2.dtype, device=e2.device)
                  for lo, hi, n in (SCALE_BOUNDS + (15,), (EXTRA_BOUNDS[0] * unit, EXTRA_BOUNDS[1] * unit, 15),
-                                   POSITION_BOUNDS + (POSITION_POINTS if bool((g > 0).any()) else 1,),
-                                   NOISE_BOUNDS + (NOISE_POINTS,))]
+                                   POSITION_BOUNDS + (POSITION_POINTS if bool((g > 0).any()) else 1,))]
+        # without a floor there is nothing for c to scale: c = 1 (log 0), one grid point
+        grids.append(torch.linspace(math.log(NOISE_BOUNDS[0]), 0.0, NOISE_POINTS, dtype=e2.dtype, device=e2.device)
+                     if bool((s_floor > 0).any()) else torch.zeros(1, dtype=e2.dtype, device=e2.device))
         coarse = evenly_spaced(e2.shape[0], COARSE_RECORDS, e2.device)
         for step in range(5):  # a coarse grid, then four finer ones around the best cell (each twice as fine)
             rows = coarse if step == 0 else slice(None)
-            best = cls._best(e2[rows], v[rows], s[rows], g[rows], *grids)
+            best = cls._best(e2[rows], v[rows], s[rows], s_floor[rows], g[rows], *grids)
             grids = [grid if len(grid) == 1 else
                      torch.linspace(b - float(grid[1] - grid[0]), b + float(grid[1] - grid[0]), 5, dtype=e2.dtype,
                                     device=e2.device) for grid, b in zip(grids, best)]
@@ -282,17 +297,18 @@ class PrequentialCalibration(_OptionalState):
         # at the grid's low end (1 mm) the term is off: no slope, or none that the records show
         at_floor = len(grids[2]) == 1 or best[2] <= math.log(POSITION_BOUNDS[0]) + 1e-9
         b = 0.0 if at_floor else math.exp(best[2])
-        z2 = e2 / (a * v + c * s + b * g + t)
+        z2 = e2 / (a * v + s + c * s_floor + b * g + t)
         return a, t, b, c, max(1.0, float(torch.quantile(z2, COVERED)) / COVERED_Z ** 2)
 
     @staticmethod
-    def _best(e2, v, s, g, log_a, log_t, log_b, log_c) -> tuple[float, float, float, float]:
-        """The grid cell (log a, log tau^2, log b, log c) of the smallest Gaussian negative log likelihood."""
+    def _best(e2, v, s, s_floor, g, log_a, log_t, log_b, log_c) -> tuple[float, float, float, float]:
+        """The grid cell (log a, log tau^2, log b, log c) of the smallest Gaussian negative log likelihood (``s``:
+        the noise above the floor, ``s_floor``: the floor's part)."""
         a = log_a.exp()[:, None, None, None, None]
         t = log_t.exp()[None, :, None, None, None]
         b = log_b.exp()[None, None, :, None, None]
         c = log_c.exp()[None, None, None, :, None]
-        total = a * v + c * s + b * g + t
+        total = a * v + s + c * s_floor + b * g + t
         nll = (total.log() + e2 / total).mean(-1)
         i = int(torch.argmin(nll))
         n_t, n_b, n_c = log_t.shape[0], log_b.shape[0], log_c.shape[0]
@@ -305,9 +321,16 @@ class PrequentialCalibration(_OptionalState):
         predicted (``slope2`` None), or at a reported position where the map's squared slope is ``slope2``
         (targets' units per m^2)."""
         if slope2 is None:
-            return self.widen * (self.scale * latent_var + self.noise_scale * noise_var + self.extra)
-        return self.reported_widen * (self.reported_scale * latent_var + self.reported_noise_scale * noise_var
+            return self.widen * (self.scale * latent_var + self.noise_part(noise_var) + self.extra)
+        return self.reported_widen * (self.reported_scale * latent_var + self.noise_part(noise_var, reported=True)
                                       + self.position * slope2 + self.reported_extra)
+
+    def noise_part(self, noise_var: torch.Tensor, reported: bool = False) -> torch.Tensor:
+        """The engine's noise variance (N, P) as a reading's variance counts it: what it learned above its floor,
+        and the floor's part times c (of the fit for a reading taken exactly at x, or ``reported``: at a reported
+        position)."""
+        learned, floor = self._noise_parts(noise_var, self.noise_floor)
+        return learned + (self.reported_noise_scale if reported else self.noise_scale) * floor
 
     def _loaded(self) -> None:
         self.records = self.err2.shape[0]

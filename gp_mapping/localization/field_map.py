@@ -61,10 +61,10 @@ def reading_moments(model, x, with_slope: bool = False):
 
 class _NoiseView:
     """A model whose ``predict`` gives the sensor's noise variance (the engine's learned likelihood noise, targets'
-    units, times the calibration's noise factor where the engine calibrates, as in a reading's variance) as the
-    variance, so :func:`predict_grid` draws the part of a reading's variance that is new at every reading. An
-    engine without the package's ``_reading_moments`` gives 0 there (its whole reading variance is then taken as
-    the map's error)."""
+    units; where the engine calibrates, its floor's part times the calibration's noise factor, as a reading's
+    variance counts it) as the variance, so :func:`predict_grid` draws the part of a reading's variance that is new
+    at every reading. An engine without the package's ``_reading_moments`` gives 0 there (its whole reading
+    variance is then taken as the map's error)."""
 
     def __init__(self, model) -> None:
         self._model = model
@@ -80,7 +80,7 @@ class _NoiseView:
                 xt = self._model._check_x(x) if hasattr(self._model, "_check_x") else x
                 mean, _, noise = moments(xt)
                 if getattr(self._model, "calibrates", False):
-                    noise = noise * self._model.calibration.noise_scale
+                    noise = self._model.calibration.noise_part(noise)
                 return mean, noise
             mean, var = self._model.predict(x)
             return mean, torch.zeros_like(var)

@@ -18,9 +18,10 @@ def _config(**overrides) -> ModelConfig:
 
 
 def test_refit_is_the_maximum_likelihood_of_the_variance_model():
-    # Errors drawn from N(0, a v + c n + tau^2) with a = 4, c = 0.4 (a sensor quieter than the noise the engine
-    # states), tau^2 = 0.3: the grid search lands on the optimum an independent optimiser (scipy's L-BFGS-B on the
-    # same records, c within its bounds) finds, and near the truth.
+    # Errors drawn from N(0, a v + n_learned + c n_floor + tau^2) with a = 4, c = 0.4 (a sensor quieter than the
+    # engine's noise floor of 2: n_floor = min(n, 2), n_learned the rest), tau^2 = 0.3: the grid search lands
+    # on the optimum an independent optimiser (scipy's L-BFGS-B on the same records, c within its bounds) finds,
+    # and near the truth.
     from scipy.optimize import minimize
 
     from gp_mapping.gp.calibration import NOISE_BOUNDS
@@ -28,16 +29,17 @@ def test_refit_is_the_maximum_likelihood_of_the_variance_model():
     rng = np.random.default_rng(0)
     n = 1000  # below FIT_RECORDS: every record is used
     v = rng.uniform(0.001, 1.0, n)
-    noise = rng.uniform(0.2, 3.0, n)  # the engine's noise varies (tiles, position noise): c is identifiable
-    err = rng.normal(size=n) * np.sqrt(4.0 * v + 0.4 * noise + 0.3)
-    cal = PrequentialCalibration(2, 1, records=n)
+    noise = rng.uniform(0.05, 4.0, n)  # the engine's noise varies (tiles, position noise): c is identifiable
+    floor = np.minimum(noise, 2.0)
+    err = rng.normal(size=n) * np.sqrt(4.0 * v + (noise - floor) + 0.4 * floor + 0.3)
+    cal = PrequentialCalibration(2, 1, records=n, noise_floor=2.0)
     t = lambda a: torch.as_tensor(a, dtype=torch.float64)[:, None]  # noqa: E731
     one = torch.ones(1, dtype=torch.float64)
     cal.record(t(err), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool), one)
     cal.refit(one, one, force=True)
 
     def nll(p):
-        total = np.exp(p[0]) * v + np.exp(p[2]) * noise + np.exp(p[1])
+        total = np.exp(p[0]) * v + (noise - floor) + np.exp(p[2]) * floor + np.exp(p[1])
         return np.mean(np.log(total) + err ** 2 / total)
 
     best = minimize(nll, [0.0, -1.0, -0.5], method="L-BFGS-B",
@@ -49,9 +51,14 @@ def test_refit_is_the_maximum_likelihood_of_the_variance_model():
     assert float(cal.extra) == pytest.approx(0.3, rel=0.6)
     # Gaussian records: +-1.96 SD of the fit already holds about 95 % of them, the widening barely acts
     assert 1.0 <= float(cal.widen) <= 1.1
-    s2 = cal.reading_variance(t([1.0]), t([0.05]))
-    assert float(s2) == pytest.approx(float(cal.widen) * (float(cal.scale) + float(cal.noise_scale) * 0.05
+    s2 = cal.reading_variance(t([1.0]), t([2.5]))  # 0.5 learned above the floor, 2 the floor's
+    assert float(s2) == pytest.approx(float(cal.widen) * (float(cal.scale) + 0.5 + float(cal.noise_scale) * 2.0
                                                           + float(cal.extra)))
+    # without a floor there is nothing for c to scale: it stays 1
+    plain = PrequentialCalibration(2, 1, records=n)
+    plain.record(t(err), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool), one)
+    plain.refit(one, one, force=True)
+    assert float(plain.noise_scale) == 1.0
 
 
 def test_the_slope_term_is_fitted_with_the_others_where_the_map_states_its_slope():
@@ -72,19 +79,18 @@ def test_the_slope_term_is_fitted_with_the_others_where_the_map_states_its_slope
     cal.record(t(err), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool), one, t(g))
     cal.refit(one, one, force=True)
 
-    def nll(p, c=1.0):  # c: the noise factor; with a constant noise it and tau^2 are one constant
-        total = np.exp(p[0]) * v + c * noise + np.exp(p[2]) * g + np.exp(p[1])
+    def nll(p):
+        total = np.exp(p[0]) * v + noise + np.exp(p[2]) * g + np.exp(p[1])
         return np.mean(np.log(total) + err ** 2 / total)
 
     best = minimize(nll, [0.0, -1.0, -3.0], method="Nelder-Mead", options={"xatol": 1e-6, "fatol": 1e-10})
     fitted = [np.log(float(c)) for c in (cal.reported_scale, cal.reported_extra, cal.position)]
-    assert nll(fitted, float(cal.reported_noise_scale)) == pytest.approx(best.fun, abs=5e-4)
+    assert nll(fitted) == pytest.approx(best.fun, abs=5e-4) and float(cal.reported_noise_scale) == 1.0
     assert float(cal.position) == pytest.approx(0.04, rel=0.3)
     assert float(cal.reported_scale) == pytest.approx(2.0, rel=0.4)
     s2 = cal.reading_variance(t([1.0]), t([0.05]), t([10.0]))
     assert float(s2) == pytest.approx(float(cal.reported_widen) * (
-        float(cal.reported_scale) + float(cal.reported_noise_scale) * 0.05 + 10.0 * float(cal.position)
-        + float(cal.reported_extra)))
+        float(cal.reported_scale) + 0.05 + 10.0 * float(cal.position) + float(cal.reported_extra)))
     # the fit for a reading taken exactly at x is the one without slopes, on the same records
     plain = PrequentialCalibration(2, 1, records=n)
     plain.record(t(err), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool), one)
