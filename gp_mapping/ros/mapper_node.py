@@ -117,14 +117,18 @@ class _MapperCore(ConfigParameters, UpdateWorker, MapperInputs, MapPublishing, M
         (with the messages already received, fed to it) and the latched maps stay."""
         self._active = False
         self._request_stop()
+        # The other threads that use rclpy (the update thread publishes, the service host spins its own
+        # executor) stop before this one destroys anything: rcl's teardown is not safe against them, and a
+        # clean-clone CI run once died (SIGSEGV in Subscription.destroy) at a Ctrl-C while they still ran. No
+        # message is taken meanwhile: this runs on the node's executor thread, or after it stopped spinning.
+        self._worker.join(timeout=30.0)
+        self._fail_queued_jobs()  # a service waiting on a job that will never run answers now, so its thread stops
+        self._service_host.stop(self.get_logger())
         for subscription in self._input_subscriptions:
             self.destroy_subscription(subscription)
         for timer in self._active_timers:
             self.destroy_timer(timer)
         self._input_subscriptions, self._active_timers = [], []
-        self._worker.join(timeout=30.0)
-        self._service_host.stop(self.get_logger())
-        self._fail_queued_jobs()
         with self._lock:
             try:
                 self._feed_inbox()  # what was received is kept (no update runs: batches stay as cut)
