@@ -157,7 +157,10 @@ class MagneticMap:
     ``(H, W)``; values of unknown cells are never read. ``target`` is ``'magnitude'`` (P = 1) or ``'vector'``
     (P = 3, map-frame x, y, z). ``error_var`` ``(H, W, P)`` (optional) is the part of ``var`` that is the map's
     own error (clipped to ``var``; the rest is the sensor's noise); without it the filter takes every reading's
-    error as independent."""
+    error as independent. ``offset_var`` ``(P,)`` (optional, 0 by default) is the part of ``var`` and
+    ``error_var`` that is the spread of the map's sessions' offsets about its level
+    (:meth:`gp_mapping.gp.calibration.SessionOffsets.spread`): the same for every reading of a new session, which a
+    filter that estimates its own offset takes into that offset's prior instead (filter.py)."""
 
     spec: GridSpec
     mean: np.ndarray
@@ -172,6 +175,7 @@ class MagneticMap:
     hard_iron: tuple = (0.0, 0.0, 0.0)  # and its magnetometer calibration: sync.hard_iron [field_unit]
     soft_iron: tuple = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0)  # and sync.soft_iron (3x3 row-major)
     error_var: np.ndarray | None = None
+    offset_var: np.ndarray | None = None
     _mean_flat: np.ndarray = field(init=False, repr=False)
     _var_flat: np.ndarray = field(init=False, repr=False)
     _known_flat: np.ndarray = field(init=False, repr=False)
@@ -208,7 +212,11 @@ class MagneticMap:
             latent = np.where(usable[..., None], np.minimum(latent, var), 0.0)
         else:
             latent = np.zeros(mean.shape)
-        self.mean, self.var, self.known, self.error_var = mean, var, usable, latent
+        offset = np.zeros(p) if self.offset_var is None else np.asarray(self.offset_var, dtype=np.float64).reshape(-1)
+        if offset.shape != (p,) or not np.all(np.isfinite(offset) & (offset >= 0)):
+            raise LocalizationError(f"the sessions' offset variance is {offset.tolist()}; it takes {p} finite "
+                                    "value(s) >= 0, one per output")
+        self.mean, self.var, self.known, self.error_var, self.offset_var = mean, var, usable, latent, offset
         self.correlation_length = correlation_length(np.where(usable[..., None], mean, 0.0), usable,
                                                      self.spec.resolution)
         # Padded by one unknown cell on every side, flattened: a lookup gathers without bounds checks.
@@ -361,8 +369,10 @@ class MagneticMap:
                                  input_dims=input_dims, only=known)
         _, noise = predict_grid(_NoiseView(mapper.model), spec, g.tile_size, height=g.height, input_dims=input_dims,
                                 only=known)
-        return cls(spec=spec, mean=mean, var=var, known=known, error_var=np.maximum(var - noise, 0.0), frame_id=g.frame_id,
-                   field_unit=cfg.sync.field_unit,
+        sessions = getattr(mapper.model, "sessions", None)
+        offset_var = sessions.spread().detach().cpu().numpy() if sessions is not None else None
+        return cls(spec=spec, mean=mean, var=var, known=known, error_var=np.maximum(var - noise, 0.0),
+                   offset_var=offset_var, frame_id=g.frame_id, field_unit=cfg.sync.field_unit,
                    target=cfg.sync.target, source=source, sensor_translation=tuple(cfg.sync.sensor_translation),
                    sensor_rotation=tuple(cfg.sync.sensor_rotation), hard_iron=tuple(cfg.sync.hard_iron),
                    soft_iron=tuple(cfg.sync.soft_iron))

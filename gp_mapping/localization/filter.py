@@ -115,11 +115,16 @@ class ParticleFilter:
             raise LocalizationError(f"max_particles {cfg.max_particles} is below num_particles {n}")
         self._alphas = (cfg.alpha1, cfg.alpha2, cfg.alpha3, cfg.alpha4)
         self._bias_prior = np.asarray(cfg.bias_mean(p), dtype=np.float64)
-        self._bias_var0 = cfg.bias_prior_std ** 2
+        # A map of several sessions states the spread of their offsets in every reading's variance (a reading of
+        # a session it has not seen). With an offset state, that spread is this session's offset, constant along
+        # the path: it goes into the offset's prior and out of each reading's map error, which would otherwise
+        # count it again at every correlation length travelled. Without the state it stays in the readings.
+        self._session_var = field_map.offset_var if cfg.bias_prior_std > 0 else np.zeros(p)
+        self._bias_var0 = cfg.bias_prior_std ** 2 + self._session_var
         self.poses = np.zeros((n, 3))
         self.weights = np.full(n, 1.0 / n)
         self.bias_mean = np.tile(self._bias_prior, (n, 1))
-        self.bias_var = np.full((n, p), self._bias_var0)
+        self.bias_var = np.tile(self._bias_var0, (n, 1))
         self._new_error_state(n)
         self.initialised = False
         self.updates = 0
@@ -185,7 +190,7 @@ class ParticleFilter:
     def _reset(self, n: int) -> None:
         self.weights = np.full(n, 1.0 / n)
         self.bias_mean = np.tile(self._bias_prior, (n, 1))
-        self.bias_var = np.full((n, self.map.outputs), self._bias_var0)
+        self.bias_var = np.tile(self._bias_var0, (n, 1))
         self._new_error_state(n)
         self.initialised = True
 
@@ -197,7 +202,7 @@ class ParticleFilter:
         self._need_init()
         sample_motion(self.poses, old_odom, new_odom, self._alphas, self.rng)
         q = self.config.bias_random_walk
-        if q > 0 and dt > 0 and self._bias_var0 > 0:
+        if q > 0 and dt > 0 and self.config.bias_prior_std > 0:
             self.bias_var += q * q * dt
 
     def sensor_positions(self) -> np.ndarray:
@@ -220,6 +225,9 @@ class ParticleFilter:
                                     f"{y.tolist()}")
         sensor = self.sensor_positions()
         mean, var, latent, on_map = fmap.lookup_parts(sensor, cfg.position_std ** 2)
+        if self._session_var.any():  # in the offset's prior instead (__init__); off the map var is the marginal
+            var = np.where(on_map[:, None], np.maximum(var - self._session_var, 0.0), var)
+            latent = np.maximum(latent - self._session_var, 0.0)
         if fmap.target == "vector":  # the levelled body-frame reading in the map frame, by each particle's yaw
             c, s = np.cos(self.poses[:, 2]), np.sin(self.poses[:, 2])
             y = np.column_stack([c * y[0] - s * y[1], s * y[0] + c * y[1], np.full(c.shape, y[2])])

@@ -595,3 +595,78 @@ def test_the_maps_error_is_shared_by_readings_at_one_place_not_counted_again_and
             assert np.allclose(pf.err_mean[:5], 0.0)
     assert ratios[True] > 0.3            # about exp(-9 / 20): one misfit against the map's whole variance
     assert ratios[False] < 1e-8          # exp(-50 * 9 / 20)
+
+
+def test_a_multi_session_maps_offset_spread_goes_into_the_offset_prior_not_each_readings_map_error():
+    """A map of several sessions adds the spread of their offsets to every reading's variance (a reading of a
+    session it has not seen). That spread is one constant for the whole new session: with the offset state the
+    filter takes it into the offset's prior and out of the readings' map error, which would otherwise count it
+    again every correlation length travelled and flatten the likelihood. Without the state it stays."""
+    spread = 9.0  # sessions at +-3 uT about the map's level
+    base = _map(reading_sd=0.5)
+    known = np.ones(base.spec.shape, dtype=bool)
+    var = base.var + spread
+    error = np.full(base.var.shape, spread)  # the map's own error is negligible here: all of it is the spread
+    stated = MagneticMap.from_arrays(base.spec, base.mean, var, known, error_var=error, offset_var=[spread])
+    as_error = MagneticMap.from_arrays(base.spec, base.mean, var, known, error_var=error)  # the spread unmarked
+    assert stated.offset_var.tolist() == [spread] and as_error.offset_var.tolist() == [0.0]
+
+    cfg = LocalizerConfig(num_particles=500, seed=1, bias_prior_std=1.0)
+    pf = ParticleFilter(stated, cfg)
+    assert pf.bias_var.shape == (500, 1) and np.allclose(pf.bias_var, 1.0 + spread)  # the prior holds it
+    assert np.allclose(ParticleFilter(stated, dataclasses.replace(cfg, bias_prior_std=0.0)).bias_var, 0.0)
+
+    t, truth = _drive()
+    for seed in (0, 2):  # 4 seeds x spreads 4 / 9 / 25 uT^2 (a script, 2026-11-30): stated better on every one
+        odom = _odometry(t, truth, seed)
+        readings = _magnitude_readings(truth, seed, offset=3.0)  # the new session reads 3 uT above the map's level
+        rmse, nis = {}, {}
+        for name, fmap in (("stated", stated), ("as map error", as_error)):
+            loc = Localizer(fmap, dataclasses.replace(cfg, seed=seed))
+            loc.initialise(truth[0])
+            stamps, poses, est = _run(loc, t, odom, readings)
+            rmse[name] = float(np.sqrt(np.mean(_errors(stamps, poses, t, truth) ** 2)))
+            nis[name] = loc.diagnostics()["nis_mean"]
+            if name == "stated":
+                assert est[-1].bias[0] == pytest.approx(3.0, abs=0.5)
+        assert rmse["stated"] < 0.22 and rmse["as map error"] > 1.2 * rmse["stated"], rmse
+        assert nis["as map error"] < 0.9 * nis["stated"], nis  # counted twice, the variance is overstated
+
+    bad = dict(error_var=error)
+    for offset_var, why in (([spread, 1.0], "one per output"), ([-1.0], ">= 0"), ([np.nan], "finite")):
+        with pytest.raises(LocalizationError, match="offset variance"):
+            MagneticMap.from_arrays(base.spec, base.mean, var, known, offset_var=offset_var, **bad)
+
+
+def test_a_map_of_two_sessions_states_their_spread_as_the_offset_variance():
+    """MagneticMap.from_mapper reads the spread of the sessions' offsets from the engine: 0 with one session,
+    about (d/2)^2 for two sessions d apart; the grid's reading variance holds it."""
+    import torch
+
+    from gp_mapping.config import config_from_dict as mapper_config
+    from gp_mapping.mapping.mapper import Mapper
+
+    cfg = mapper_config({"model": {"num_inducing": 48, "hyper_steps": 5, "tile_size": 0.0, "device": "cpu"},
+                         "grid": {"resolution": 0.2}})
+    mapper = Mapper(cfg)
+    t, truth = _drive(seconds=30.0, rate=10.0)
+    b = _field(truth[:, :2])
+    for session, offset in ((0, 0.0), (1, 4.0)):
+        if session:
+            mapper.start_session()
+        for i in range(len(t)):
+            stamp = float(t[i]) + 100.0 * session
+            mapper.add_pose(stamp, (truth[i, 0], truth[i, 1], 0.0), (0.0, 0.0, 0.0, 1.0))
+            mapper.add_magnetic_field(stamp, [(b[i] + offset) * UT, 0.0, 0.0])
+            mapper.process()
+        mapper.flush()
+        fmap = MagneticMap.from_mapper(mapper)
+        spread = float(mapper.model.sessions.spread()[0])
+        assert fmap.offset_var.tolist() == pytest.approx([spread])
+        if session == 0:
+            assert spread == 0.0
+        else:
+            assert spread == pytest.approx(4.0, rel=0.25)  # (4 / 2)^2
+            pts = torch.as_tensor(fmap.spec.cell_centres()[fmap.known.ravel()][::9])
+            _, latent = mapper.model.predict(pts)
+            assert np.all(fmap.lookup(pts.numpy())[1][:, 0] > latent.numpy()[:, 0] + spread)
