@@ -71,6 +71,8 @@ _TILED_STATISTICS = ("target_count", "target_mean", "target_m2", "scale_offset",
 # The map's calibration records (gp/calibration.py RECORD_FIELDS and "filled"), map-wide, as "calibration/<name>":
 # a merged map's calibration is fitted on its sources' (merge_maps).
 _CALIBRATION_TENSORS = {**{k: (torch.float64, 2) for k in RECORD_FIELDS}, "filled": (torch.bool, 2)}
+# A map of several sessions: their offsets to its first (S, P), as "sessions/offsets" (MapSource.session_offsets)
+_SESSION_OFFSETS = "sessions/offsets"
 #: the most places at which the sources' maps are compared for their offsets (evenly spaced over the cells they
 #: visited, or for 3-D inputs over their inducing inputs, which lie where each map's data are)
 LEVEL_PROBES = 4000
@@ -93,7 +95,10 @@ class MapSource:
     tiled map, its tiles' summaries (merged tile by tile). A part of a tiled map (a summary that holds some of its
     tiles) has ``tile_index``: every tile of the map, with the samples it had taken; None when all are held.
     ``calibration``: the map's calibration records (Engine.calibration_records; None for a map that does not
-    calibrate, or a summary sent before they were carried), which the merged map's calibration is fitted on."""
+    calibrate, or a summary sent before they were carried), which the merged map's calibration is fitted on.
+    ``session_offsets``: (S, P) the offsets of the map's own sessions to its first (the first row 0, in the map's
+    own frame; SessionOffsets.offsets), None for a map of one session: the merged map holds them beside the
+    sources' offsets, so a merge of merged maps keeps every session's spread."""
 
     name: str
     summary: dict | None
@@ -108,6 +113,7 @@ class MapSource:
     tiles: TiledSummary | None = None
     tile_index: dict[tuple[int, ...], int] | None = None
     calibration: dict[str, torch.Tensor] | None = None
+    session_offsets: torch.Tensor | None = None
 
     @property
     def missing_tiles(self) -> list[tuple[int, ...]]:
@@ -147,7 +153,7 @@ class MapSource:
                    coverage_resolution=float(mapper.coverage.resolution),
                    trajectory=np.asarray(mapper.trajectory, dtype=np.float64).reshape(-1, 2),
                    last_stamp=float(mapper.last_stamp), transform=transform, tile_index=index,
-                   calibration=model.calibration_records())
+                   calibration=model.calibration_records(), session_offsets=_own_sessions(model))
 
 
 class SummaryError(MergeError):
@@ -299,6 +305,8 @@ def encode_summary(source: MapSource, precision: str = "float64") -> bytes:
     if source.calibration is not None:
         tensors.update({f"calibration/{k}": _in_precision(v, precision) for k, v in source.calibration.items()
                         if k in _CALIBRATION_TENSORS})
+    if source.session_offsets is not None:  # a few numbers: float64 in either precision
+        tensors[_SESSION_OFFSETS] = source.session_offsets.detach().cpu().to(torch.float64).contiguous().clone()
     tensors["coverage_cells"] = torch.as_tensor(np.asarray(source.coverage_cells, dtype=np.int64).reshape(-1, 2))
     tensors["trajectory"] = torch.as_tensor(np.asarray(source.trajectory, dtype=np.float64).reshape(-1, 2)).to(
         torch.float32 if precision == "float32" else torch.float64)
@@ -383,6 +391,12 @@ def decode_summary(data: bytes, max_bytes: int, name: str = "summary") -> MapSou
                                              if k.startswith("calibration/")}, p)
             except ValueError as err:
                 raise SummaryError(f"{name}: {err}") from None
+        session_offsets = tensors.get(_SESSION_OFFSETS)
+        if session_offsets is not None:
+            p = tiles.output_dims if tiles is not None else int(summary["target_mean"].shape[0])
+            why = _session_offsets_problem(session_offsets, p)
+            if why:
+                raise SummaryError(f"{name}: {why}")
         cells = tensors.get("coverage_cells", torch.zeros(0, 2, dtype=torch.int64)).numpy()
         trajectory = tensors.get("trajectory", torch.zeros(0, 2, dtype=torch.float64)).numpy()
         resolution = float(info["coverage_resolution"])
@@ -396,7 +410,7 @@ def decode_summary(data: bytes, max_bytes: int, name: str = "summary") -> MapSou
         raise SummaryError(f"{name}: malformed coverage or trajectory")
     return MapSource(name=name, summary=summary, config=config, source_id=source_id, lineage=lineage,
                      coverage_cells=cells, coverage_resolution=resolution, trajectory=trajectory, last_stamp=stamp,
-                     tiles=tiles, tile_index=index, calibration=calibration)
+                     tiles=tiles, tile_index=index, calibration=calibration, session_offsets=session_offsets)
 
 
 def _expected_tensor(key: str, tiled: bool, tile_keys: list[str]):
@@ -406,6 +420,8 @@ def _expected_tensor(key: str, tiled: bool, tile_keys: list[str]):
         return _SUMMARY_TENSORS[key]
     if key.startswith("calibration/"):
         return _CALIBRATION_TENSORS.get(key[len("calibration/"):])
+    if key == _SESSION_OFFSETS:
+        return torch.float64, 2
     part = key
     if tiled:
         if key.startswith("tiled/"):
@@ -561,7 +577,7 @@ def merge_maps(sources: Sequence[MapSource], config: MapperConfig | None = None,
         if tile_cache is not None:
             tile_cache["levels"] = found
         sources = [_shifted(s, -o) for s, o in zip(sources, found.offsets)]
-    offsets = None if found is None else found.offsets
+    offsets = _held_sessions(sources, None if found is None else found.offsets)
     if all(s.tiles is not None for s in sources):
         model, result = merge_tiled([(s.name, s.tiles, s.transform) for s in sources], cfg.model,
                                     steps=tiled_steps, lr=lr, num_inducing=num_inducing, cache=tile_cache)
@@ -630,6 +646,46 @@ def levels_text(names: Sequence[str], levels: Levels, unit: str) -> str:
                          for v, ok in zip(levels.offsets[k].tolist(), levels.measured[k].tolist())) + f" {unit}"
     return f"offsets to {names[0]} (removed; the map is at their median level): " + "; ".join(
         f"{name} {one(k)}" for k, name in enumerate(names[1:], start=1))
+
+
+def _own_sessions(model) -> torch.Tensor | None:
+    """(S, P) the offsets of a map's own sessions to its first (MapSource.session_offsets); None for one."""
+    sessions = getattr(model, "sessions", None)
+    offsets = None if sessions is None else sessions.offsets().detach().cpu().to(torch.float64)
+    return offsets.clone() if offsets is not None and offsets.shape[0] > 1 else None
+
+
+def _session_offsets_problem(offsets: torch.Tensor, outputs: int) -> str:
+    """Why a summary's session offsets cannot be held ('' when they can)."""
+    if offsets.dim() != 2 or offsets.shape[1] != outputs or not 2 <= offsets.shape[0] <= MAX_SESSIONS:
+        return (f"session offsets of shape {tuple(offsets.shape)}: expected (S, {outputs}) with 2 <= S <= "
+                f"{MAX_SESSIONS}")
+    if not bool(torch.isfinite(offsets).all()) or bool((offsets[0] != 0).any()):
+        return "session offsets must be finite, the first session's 0"
+    return ""
+
+
+def _held_sessions(sources: Sequence[MapSource], levels: torch.Tensor | None) -> torch.Tensor | None:
+    """(S, P) the sessions a merged map holds, each to the first source's first session: per source its level
+    (``levels``' row; None: every source at 0, merged as they are), plus its own sessions' offsets where it has
+    several (MapSource.session_offsets, moved into the merged frame). ``levels`` as they are when no source has
+    sessions of its own, or when the sessions would be more than a map keeps (MAX_SESSIONS)."""
+    own = [src.session_offsets for src in sources]
+    if all(o is None for o in own):
+        return levels
+    width = next(o.shape[1] for o in own if o is not None)
+    rows = []
+    for k, (src, offsets) in enumerate(zip(sources, own)):
+        level = levels[k].to(torch.float64) if levels is not None else torch.zeros(width, dtype=torch.float64)
+        if offsets is None:
+            rows.append(level[None])
+            continue
+        offsets = offsets.to(torch.float64)
+        if src.transform is not None and width == 3:  # into the merged frame, as a vector source's values are
+            offsets = offsets @ src.transform.rotation.T.to(offsets)
+        rows.append(level + offsets)
+    held = torch.cat(rows)
+    return levels if held.shape[0] > MAX_SESSIONS else held
 
 
 def _shifted(source: MapSource, shift: torch.Tensor) -> MapSource:

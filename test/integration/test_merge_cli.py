@@ -518,3 +518,53 @@ def test_two_sensors_that_read_apart_are_levelled_before_their_maps_merge(capsys
                 node.close()
         finally:
             rclpy.shutdown(context=context)
+
+
+def test_a_merged_source_keeps_its_own_sessions_in_the_merge():
+    """Robot A's map holds two sessions (its second sensor reads 4 uT higher); robot B's one. Their merge holds
+    three sessions: A's two at B's level measured against A's first, and B's, so the merged map states the spread
+    of all three (a merge of merged maps keeps every session). Summaries carry the offsets; bad ones are refused."""
+    from gp_mapping.mapping.merge import SummaryError, decode_summary, encode_summary
+
+    world = sim.World.from_config(sim.WorldConfig(area=(-5, -5, 5, 5), depth_range=(1.0, 2.5)),
+                                  np.random.default_rng(3))
+    recs = [_record(world, area, seed) for area, seed in (((-5, -5, 1.5, 5), 1), ((-5, -5, 1.5, 5), 4),
+                                                          ((-1.5, -5, 5, 5), 2))]
+
+    def feed(mapper, rec, offset):
+        y = np.linalg.norm(rec.field_sensor_tesla, axis=1)[:, None] * 1e6 + offset
+        for i in range(0, len(y), 50):
+            mapper.model.update(rec.sensor_position[i:i + 50, :2], y[i:i + 50])
+        mapper.coverage.add(rec.sensor_position[:, :2])
+
+    a = Mapper(config_from_dict(CONFIG))
+    feed(a, recs[0], 0.0)
+    a.model.start_session()
+    feed(a, recs[1], 4.0)
+    b = Mapper(config_from_dict(CONFIG))
+    feed(b, recs[2], 0.0)
+    own = a.model.sessions.offsets()
+    assert float(own[1, 0]) == pytest.approx(4.0, abs=0.4)
+    sources = [MapSource.from_mapper("A", a), MapSource.from_mapper("B", b)]
+    assert sources[0].session_offsets.shape == (2, 1) and sources[1].session_offsets is None
+    back = decode_summary(encode_summary(sources[0], precision="float32"), 1 << 30, "A")
+    torch.testing.assert_close(back.session_offsets, sources[0].session_offsets)
+
+    merged, result = merge_maps([back, sources[1]], steps=0)
+    held = merged.model.sessions.offsets()
+    assert held.shape == (3, 1)
+    torch.testing.assert_close(held[:2], own.to(held), atol=1e-6, rtol=0)  # A first: its own offsets as they are
+    assert float(held[2, 0]) == pytest.approx(float(result.levels.offsets[1, 0]), abs=1e-9)
+    assert abs(float(held[2, 0])) < 0.5  # B reads as A's first sensor
+    spread = float(merged.model.sessions.spread()[0])
+    assert spread == pytest.approx(float(((held - held.median(0).values) ** 2).mean()), rel=1e-9)
+    assert spread > 3.0  # about 16 / 3: B and A's first sensor at 0, A's second at 4
+    # merged as they are, A's sessions are still held (B at A's first level)
+    flat, _ = merge_maps([back, sources[1]], steps=0, levels=False)
+    assert flat.model.sessions.offsets()[:, 0].tolist() == pytest.approx([0.0, float(own[1, 0]), 0.0])
+
+    for bad, why in ((torch.zeros(1, 1), "expected"), (torch.tensor([[0.0], [float("nan")]]), "finite"),
+                     (torch.tensor([[1.0], [4.0]]), "first session's 0"), (torch.zeros(2, 3), "expected")):
+        data = encode_summary(dataclasses.replace(sources[0], session_offsets=bad))
+        with pytest.raises(SummaryError, match=why):
+            decode_summary(data, 1 << 30, "A")
