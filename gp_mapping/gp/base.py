@@ -342,7 +342,8 @@ class Engine(nn.Module, abc.ABC):
         scale2 = self.y_std ** 2
         return mean * self.y_std + self.y_mean, var * scale2, noise * scale2
 
-    def predict_reading(self, x, with_slope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def predict_reading(self, x, with_slope: bool = True, full_floor: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and variance (G, P) of a *reading* at x, in the original target units: the latent variance
         plus the noise, calibrated on the engine's own out-of-sample errors where it calibrates
         (:attr:`calibrates`; gp/calibration.py), plus the spread of the session offsets (a reading of a session
@@ -350,26 +351,31 @@ class Engine(nn.Module, abc.ABC):
         measurement model and NLPD need. ``with_slope=False`` is a reading taken exactly at x: without the error
         a reported position adds where the map is steep (the calibration's slope term, and dual_svgp's position
         noise). A localizer's particle is such a reading; so are a reading's neighbours for the spike gate,
-        since they share its position's error (a track's error is smooth)."""
+        since they share its position's error (a track's error is smooth). ``full_floor``: the noise floor's part
+        of the noise at its full width, where the calibration narrowed it (its factor c, a sensor quieter than
+        the floor): what the package's localizer weighs readings with (LocalizerConfig.keep_noise_floor)."""
         xt = self._check_x(x)
         with torch.no_grad():
-            return self._reading(xt, with_slope)
+            return self._reading(xt, with_slope, full_floor)
 
-    def _reading(self, xt: torch.Tensor, with_slope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reading(self, xt: torch.Tensor, with_slope: bool = True, full_floor: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`predict_reading` at checked inputs."""
         # The calibration fits a reported position's error itself (its slope term b) on records of the noise
         # without it, so a calibrated reading is given that noise too; uncalibrated, the engine's own term.
         mean, var, noise = self._reading_moments(xt, reported=with_slope and not self.calibrates)
-        return mean + self.sessions.level(), self._reading_variance(var, noise, xt if with_slope else None)
+        return mean + self.sessions.level(), self._reading_variance(var, noise, xt if with_slope else None,
+                                                                    full_floor)
 
-    def _reading_variance(self, var: torch.Tensor, noise: torch.Tensor, xt: torch.Tensor | None) -> torch.Tensor:
+    def _reading_variance(self, var: torch.Tensor, noise: torch.Tensor, xt: torch.Tensor | None,
+                          full_floor: bool = False) -> torch.Tensor:
         """A reading's variance from its latent and noise variances; ``xt``: where, for the calibration's slope
-        term (None: without it)."""
+        term (None: without it); ``full_floor``: predict_reading's."""
         if not self.calibrates:
             return var + noise + self.sessions.spread()
         slope = xt is not None and bool((self.calibration.position > 0).any())
         slope2 = self._reading_slope2(xt) if slope else None
-        return self.calibration.reading_variance(var, noise, slope2) + self.sessions.spread()
+        return self.calibration.reading_variance(var, noise, slope2, full_floor) + self.sessions.spread()
 
     def _reading_slope2(self, xt: torch.Tensor) -> torch.Tensor | None:
         """(N, P) |grad m(x)|^2 of the map's mean at checked inputs, targets' units per m^2, for the calibration's
@@ -689,10 +695,10 @@ class Engine(nn.Module, abc.ABC):
         return self._check_targets(y, n, name)[0]
 
 
-def reading_of(model, x, with_slope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def reading_of(model, x, with_slope: bool = True, full_floor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``model.predict_reading(x)`` of any predictor that has one: an :class:`Engine` is asked ``with_slope``
-    (False: a reading taken exactly at x, without the calibration's slope term); a predictor from outside the
-    package has no slope term and is asked as it is."""
+    (False: a reading taken exactly at x, without the calibration's slope term) and ``full_floor``; a predictor
+    from outside the package has neither and is asked as it is."""
     if isinstance(model, Engine):
-        return model.predict_reading(x, with_slope=with_slope)
+        return model.predict_reading(x, with_slope=with_slope, full_floor=full_floor)
     return model.predict_reading(x)

@@ -316,19 +316,23 @@ class PrequentialCalibration(_OptionalState):
                 float(log_b[(i // n_c) % n_b]), float(log_c[i % n_c]))
 
     def reading_variance(self, latent_var: torch.Tensor, noise_var: torch.Tensor,
-                         slope2: torch.Tensor | None = None) -> torch.Tensor:
+                         slope2: torch.Tensor | None = None, full_floor: bool = False) -> torch.Tensor:
         """s^2 (N, P) of a reading from the latent and noise variances (targets' units): taken exactly where
         predicted (``slope2`` None), or at a reported position where the map's squared slope is ``slope2``
-        (targets' units per m^2)."""
+        (targets' units per m^2). ``full_floor``: the noise floor's part at its full width (c taken as 1)."""
         if slope2 is None:
-            return self.widen * (self.scale * latent_var + self.noise_part(noise_var) + self.extra)
-        return self.reported_widen * (self.reported_scale * latent_var + self.noise_part(noise_var, reported=True)
+            return self.widen * (self.scale * latent_var + self.noise_part(noise_var, full_floor=full_floor)
+                                 + self.extra)
+        return self.reported_widen * (self.reported_scale * latent_var
+                                      + self.noise_part(noise_var, reported=True, full_floor=full_floor)
                                       + self.position * slope2 + self.reported_extra)
 
-    def noise_part(self, noise_var: torch.Tensor, reported: bool = False) -> torch.Tensor:
+    def noise_part(self, noise_var: torch.Tensor, reported: bool = False, full_floor: bool = False) -> torch.Tensor:
         """The engine's noise variance (N, P) as a reading's variance counts it: what it learned above its floor,
         and the floor's part times c (of the fit for a reading taken exactly at x, or ``reported``: at a reported
-        position)."""
+        position; ``full_floor``: times 1)."""
+        if full_floor:
+            return noise_var
         learned, floor = self._noise_parts(noise_var, self.noise_floor)
         return learned + (self.reported_noise_scale if reported else self.noise_scale) * floor
 

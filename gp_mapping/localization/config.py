@@ -76,6 +76,11 @@ class LocalizerConfig:
                                  "position_std^2 to the reading variance (a noisy-input GP, McHutchon and Rasmussen "
                                  "2011), so steep parts of the field, where a few centimetres change a reading by "
                                  "microtesla, weigh less", low=0.0, high=10.0)
+    keep_noise_floor: bool = option(True, doc="weigh readings with the noise floor's part of their noise at its "
+                                    "full width (the map's model.noise_floor), where the map's calibration narrowed "
+                                    "it for a sensor quieter than the floor: a robot localizing reads with its own "
+                                    "pose and heading errors, and from a global start the filter lost the robot "
+                                    "more often with the narrower noise (docs/localization.md, Measurement model)")
     variance_floor: float = option(0.0, doc="added to every reading variance [unit^2]", low=0.0, high=1e6)
     use_map_variance: bool = option(True, doc="use the map's predictive variance of a reading; false: a fixed "
                                     "variance (fixed_variance) everywhere (a baseline, the map's variance ignored)")

@@ -36,11 +36,12 @@ from gp_mapping.mapping.grid import GridError, GridSpec, predict_grid, spec_from
 MAX_LOOKUP_CELLS = 50_000_000
 
 
-def reading_moments(model, x, with_slope: bool = False):
+def reading_moments(model, x, with_slope: bool = False, full_floor: bool = False):
     """The predictive mean and variance (G, P) of a *reading* at inputs ``x``: latent variance plus the noise, in
     the targets' units, from ``model.predict_reading`` (the engine contract, :class:`gp_mapping.gp.base.Engine`).
     By default of a reading taken exactly at x, as a particle's position is (the calibration's fit without its
-    slope term; ``with_slope``: at a reported position, as a new pass's readings are; gp/calibration.py).
+    slope term; ``with_slope``: at a reported position, as a new pass's readings are; gp/calibration.py), and
+    with the noise floor's part as the calibration states it (``full_floor``: at its full width).
 
     An engine without ``predict_reading`` (a model object from outside the package, or an older engine) falls
     back to its Gaussian log predictive density at the mean, ``log p(y = m | x) = -log(2 pi v) / 2``, which gives
@@ -51,7 +52,7 @@ def reading_moments(model, x, with_slope: bool = False):
     from gp_mapping.gp.base import reading_of
 
     if callable(getattr(model, "predict_reading", None)):
-        return reading_of(model, x, with_slope)
+        return reading_of(model, x, with_slope, full_floor)
     with torch.no_grad():
         mean, var = model.predict(x)
         lpd = model.log_predictive_density(x, mean)
@@ -89,13 +90,25 @@ class _NoiseView:
 class _ReadingView:
     """A model whose ``predict`` is :func:`reading_moments`, so :func:`predict_grid` draws reading grids."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, full_floor: bool = False) -> None:
         self._model = model
+        self._full_floor = full_floor
         self.device = getattr(model, "device", "cpu")
         self.config = getattr(model, "config", None)
 
     def predict(self, x):
-        return reading_moments(self._model, x)
+        return reading_moments(self._model, x, full_floor=self._full_floor)
+
+
+def _cell_values(values, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """A per-cell array of a map (H, W, P), given as that or (H, W) for one output; refused unless it fits
+    ``shape``."""
+    out = np.asarray(values, dtype=np.float64)
+    if out.ndim == 2:
+        out = out[..., None]
+    if out.shape != shape:
+        raise LocalizationError(f"{what} has shape {out.shape}; the mean {shape}")
+    return out
 
 
 def _squared_gradient(mean: np.ndarray, resolution: float) -> np.ndarray:
@@ -160,7 +173,10 @@ class MagneticMap:
     error as independent. ``offset_var`` ``(P,)`` (optional, 0 by default) is the part of ``var`` and
     ``error_var`` that is the spread of the map's sessions' offsets about its level
     (:meth:`gp_mapping.gp.calibration.SessionOffsets.spread`): the same for every reading of a new session, which a
-    filter that estimates its own offset takes into that offset's prior instead (filter.py)."""
+    filter that estimates its own offset takes into that offset's prior instead (filter.py). ``floor_var``
+    ``(H, W, P)`` (optional, 0 by default) is what the map's calibration took off the noise floor's part of
+    ``var`` (its factor c < 1: a sensor quieter than the floor); a filter that keeps the floor adds it back
+    (``lookup_parts(..., full_floor=True)``, LocalizerConfig.keep_noise_floor)."""
 
     spec: GridSpec
     mean: np.ndarray
@@ -176,6 +192,7 @@ class MagneticMap:
     soft_iron: tuple = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0)  # and sync.soft_iron (3x3 row-major)
     error_var: np.ndarray | None = None
     offset_var: np.ndarray | None = None
+    floor_var: np.ndarray | None = None
     _mean_flat: np.ndarray = field(init=False, repr=False)
     _var_flat: np.ndarray = field(init=False, repr=False)
     _known_flat: np.ndarray = field(init=False, repr=False)
@@ -201,17 +218,20 @@ class MagneticMap:
         if not usable.any():
             raise LocalizationError("the map has no known cell with a finite mean and variance")
         if self.error_var is not None:
-            latent = np.asarray(self.error_var, dtype=np.float64)
-            if latent.ndim == 2:
-                latent = latent[..., None]
-            if latent.shape != mean.shape:
-                raise LocalizationError(f"the error variance has shape {latent.shape}; the mean {mean.shape}")
+            latent = _cell_values(self.error_var, mean.shape, "the error variance")
             usable &= np.all(np.isfinite(latent) & (latent >= 0), axis=2)
             if not usable.any():
                 raise LocalizationError("the map has no known cell with a finite mean and variance")
             latent = np.where(usable[..., None], np.minimum(latent, var), 0.0)
         else:
             latent = np.zeros(mean.shape)
+        floor = np.zeros(mean.shape)
+        if self.floor_var is not None:
+            floor = _cell_values(self.floor_var, mean.shape, "the noise floor's variance")
+            if not np.all(np.isfinite(floor[usable]) & (floor[usable] >= 0)):
+                raise LocalizationError("the noise floor's variance must be finite and >= 0 on the known cells")
+            floor = np.where(usable[..., None], floor, 0.0)
+        self.floor_var = floor
         offset = np.zeros(p) if self.offset_var is None else np.asarray(self.offset_var, dtype=np.float64).reshape(-1)
         if offset.shape != (p,) or not np.all(np.isfinite(offset) & (offset >= 0)):
             raise LocalizationError(f"the sessions' offset variance is {offset.tolist()}; it takes {p} finite "
@@ -225,6 +245,8 @@ class MagneticMap:
         self._known_flat = np.zeros((h + 2, w + 2))
         self._latent_flat = np.zeros((h + 2, w + 2, p))
         self._latent_flat[1:-1, 1:-1] = latent
+        self._floor_flat = np.zeros((h + 2, w + 2, p))
+        self._floor_flat[1:-1, 1:-1] = floor
         self._mean_flat[1:-1, 1:-1] = np.where(usable[..., None], mean, 0.0)
         self._var_flat[1:-1, 1:-1] = np.where(usable[..., None], var, 1.0)
         self._known_flat[1:-1, 1:-1] = usable
@@ -237,6 +259,7 @@ class MagneticMap:
         self._mean_flat = self._mean_flat.reshape(-1, p)
         self._var_flat = self._var_flat.reshape(-1, p)
         self._latent_flat = self._latent_flat.reshape(-1, p)
+        self._floor_flat = self._floor_flat.reshape(-1, p)
         self._known_flat = self._known_flat.reshape(-1)
         self._grad2_flat = self._grad2_flat.reshape(-1, p)
         # The off-map likelihood: the map's marginal distribution of readings (prior) or a uniform density over
@@ -267,9 +290,11 @@ class MagneticMap:
         mean, var, _, on_map = self.lookup_parts(xy, position_var)
         return mean, var, on_map
 
-    def lookup_parts(self, xy: np.ndarray, position_var: float = 0.0):
+    def lookup_parts(self, xy: np.ndarray, position_var: float = 0.0, full_floor: bool = False):
         """:meth:`lookup` and the map-error part of the reading variance (``error_var``): ``(mean, var, error,
-        on_map)``; the error part is 0 off the map (there the whole variance is the map's marginal spread)."""
+        on_map)``; the error part is 0 off the map (there the whole variance is the map's marginal spread).
+        ``full_floor``: the reading variance with the noise floor's part at its full width (``floor_var`` added
+        back)."""
         s = self.spec
         wp = s.width + 2
         cx = (xy[:, 0] - s.origin_x) / s.resolution
@@ -297,6 +322,8 @@ class MagneticMap:
             total += wk
             mean += wk[:, None] * self._mean_flat[k]
             latent += wk[:, None] * self._latent_flat[k]
+            if full_floor:
+                var += wk[:, None] * self._floor_flat[k]
             if position_var > 0:
                 var += wk[:, None] * (self._var_flat[k] + position_var * self._grad2_flat[k])
             else:
@@ -367,12 +394,18 @@ class MagneticMap:
         input_dims = int(cfg.sync.input_dims)
         mean, var = predict_grid(_ReadingView(mapper.model), spec, g.tile_size, height=g.height,
                                  input_dims=input_dims, only=known)
+        floor_var = None
+        calibration = getattr(mapper.model, "calibration", None)
+        if getattr(mapper.model, "calibrates", False) and bool((calibration.noise_scale < 1).any()):
+            _, full = predict_grid(_ReadingView(mapper.model, full_floor=True), spec, g.tile_size, height=g.height,
+                                   input_dims=input_dims, only=known)
+            floor_var = np.maximum(full - var, 0.0)
         _, noise = predict_grid(_NoiseView(mapper.model), spec, g.tile_size, height=g.height, input_dims=input_dims,
                                 only=known)
         sessions = getattr(mapper.model, "sessions", None)
         offset_var = sessions.spread().detach().cpu().numpy() if sessions is not None else None
         return cls(spec=spec, mean=mean, var=var, known=known, error_var=np.maximum(var - noise, 0.0),
-                   offset_var=offset_var, frame_id=g.frame_id, field_unit=cfg.sync.field_unit,
+                   offset_var=offset_var, floor_var=floor_var, frame_id=g.frame_id, field_unit=cfg.sync.field_unit,
                    target=cfg.sync.target, source=source, sensor_translation=tuple(cfg.sync.sensor_translation),
                    sensor_rotation=tuple(cfg.sync.sensor_rotation), hard_iron=tuple(cfg.sync.hard_iron),
                    soft_iron=tuple(cfg.sync.soft_iron))

@@ -224,7 +224,7 @@ class ParticleFilter:
             raise LocalizationError(f"a reading for this {fmap.target} map is {fmap.outputs} finite number(s), got "
                                     f"{y.tolist()}")
         sensor = self.sensor_positions()
-        mean, var, latent, on_map = fmap.lookup_parts(sensor, cfg.position_std ** 2)
+        mean, var, latent, on_map = fmap.lookup_parts(sensor, cfg.position_std ** 2, full_floor=cfg.keep_noise_floor)
         if self._session_var.any():  # in the offset's prior instead (__init__); off the map var is the marginal
             var = np.where(on_map[:, None], np.maximum(var - self._session_var, 0.0), var)
             latent = np.maximum(latent - self._session_var, 0.0)

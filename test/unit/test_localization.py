@@ -476,6 +476,10 @@ def test_a_saved_map_loads_as_a_lookup_of_the_reading_distribution(saved_map):
     m, v = (a.numpy() for a in reading_moments(mapper.model, torch.as_tensor(pts)))
     np.testing.assert_allclose(mean, m, atol=1e-6) and np.testing.assert_allclose(var, v, rtol=1e-6)
     assert on.all()
+    # with the noise floor's part at full width (what the filter weighs with): the same reading grid, c taken as 1
+    full = reading_moments(mapper.model, torch.as_tensor(pts), full_floor=True)[1].numpy()
+    np.testing.assert_allclose(fmap.lookup_parts(pts, full_floor=True)[1], full, rtol=1e-6)
+    assert np.all(full >= v - 1e-12)
     _, latent = mapper.model.predict(torch.as_tensor(pts))
     assert np.all(var > latent.numpy())  # a reading's variance: the latent's plus the noise
     finer = MagneticMap.load(path, resolution=0.1)
@@ -570,6 +574,19 @@ def test_correlation_length_is_the_e_folding_lag_of_the_maps_autocorrelation():
     assert fmap.correlation_length == pytest.approx(expected, rel=0.03)
 
 
+def _two_groups(fmap: MagneticMap, readings: int, **config) -> ParticleFilter:
+    """Ten particles without an offset, resampling or outliers: five at x = 1 m and five at x = 3 m (y = 1 m),
+    weighed by ``readings`` readings of 50 uT taken there without moving."""
+    cfg = LocalizerConfig(num_particles=10, kld_err=0.0, ess_threshold=0.0, outlier_probability=0.0,
+                          bias_prior_std=0.0, **config)
+    pf = ParticleFilter(fmap, cfg)
+    pf.initialise_gaussian((1.0, 1.0, 0.0), (0.0, 0.0, 0.0))
+    pf.poses[5:, 0] = 3.0
+    for _ in range(readings):
+        pf.correct([50.0])
+    return pf
+
+
 def test_the_maps_error_is_shared_by_readings_at_one_place_not_counted_again_and_again():
     """Two groups of particles where the map says 50 and 53 uT, the reading 50 again and again without moving. With
     the map's error a state, the second group pays for a 3 uT misfit once (it may be the map's error there), not at
@@ -582,13 +599,7 @@ def test_the_maps_error_is_shared_by_readings_at_one_place_not_counted_again_and
     assert float(fmap.error_var.max()) == 9.0
     ratios = {}
     for correlated in (True, False):
-        cfg = LocalizerConfig(num_particles=10, kld_err=0.0, ess_threshold=0.0, outlier_probability=0.0,
-                              bias_prior_std=0.0, correlated_map_error=correlated)
-        pf = ParticleFilter(fmap, cfg)
-        pf.initialise_gaussian((1.0, 1.0, 0.0), (0.0, 0.0, 0.0))
-        pf.poses[5:, 0] = 3.0
-        for _ in range(50):
-            pf.correct([50.0])
+        pf = _two_groups(fmap, 50, correlated_map_error=correlated)
         ratios[correlated] = pf.weights[5:].sum() / pf.weights[:5].sum()
         if correlated:  # the second group's error state has learned the map's 3 uT there, to the noise's precision
             assert np.allclose(pf.err_mean[5:], -3.0, atol=0.1) and np.all(pf.err_var[5:] < 0.05)
@@ -670,3 +681,26 @@ def test_a_map_of_two_sessions_states_their_spread_as_the_offset_variance():
             pts = torch.as_tensor(fmap.spec.cell_centres()[fmap.known.ravel()][::9])
             _, latent = mapper.model.predict(pts)
             assert np.all(fmap.lookup(pts.numpy())[1][:, 0] > latent.numpy()[:, 0] + spread)
+
+
+def test_a_reading_is_weighed_with_the_noise_floor_at_full_width():
+    """A map may state a sensor quieter than its noise floor (the calibration's factor c narrows the floor's part);
+    the filter weighs readings with the floor's part at its full width (keep_noise_floor), since the robot reads
+    with its own pose and heading errors. Two groups of particles where the map says 50.0 and 50.3 uT, one reading
+    of 50.0: their weights part by exp(-0.3^2 / 2 s^2), s^2 the map's 0.01 plus the 0.08 the calibration took off
+    the floor, or the map's 0.01 alone."""
+    spec = GridSpec(0.0, 0.0, 0.1, 40, 20)
+    mean = np.where(spec.cell_centres()[:, 0] < 2.0, 50.0, 50.3).reshape(spec.shape + (1,))
+    var = np.full(spec.shape + (1,), 0.01)
+    fmap = MagneticMap.from_arrays(spec, mean, var, error_var=np.zeros(spec.shape + (1,)),
+                                   floor_var=np.full(spec.shape + (1,), 0.08))
+    ratios = {}
+    for keep in (True, False):
+        pf = _two_groups(fmap, 1, keep_noise_floor=keep)
+        ratios[keep] = pf.weights[5:].sum() / pf.weights[:5].sum()
+    assert ratios[True] == pytest.approx(math.exp(-0.09 / (2 * 0.09)), rel=1e-6)
+    assert ratios[False] == pytest.approx(math.exp(-0.09 / (2 * 0.01)), rel=1e-6)
+    assert np.all(MagneticMap.from_arrays(spec, mean, var).floor_var == 0.0)  # none stated: nothing added back
+    for bad in (np.full(spec.shape + (1,), -1.0), np.full(spec.shape + (1,), np.nan), np.zeros((3, 3, 1))):
+        with pytest.raises(LocalizationError, match="noise floor's variance"):
+            MagneticMap.from_arrays(spec, mean, var, floor_var=bad)

@@ -435,10 +435,12 @@ class SMCExperts(ExpertGPs, Gating, ExpertMemory, Engine):
         does not describe it."""
         return False
 
-    def predict_reading(self, x, t=None, with_slope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def predict_reading(self, x, t=None, with_slope: bool = True, full_floor: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and variance (G, P) of a reading at x (original units): the mixture's moments with each
-        expert's noise added to its latent variance (law of total variance). (No calibration, so no slope term:
-        ``with_slope`` is Engine.predict_reading's and changes nothing here.)"""
+        expert's noise added to its latent variance (law of total variance). (No calibration, so no slope term
+        and no narrowed floor: ``with_slope`` and ``full_floor`` are Engine.predict_reading's and change nothing
+        here.)"""
         xt = self._check_x(x)
         sbar = self._work_scale()[2]
         means, variances = [], []
