@@ -383,20 +383,16 @@ def decode_summary(data: bytes, max_bytes: int, name: str = "summary") -> MapSou
                 raise SummaryError(f"{name}: a part's tile list does not fit a layout of {tiles.layout.dims} tiled "
                                    "axes")
             summary = next(iter(tiles.tiles.values())) if len(tiles.tiles) == 1 and index is None else None
-        calibration = None
-        if any(k.startswith("calibration/") for k in tensors):
-            p = tiles.output_dims if tiles is not None else int(summary["target_mean"].shape[0])
-            try:
+        p = tiles.output_dims if tiles is not None else int(summary["target_mean"].shape[0])
+        calibration, session_offsets = None, tensors.get(_SESSION_OFFSETS)
+        try:
+            if any(k.startswith("calibration/") for k in tensors):
                 calibration = check_records({k[len("calibration/"):]: v for k, v in tensors.items()
                                              if k.startswith("calibration/")}, p)
-            except ValueError as err:
-                raise SummaryError(f"{name}: {err}") from None
-        session_offsets = tensors.get(_SESSION_OFFSETS)
-        if session_offsets is not None:
-            p = tiles.output_dims if tiles is not None else int(summary["target_mean"].shape[0])
-            why = _session_offsets_problem(session_offsets, p)
-            if why:
-                raise SummaryError(f"{name}: {why}")
+            if session_offsets is not None:
+                _check_session_offsets(session_offsets, p)
+        except ValueError as err:
+            raise SummaryError(f"{name}: {err}") from None
         cells = tensors.get("coverage_cells", torch.zeros(0, 2, dtype=torch.int64)).numpy()
         trajectory = tensors.get("trajectory", torch.zeros(0, 2, dtype=torch.float64)).numpy()
         resolution = float(info["coverage_resolution"])
@@ -655,14 +651,13 @@ def _own_sessions(model) -> torch.Tensor | None:
     return offsets.clone() if offsets is not None and offsets.shape[0] > 1 else None
 
 
-def _session_offsets_problem(offsets: torch.Tensor, outputs: int) -> str:
-    """Why a summary's session offsets cannot be held ('' when they can)."""
+def _check_session_offsets(offsets: torch.Tensor, outputs: int) -> None:
+    """Raise ValueError saying why a summary's session offsets cannot be held (as check_records does)."""
     if offsets.dim() != 2 or offsets.shape[1] != outputs or not 2 <= offsets.shape[0] <= MAX_SESSIONS:
-        return (f"session offsets of shape {tuple(offsets.shape)}: expected (S, {outputs}) with 2 <= S <= "
-                f"{MAX_SESSIONS}")
+        raise ValueError(f"session offsets of shape {tuple(offsets.shape)}: expected (S, {outputs}) with 2 <= S <= "
+                         f"{MAX_SESSIONS}")
     if not bool(torch.isfinite(offsets).all()) or bool((offsets[0] != 0).any()):
-        return "session offsets must be finite, the first session's 0"
-    return ""
+        raise ValueError("session offsets must be finite, the first session's 0")
 
 
 def _held_sessions(sources: Sequence[MapSource], levels: torch.Tensor | None) -> torch.Tensor | None:
