@@ -64,7 +64,8 @@ class ModelConfig:
     calibration: str = option("prequential", doc="variance of a reading (what map.npz's reading_variance, "
                               "the localizer and NLPD use): prequential (each batch is predicted from the map as "
                               "it was calibration_lag metres of path earlier; from those out-of-sample errors "
-                              "s^2 = a * latent variance + noise + tau^2 is fitted by maximum likelihood: "
+                              "s^2 = w (a * latent variance + noise, its floor's part times c, + b * slope^2 "
+                              "+ tau^2) is fitted by maximum likelihood: "
                               "docs/calibration.md) or none (latent variance + learned noise). Gaussian likelihood "
                               "only; the latent variance (~/variance) is never changed",
                               choices=("prequential", "none"))
