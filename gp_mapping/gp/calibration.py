@@ -48,8 +48,8 @@ whose variance was 5x that of later maps for the same errors, made the latent va
 and put the error into tau^2: 2.5 uT^2 on a field read with 0.25 uT^2 of noise, every held-out reading of the
 simulated revisit (bench recording ``sim_revisit``) within +-2 SD and a z-std of 0.38. It is refitted every
 ``REFIT_EVERY`` new records (a coarse grid over a, tau^2, c and, in the second fit, b, finds the likelihood's basin;
-a bounded Newton method its optimum; at most ``FIT_RECORDS`` of the stored records, on the CPU) and only after ``CALIBRATION_MIN_RECORDS`` records; until then a = 1,
-c = 1, tau^2 = 0, the model as it is.
+a bounded Newton method its optimum; at most ``FIT_RECORDS`` of the stored records, on the CPU) and only after
+``CALIBRATION_MIN_RECORDS`` records; until then a = 1, c = 1, tau^2 = 0, the model as it is.
 The lagged map is a copy the engine keeps (``Engine._lagged``); it is not part of the saved state, so a loaded map
 calibrates again after two lags. The same idea is conformal/recalibration of regression uncertainty (Kuleshov et al.
 2018, "Accurate uncertainties for deep learning using calibrated regression"), here with a parametric variance
