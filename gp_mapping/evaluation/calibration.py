@@ -238,19 +238,25 @@ def peer_scores(rec: Recording, config: ModelConfig, plan: dict) -> dict[str, di
 BATCH_FACTORS = (0.9, 0.96, 1.04, 1.1)
 
 
-def batching_spread(rec: Recording, at_batch: dict[str, Any], factors) -> dict[str, Any]:
-    """The shipped dual_svgp on ``rec`` with its batches ``factors`` times as large (``at_batch``: its scores at
-    the recording's own batch): RMSE, NLPD and +-2 SD per batch size, and their range. The online map depends on
-    where the batch boundaries fall (which readings are held, folded, and picked as inducing points when, and the
-    hyperparameter steps each update takes), so one run's figure is one draw of it (docs/calibration.md,
-    How well it holds)."""
-    keys = ("rmse", "nlpd", "within_2sd", "z_std")
-    runs = {str(rec.batch): {k: at_batch[k] for k in keys}}
+def batch_sizes(rec: Recording, factors) -> list[int]:
+    """The batch sizes of :func:`batching_spread`: the recording's own first, then ``factors`` times it (each
+    once)."""
+    sizes = [rec.batch]
     for f in factors:
         batch = max(1, int(round(rec.batch * float(f))))
-        if str(batch) not in runs:
-            s = engine_scores(shipped(), dataclasses.replace(rec, batch=batch))
-            runs[str(batch)] = {k: s[k] for k in keys}
+        if batch not in sizes:
+            sizes.append(batch)
+    return sizes
+
+
+def batching_spread(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The shipped dual_svgp streamed with batches of several sizes (``runs``: batch size -> its scores, the
+    recording's own size first; :func:`batch_sizes`): RMSE, NLPD and +-2 SD per batch size, and their range. The
+    online map depends on where the batch boundaries fall (which readings are held, folded, and picked as inducing
+    points when, and the hyperparameter steps each update takes), so one run's figure is one draw of it
+    (docs/calibration.md, How well it holds)."""
+    keys = ("rmse", "nlpd", "within_2sd", "z_std")
+    runs = {str(b): {k: s[k] for k in keys} for b, s in runs.items()}
     return {"runs": runs, **{f"{k}_range": [min(r[k] for r in runs.values()), max(r[k] for r in runs.values())]
                              for k in keys}}
 
@@ -289,6 +295,10 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
+    """The section: peers and engines per recording, the shipped engine's batching spread, session offsets and
+    the defaults table. Every stream is its own task; with ``plan["jobs"]`` above 1 the tasks run in that many
+    worker processes (each with this process's torch threads), which changes no number: every engine and peer
+    is seeded."""
     names = tuple(plan.get("calibration_recordings", RECORDINGS))
     recs = {}
     for name in names:
@@ -296,32 +306,43 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
             recs[name] = load(name, root, plan)
         except Exception as err:  # a missing recording skips its column, with the reason
             log(f"  {name}: skipped ({err})")
-    out: dict[str, Any] = {"recordings": {}, "defaults": {}}
+    factors = plan.get("calibration_batch_factors", BATCH_FACTORS)
+    engines = [e for e in ENGINES if e in plan.get("calibration_engines", ENGINES)]
+    candidates = [c for c in CANDIDATES if c in plan.get("calibration_candidates", CANDIDATES)]
+    tasks: list[tuple[str, str | None, Any]] = []
     for name, rec in recs.items():
         log(f"  {name}: {len(rec.x)} streamed, {len(rec.x_test)} held out")
-        row: dict[str, Any] = {"num_train": len(rec.x), "num_test": len(rec.x_test),
-                               "peers": peer_scores(rec, shipped(), plan), "engines": {}}
-        for engine, where in ENGINES.items():
-            if name in where and engine in plan.get("calibration_engines", ENGINES):
-                row["engines"][engine] = engine_scores(shipped(engine=engine), rec)
-                log(f"    {engine}: " + _line(row["engines"][engine]))
-        out["recordings"][name] = row
-        if "dual_svgp" in row["engines"] and plan.get("calibration_batch_factors", BATCH_FACTORS):
-            row["batching"] = batching_spread(rec, row["engines"]["dual_svgp"],
-                                              plan.get("calibration_batch_factors", BATCH_FACTORS))
-            log("    batching: " + ", ".join(f"{b}: {r['rmse']:.3f}" for b, r in row["batching"]["runs"].items()))
+        tasks.append(("peers", name, None))
+        tasks += [("engine", name, e) for e in engines if name in ENGINES[e]]
+        if "dual_svgp" in engines and factors:
+            tasks += [("batch", name, b) for b in batch_sizes(rec, factors)[1:]]
+        tasks += [("candidate", name, c) for c in candidates if not (c == "shipped" and "dual_svgp" in engines)]
     if "solin_p2" in names and "sessions" in plan.get("calibration_parts", ("sessions",)):
-        out["sessions"] = session_offsets(root, log)
-    for cand, overrides in CANDIDATES.items():
-        if cand not in plan.get("calibration_candidates", CANDIDATES):
-            continue
+        tasks.append(("sessions", None, None))
+    done = run_tasks(tasks, plan, root, int(plan.get("jobs", 1)), log)
+
+    out: dict[str, Any] = {"recordings": {}, "defaults": {}}
+    for name, rec in recs.items():
+        row: dict[str, Any] = {"num_train": len(rec.x), "num_test": len(rec.x_test),
+                               "peers": done[("peers", name, None)], "engines": {}}
+        for engine in engines:
+            if ("engine", name, engine) in done:
+                row["engines"][engine] = done[("engine", name, engine)]
+        if "dual_svgp" in row["engines"] and factors:
+            row["batching"] = batching_spread({b: done[("batch", name, b)] if b != rec.batch
+                                               else row["engines"]["dual_svgp"] for b in batch_sizes(rec, factors)})
+            log(f"  {name} batching: " + ", ".join(f"{b}: {r['rmse']:.3f}"
+                                                   for b, r in row["batching"]["runs"].items()))
+        out["recordings"][name] = row
+    if ("sessions", None, None) in done:
+        out["sessions"] = done[("sessions", None, None)]
+    for cand in candidates:
         per = {}
-        for name, rec in recs.items():
-            s = (out["recordings"][name]["engines"]["dual_svgp"] if cand == "shipped"
-                 and "dual_svgp" in out["recordings"][name]["engines"] else engine_scores(shipped(**overrides), rec))
-            peers = out["recordings"][name]["peers"]
-            best_rmse = min(p["rmse"] for p in peers.values())
-            best_nlpd = min(p["nlpd"] for p in peers.values() if "nlpd" in p)
+        for name in recs:
+            row = out["recordings"][name]
+            s = done.get(("candidate", name, cand)) or row["engines"]["dual_svgp"]  # "shipped" is the engine row
+            best_rmse = min(p["rmse"] for p in row["peers"].values())
+            best_nlpd = min(p["nlpd"] for p in row["peers"].values() if "nlpd" in p)
             per[name] = {**{k: s[k] for k in ("rmse", "nlpd", "within_2sd", "z_std")},
                          "rmse_ratio": s["rmse"] / best_rmse, "nlpd_gap": s["nlpd"] - best_nlpd}
         out["defaults"][cand] = {"per_recording": per,
@@ -331,6 +352,80 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
         log(f"  candidate {cand}: worst RMSE ratio {out['defaults'][cand]['worst_rmse_ratio']:.3f}, worst NLPD gap "
             f"{out['defaults'][cand]['worst_nlpd_gap']:+.3f}")
     return out
+
+
+#: a worker's plan, data folder and recordings (run_task; set by _start_worker, or by run_tasks in this process)
+_WORKER: dict[str, Any] = {"recordings": {}}
+
+
+def _start_worker(plan: dict, root, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)  # the parent's: a reduction's order, and so its last digits, follow the threads
+    _WORKER.update(plan=plan, root=root, recordings={})
+
+
+def run_task(task: tuple[str, str | None, Any]) -> Any:
+    """One stream of the section (run's tasks): ("peers", recording, None), ("engine", recording, engine),
+    ("batch", recording, batch size), ("candidate", recording, candidate) or ("sessions", None, None)."""
+    kind, name, arg = task
+    if kind == "sessions":
+        return session_offsets(_WORKER["root"], lambda message: None)
+    if name not in _WORKER["recordings"]:
+        _WORKER["recordings"][name] = load(name, _WORKER["root"], _WORKER["plan"])
+    rec = _WORKER["recordings"][name]
+    if kind == "peers":
+        return peer_scores(rec, shipped(), _WORKER["plan"])
+    if kind == "engine":
+        return engine_scores(shipped(engine=arg), rec)
+    if kind == "batch":
+        return engine_scores(shipped(), dataclasses.replace(rec, batch=arg))
+    if kind == "candidate":
+        return engine_scores(shipped(**CANDIDATES[arg]), rec)
+    raise ValueError(f"unknown task {task!r}")
+
+
+def _task_line(task: tuple[str, str | None, Any], result: Any) -> str:
+    kind, name, arg = task
+    if kind == "sessions":
+        return "  sessions: " + "; ".join(f"{label}: offsets {np.round(r['learned_offsets'], 2).tolist()}, "
+                                          f"RMSE {r['rmse']:.3f}" for label, r in result["runs"].items())
+    if kind == "peers":
+        return f"  {name} peers: " + ", ".join(f"{p} {s['rmse']:.3f}" for p, s in result.items())
+    what = {"engine": arg, "batch": f"dual_svgp, batches of {arg}", "candidate": f"candidate {arg}"}[kind]
+    return f"  {name} {what}: " + _line(result)
+
+
+def run_tasks(tasks: list[tuple[str, str | None, Any]], plan: dict, root, jobs: int,
+              log: Callable[[str], None]) -> dict[tuple[str, str | None, Any], Any]:
+    """Each task's result (run_task), computed here one after another (``jobs`` 1) or in ``jobs`` worker processes
+    (spawned: a forked child of a process whose torch has started threads can hang), each running as many torch
+    threads as this process."""
+    done: dict[tuple[str, str | None, Any], Any] = {}
+    if jobs <= 1:
+        saved = dict(_WORKER)
+        _WORKER.update(plan=plan, root=root, recordings={})
+        try:
+            for task in tasks:
+                done[task] = run_task(task)
+                log(_task_line(task, done[task]))
+        finally:
+            _WORKER.clear()
+            _WORKER.update(saved)
+        return done
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    import torch
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_start_worker, initargs=(plan, root, torch.get_num_threads())) as pool:
+        futures = {pool.submit(run_task, task): task for task in tasks}
+        for future in as_completed(futures):
+            task = futures[future]
+            done[task] = future.result()
+            log(_task_line(task, done[task]))
+    return done
 
 
 def session_offsets(root, log: Callable[[str], None], offset: float = 5.0) -> dict[str, Any]:

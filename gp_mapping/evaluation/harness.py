@@ -423,6 +423,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "checkout or the working directory)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: the batches are small and cores are often shared)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="worker processes for the calibration section's streams (default 1; each runs one torch "
+                             "thread, and the numbers do not depend on it)")
     parser.add_argument("--only", nargs="+", choices=SECTIONS + OPTIONAL_SECTIONS, default=None,
                         help="run only these sections; they are written to <sections>.json / .md (e.g. speed.md), "
                              "not over bench.json / bench.md")
@@ -456,8 +459,8 @@ def main_with_args(args: argparse.Namespace) -> int:
         files = write(merge(args.merge), args.out)
         print(files["md"].read_text())
         return 0
-    if args.threads < 1:
-        print("error: --threads must be at least 1", file=sys.stderr)
+    if args.threads < 1 or args.jobs < 1:
+        print("error: --threads and --jobs must be at least 1", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -482,6 +485,7 @@ def main_with_args(args: argparse.Namespace) -> int:
             print(f"error: --set {item!r}: the value must be positive", file=sys.stderr)
             return 2
         plan[key] = number
+    plan["jobs"] = args.jobs  # saved with the plan: how the run was spread, not what it measured
     sections = tuple(args.only) if args.only else SECTIONS
 
     def log(message: str) -> None:

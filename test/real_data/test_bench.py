@@ -28,7 +28,7 @@ OFFLINE = ("offline_svgp", "exact_gp")
 def quick_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "gp_mapping.cli", "bench", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "gp_mapping.cli", "bench", "--quick", "--jobs", "2", "--out", str(out)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"out": out, "json": json.loads((out / "bench.json").read_text()), "md": (out / "bench.md").read_text(),
@@ -282,6 +282,7 @@ def test_quick_bench_calibration_section(quick_run):
     sec = quick_run["json"]["sections"]["calibration"]
     if "skipped" in sec:
         pytest.skip(sec["skipped"])
+    assert quick_run["json"]["plan"]["jobs"] == 2  # its streams ran in two worker processes (--jobs 2)
     row = sec["recordings"]["solin_p1"]
     s = row["engines"]["dual_svgp"]
     for key in ("rmse", "nlpd", "within_1sd", "within_2sd", "z_std"):

@@ -658,3 +658,31 @@ def test_calibration_records_from_outside_are_checked_and_a_vector_maps_are_rota
     assert rotated_records(good, torch.eye(3, dtype=torch.float64)) is good
     magnitude = _records(rng, 10, 1.0, 0.1)
     assert rotated_records(magnitude, quarter) is magnitude
+
+
+def test_the_sections_streams_in_worker_processes_give_the_numbers_of_one_process():
+    """The calibration section runs each stream as a task (calibration.run_tasks); `gp-mapping bench --jobs N` runs
+    them in N spawned workers. Every engine and peer is seeded, so the section's result is the same to the last
+    digit either way; only the seconds differ."""
+    plan = {"calibration_recordings": ("sim_revisit",), "calibration_engines": ("dual_svgp",),
+            "calibration_candidates": ("shipped", "M = 128"), "calibration_batch_factors": (0.9,),
+            "calibration_parts": (), "calibration_offline_iterations": 10, "calibration_exact_points": 100,
+            "calibration_batch": 200}
+
+    def without_seconds(node):
+        if isinstance(node, dict):
+            return {k: without_seconds(v) for k, v in node.items() if "seconds" not in k}
+        return node
+
+    lines: list[str] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the bench runs (--threads 1): two workers of two threads would share two cores
+    try:
+        one, two = (bench.run({**plan, "jobs": jobs}, None, lines.append) for jobs in (1, 2))
+    finally:
+        torch.set_num_threads(threads)
+    assert without_seconds(one) == without_seconds(two)
+    assert set(one["defaults"]) == {"shipped", "M = 128"} and list(one["recordings"]["sim_revisit"]["batching"]["runs"])
+    assert one["defaults"]["shipped"]["per_recording"]["sim_revisit"]["rmse"] == one["recordings"]["sim_revisit"][
+        "engines"]["dual_svgp"]["rmse"]
+    assert sum("candidate M = 128:" in line for line in lines) == 4  # each task's line and each table row, per run
