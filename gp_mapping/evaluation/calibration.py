@@ -299,16 +299,17 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
     the defaults table. Every stream is its own task; with ``plan["jobs"]`` above 1 the tasks run in that many
     worker processes (each with this process's torch threads), which changes no number: every engine and peer
     is seeded."""
-    names = tuple(plan.get("calibration_recordings", RECORDINGS))
+    names = _chosen(plan, "calibration_recordings", RECORDINGS)
+    factors = _chosen(plan, "calibration_batch_factors", BATCH_FACTORS)
+    engines = [e for e in ENGINES if e in _chosen(plan, "calibration_engines", tuple(ENGINES))]
+    candidates = [c for c in CANDIDATES if c in _chosen(plan, "calibration_candidates", tuple(CANDIDATES))]
+    parts = _chosen(plan, "calibration_parts", PARTS)
     recs = {}
     for name in names:
         try:
             recs[name] = load(name, root, plan)
         except Exception as err:  # a missing recording skips its column, with the reason
             log(f"  {name}: skipped ({err})")
-    factors = plan.get("calibration_batch_factors", BATCH_FACTORS)
-    engines = [e for e in ENGINES if e in plan.get("calibration_engines", ENGINES)]
-    candidates = [c for c in CANDIDATES if c in plan.get("calibration_candidates", CANDIDATES)]
     tasks: list[tuple[str, str | None, Any]] = []
     for name, rec in recs.items():
         log(f"  {name}: {len(rec.x)} streamed, {len(rec.x_test)} held out")
@@ -317,7 +318,7 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
         if "dual_svgp" in engines and factors:
             tasks += [("batch", name, b) for b in batch_sizes(rec, factors)[1:]]
         tasks += [("candidate", name, c) for c in candidates if not (c == "shipped" and "dual_svgp" in engines)]
-    if "solin_p2" in names and "sessions" in plan.get("calibration_parts", ("sessions",)):
+    if "solin_p2" in names and "sessions" in parts:
         tasks.append(("sessions", None, None))
     done = run_tasks(tasks, plan, root, int(plan.get("jobs", 1)), log)
 
@@ -352,6 +353,26 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
         log(f"  candidate {cand}: worst RMSE ratio {out['defaults'][cand]['worst_rmse_ratio']:.3f}, worst NLPD gap "
             f"{out['defaults'][cand]['worst_nlpd_gap']:+.3f}")
     return out
+
+
+#: the section's optional parts (plan key calibration_parts)
+PARTS = ("sessions",)
+
+
+def _chosen(plan: dict, key: str, choices: tuple) -> tuple:
+    """The plan's selection ``key`` of ``choices`` (absent or None: all of them); a name or number not among
+    them is an error that says what there is to choose from."""
+    value = plan.get(key)
+    if value is None:
+        return tuple(choices)
+    value = tuple(value)
+    if key != "calibration_batch_factors":
+        unknown = [v for v in value if v not in choices]
+        if unknown:
+            raise ValueError(f"{key}: unknown {unknown}; choose from {list(choices)}")
+    elif not all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in value):
+        raise ValueError(f"{key}: {list(value)} are not all positive numbers")
+    return value
 
 
 #: a worker's plan, data folder and recordings (run_task; set by _start_worker, or by run_tasks in this process)
