@@ -341,7 +341,8 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
         per = {}
         for name in recs:
             row = out["recordings"][name]
-            s = done.get(("candidate", name, cand)) or row["engines"]["dual_svgp"]  # "shipped" is the engine row
+            task = ("candidate", name, cand)
+            s = done[task] if task in done else row["engines"]["dual_svgp"]  # "shipped" is the engine's row
             best_rmse = min(p["rmse"] for p in row["peers"].values())
             best_nlpd = min(p["nlpd"] for p in row["peers"].values() if "nlpd" in p)
             per[name] = {**{k: s[k] for k in ("rmse", "nlpd", "within_2sd", "z_std")},
@@ -442,10 +443,14 @@ def run_tasks(tasks: list[tuple[str, str | None, Any]], plan: dict, root, jobs: 
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_start_worker, initargs=(plan, root, torch.get_num_threads())) as pool:
         futures = {pool.submit(run_task, task): task for task in tasks}
-        for future in as_completed(futures):
-            task = futures[future]
-            done[task] = future.result()
-            log(_task_line(task, done[task]))
+        try:
+            for future in as_completed(futures):
+                task = futures[future]
+                done[task] = future.result()
+                log(_task_line(task, done[task]))
+        except BaseException:  # a failed task fails the section: the queued ones are not run
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
     return done
 
 

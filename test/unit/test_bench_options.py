@@ -51,3 +51,17 @@ def test_an_unknown_name_in_a_calibration_selection_says_what_there_is_to_choose
             calibration.run({key: bad}, None, lambda message: None)
     with pytest.raises(ValueError, match="M = 512"):
         calibration.run({"calibration_candidates": ("M = 1000",)}, None, lambda message: None)
+
+
+def test_a_failing_task_fails_the_section_with_its_error(monkeypatch):
+    # a task that raises in a worker: its error comes back to the caller (the harness records it as the section's
+    # error; the queued tasks are cancelled); in one process, the tasks after it are not run
+    tasks = [("candidate", "sim_revisit", "no such candidate")] + [("peers", "sim_revisit", None)] * 3
+    with pytest.raises(KeyError, match="no such candidate"):
+        calibration.run_tasks(tasks[:1], {"calibration_exact_points": 50, "calibration_offline_iterations": 5}, None,
+                              2, lambda message: None)
+    started = []
+    monkeypatch.setattr(calibration, "run_task", lambda task: started.append(task) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        calibration.run_tasks(tasks, {}, None, 1, lambda message: None)
+    assert started == tasks[:1]
