@@ -201,6 +201,11 @@ def _f(v: Any, fmt: str = ".2f") -> str:
     return format(v, fmt)
 
 
+def _workers(results: dict[str, Any]) -> str:
+    jobs = results.get("plan", {}).get("jobs", 1)
+    return "" if jobs == 1 else f" with {jobs} worker processes (--jobs)"
+
+
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     quick = results.get("quick")
@@ -209,7 +214,7 @@ def markdown(results: dict[str, Any]) -> str:
              f"{m['torch_threads']} torch thread{'s' if m['torch_threads'] != 1 else ''}, Python {m['python']}"
              f"{', CUDA: ' + m['cuda'] if m['cuda'] else ', no GPU'}"
              f"{'' if m.get('load_average_1min') is None else ', load average %.1f at the start' % m['load_average_1min']}"
-             f"); total {results['total_seconds']:.0f} s. "
+             f"); total {results['total_seconds']:.0f} s{_workers(results)}. "
              "Regenerate with `gp-mapping bench` (bench/README.md explains every number).", ""]
     if results.get("section_dates"):  # a report merged from several runs: when each section was measured
         lines += ["Merged from several runs (`gp-mapping bench --merge`); the date above is the last run's. Sections "
