@@ -337,7 +337,7 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
         out["recordings"][name] = row
     if ("sessions", None, None) in done:
         out["sessions"] = done[("sessions", None, None)]
-    for cand in candidates:
+    for cand in candidates if recs else ():  # no recording loaded: no table to judge a candidate by
         per = {}
         for name in recs:
             row = out["recordings"][name]

@@ -51,6 +51,9 @@ def test_an_unknown_name_in_a_calibration_selection_says_what_there_is_to_choose
             calibration.run({key: bad}, None, lambda message: None)
     with pytest.raises(ValueError, match="M = 512"):
         calibration.run({"calibration_candidates": ("M = 1000",)}, None, lambda message: None)
+    # an empty selection is no error: nothing to stream, an empty table
+    assert calibration.run({"calibration_recordings": ()}, None, lambda message: None) == {"recordings": {},
+                                                                                         "defaults": {}}
 
 
 def test_a_failing_task_fails_the_section_with_its_error(monkeypatch):
