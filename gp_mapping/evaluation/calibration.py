@@ -300,7 +300,7 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
     worker processes (each with this process's torch threads), which changes no number: every engine and peer
     is seeded."""
     names = _chosen(plan, "calibration_recordings", RECORDINGS)
-    factors = _chosen(plan, "calibration_batch_factors", BATCH_FACTORS)
+    factors = _batch_factors(plan)
     engines = [e for e in ENGINES if e in _chosen(plan, "calibration_engines", tuple(ENGINES))]
     candidates = [c for c in CANDIDATES if c in _chosen(plan, "calibration_candidates", tuple(CANDIDATES))]
     parts = _chosen(plan, "calibration_parts", PARTS)
@@ -361,19 +361,25 @@ PARTS = ("sessions",)
 
 
 def _chosen(plan: dict, key: str, choices: tuple) -> tuple:
-    """The plan's selection ``key`` of ``choices`` (absent or None: all of them); a name or number not among
-    them is an error that says what there is to choose from."""
+    """The plan's selection ``key`` of ``choices`` (absent or None: all of them); a name not among them is an
+    error that says what there is to choose from."""
     value = plan.get(key)
     if value is None:
         return tuple(choices)
-    value = tuple(value)
-    if key != "calibration_batch_factors":
-        unknown = [v for v in value if v not in choices]
-        if unknown:
-            raise ValueError(f"{key}: unknown {unknown}; choose from {list(choices)}")
-    elif not all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in value):
-        raise ValueError(f"{key}: {list(value)} are not all positive numbers")
-    return value
+    unknown = [v for v in value if v not in choices]
+    if unknown:
+        raise ValueError(f"{key}: unknown {unknown}; choose from {list(choices)}")
+    return tuple(value)
+
+
+def _batch_factors(plan: dict) -> tuple:
+    """The plan's calibration_batch_factors (absent or None: BATCH_FACTORS); each must be a positive number."""
+    value = plan.get("calibration_batch_factors")
+    if value is None:
+        return BATCH_FACTORS
+    if not all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in value):
+        raise ValueError(f"calibration_batch_factors: {list(value)} are not all positive numbers")
+    return tuple(value)
 
 
 #: a worker's plan, data folder and recordings (run_task; set by _start_worker, or by run_tasks in this process)

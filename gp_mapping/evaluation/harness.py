@@ -41,12 +41,14 @@ OPTIONAL_SECTIONS = ("localization", "memory", "variants", "time_errors")
 JSON_NAME = "bench.json"
 MD_NAME = "bench.md"
 
+#: the calibration section's selections: None in FULL (all of the section's recordings, engines, defaults
+#: candidates, batch factors, optional parts; calibration.py), and --set takes a JSON list for them
+CALIBRATION_SELECTIONS = tuple(f"calibration_{k}" for k in ("recordings", "engines", "candidates", "batch_factors",
+                                                            "parts"))
 # Full: the protocols as specified, one-hour drive. Quick: the same code on less work (< 3 minutes): protocol 1 in
 # 10 batches, protocol 2 on the first minute of each sequence in 20-second batches, every 4th test sample.
 FULL = {
-    # the calibration section's selections (None: all of the section's recordings, engines, defaults candidates,
-    # batch factors, optional parts; calibration.py)
-    **{f"calibration_{k}": None for k in ("recordings", "engines", "candidates", "batch_factors", "parts")},
+    **dict.fromkeys(CALIBRATION_SELECTIONS),
     "p1_batches": 20, "p2_batch_seconds": 1.0, "p2_eval_every": 10, "fast_full_every": 10,
     "test_stride": 1, "p2_seconds_per_sequence": None,
     "accuracy_num_inducing": None,  # the accuracy section's M for every method (None: the shipped one)
@@ -72,8 +74,6 @@ FULL = {
     **{"memory_seconds": 1800.0, "memory_rate": 50.0, "memory_area": 10.0, "memory_speed": 1.0,
        "memory_sample_seconds": 60.0, "memory_seed": 0},
 }
-#: FULL's keys whose None stands for a section's whole list (--set takes a JSON list for them)
-FULL_SELECTIONS = tuple(k for k, v in FULL.items() if k.startswith("calibration_") and v is None)
 QUICK = {  # a smoke run of every section (make test runs it): small enough to keep the suite's time down
     "calibration_recordings": ("solin_p1",), "calibration_engines": ("dual_svgp",),
     "calibration_candidates": ("shipped", "no calibration"), "calibration_offline_iterations": 50,
@@ -480,7 +480,7 @@ def main_with_args(args: argparse.Namespace) -> int:
             print("error: --drive-minutes must be between 0.1 and 1440", file=sys.stderr)
             return 2
         plan["drive_seconds"] = 60.0 * args.drive_minutes
-    lists = [k for k, v in plan.items() if isinstance(v, tuple) or (v is None and k in FULL_SELECTIONS)]
+    lists = [k for k, v in plan.items() if isinstance(v, tuple) or k in CALIBRATION_SELECTIONS]
     for item in args.overrides:
         key, sep, value = item.partition("=")
         if sep and key in lists:  # a JSON list, e.g. calibration_candidates='["shipped", "M = 128"]'
