@@ -318,6 +318,9 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
         if "dual_svgp" in engines and factors:
             tasks += [("batch", name, b) for b in batch_sizes(rec, factors)[1:]]
         tasks += [("candidate", name, c) for c in candidates if not (c == "shipped" and "dual_svgp" in engines)]
+        if "ladder_batching" in parts and "dual_svgp" in engines:
+            tasks += [("candidate_batch", name, (c, b)) for c in _ladder_rungs(candidates) if c != "shipped"
+                      for b in batch_sizes(rec, factors)[1:]]
     if "solin_p2" in names and "sessions" in parts:
         tasks.append(("sessions", None, None))
     done = run_tasks(tasks, plan, root, int(plan.get("jobs", 1)), log)
@@ -334,6 +337,10 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
                                                else row["engines"]["dual_svgp"] for b in batch_sizes(rec, factors)})
             log(f"  {name} batching: " + ", ".join(f"{b}: {r['rmse']:.3f}"
                                                    for b, r in row["batching"]["runs"].items()))
+        rungs = _ladder_rungs(candidates)
+        if "ladder_batching" in parts and "dual_svgp" in row["engines"] and len(rungs) > 1:
+            row["ladder_batching"] = ladder_over_batchings({
+                cand: {b: _rung_at(done, row, rec, name, cand, b) for b in batch_sizes(rec, factors)} for cand in rungs})
         out["recordings"][name] = row
     if ("sessions", None, None) in done:
         out["sessions"] = done[("sessions", None, None)]
@@ -356,8 +363,9 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
     return out
 
 
-#: the section's optional parts (plan key calibration_parts)
-PARTS = ("sessions",)
+#: the section's optional parts (plan key calibration_parts): the session runs, and the M ladder streamed at every
+#: batch size of the batching spread (ladder_over_batchings)
+PARTS = ("sessions", "ladder_batching")
 
 
 def _chosen(plan: dict, key: str, choices: tuple) -> tuple:
@@ -395,7 +403,8 @@ def _start_worker(plan: dict, root, threads: int) -> None:
 
 def run_task(task: tuple[str, str | None, Any]) -> Any:
     """One stream of the section (run's tasks): ("peers", recording, None), ("engine", recording, engine),
-    ("batch", recording, batch size), ("candidate", recording, candidate) or ("sessions", None, None)."""
+    ("batch", recording, batch size), ("candidate", recording, candidate), ("candidate_batch", recording,
+    (candidate, batch size)) or ("sessions", None, None)."""
     kind, name, arg = task
     if kind == "sessions":
         return session_offsets(_WORKER["root"], lambda message: None)
@@ -410,6 +419,9 @@ def run_task(task: tuple[str, str | None, Any]) -> Any:
         return engine_scores(shipped(), dataclasses.replace(rec, batch=arg))
     if kind == "candidate":
         return engine_scores(shipped(**CANDIDATES[arg]), rec)
+    if kind == "candidate_batch":
+        candidate, batch = arg
+        return engine_scores(shipped(**CANDIDATES[candidate]), dataclasses.replace(rec, batch=batch))
     raise ValueError(f"unknown task {task!r}")
 
 
@@ -420,7 +432,10 @@ def _task_line(task: tuple[str, str | None, Any], result: Any) -> str:
                                           f"RMSE {r['rmse']:.3f}" for label, r in result["runs"].items())
     if kind == "peers":
         return f"  {name} peers: " + ", ".join(f"{p} {s['rmse']:.3f}" for p, s in result.items())
-    what = {"engine": arg, "batch": f"dual_svgp, batches of {arg}", "candidate": f"candidate {arg}"}[kind]
+    if kind == "candidate_batch":
+        what = f"candidate {arg[0]}, batches of {arg[1]}"
+    else:
+        what = {"engine": arg, "batch": f"dual_svgp, batches of {arg}", "candidate": f"candidate {arg}"}[kind]
     return f"  {name} {what}: " + _line(result)
 
 
@@ -524,6 +539,37 @@ def inducing_ladder(defaults: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _rung_at(done: dict, row: dict[str, Any], rec: Recording, name: str, candidate: str, batch: int
+             ) -> dict[str, Any]:
+    """The scores of the M ladder's rung ``candidate`` streamed in batches of ``batch`` (run's tasks): the shipped
+    rung is the engine's row and the batching spread's runs, another rung its defaults candidate's row at the
+    recording's own batch size and a candidate_batch task at the others."""
+    if candidate == "shipped":
+        return row["engines"]["dual_svgp"] if batch == rec.batch else done[("batch", name, batch)]
+    return done[("candidate", name, candidate)] if batch == rec.batch else done[("candidate_batch", name,
+                                                                                   (candidate, batch))]
+
+
+def _ladder_rungs(candidates) -> list[str]:
+    """The M_LADDER rungs among the selected ``candidates`` (the shipped one always), in increasing M."""
+    return [name for name, _ in M_LADDER if name == "shipped" or name in candidates]
+
+
+def ladder_over_batchings(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """The M ladder streamed at every batch size of the batching spread (``runs``: rung name, in increasing M ->
+    batch size -> scores). One run is one draw of the batching (batching_spread), and on some recordings the draws
+    spread wider than the ladder's bar, so the ladder is also judged paired, at each batch size, and on the
+    median over the batch sizes of each rung's RMSE and NLPD."""
+    keys = ("rmse", "nlpd", "within_2sd")
+    names = list(runs)
+    batches = [b for b in runs[names[0]] if all(b in runs[n] for n in names)]
+    table = {n: {str(b): {k: runs[n][b][k] for k in keys} for b in batches} for n in names}
+    median = {n: {k: float(np.median([table[n][str(b)][k] for b in batches])) for k in keys} for n in names}
+    per_batch = {str(b): larger_m_holds([table[n][str(b)] for n in names]) for b in batches}
+    return {"rungs": names, "runs": table, "median": median, "holds_at_median": larger_m_holds(list(median.values())),
+            "holds_per_batch": per_batch}
+
+
 def larger_m_holds(rungs: list[dict[str, Any]]) -> bool:
     """Whether each of ``rungs`` (scores at increasing M) maps no worse than the one before it: RMSE within
     M_RMSE_RATIO and NLPD within M_NLPD_GAP."""
@@ -604,7 +650,31 @@ def markdown(sec: dict[str, Any]) -> list[str]:
                 lines.append(f"| {rec} | " + " / ".join(f"{v:.3f}" for v in r["rmse"]) + " | "
                              + " / ".join(f"{v:.3f}" for v in r["nlpd"]) + f" | {'yes' if r['holds'] else 'no'} |")
             lines.append("")
+    over = {name: row["ladder_batching"] for name, row in sec.get("recordings", {}).items()
+            if "ladder_batching" in row}
+    if over:
+        lines += _ladder_over_batchings_lines(over)
     return lines
+
+
+def _ladder_over_batchings_lines(over: dict[str, dict[str, Any]]) -> list[str]:
+    """The markdown table of the ladder at every batch size (ladder_over_batchings, per recording)."""
+    lines = ["### More inducing points at every batch size (dual_svgp)", "",
+             "The M ladder streamed at each batch size of the batching spread above: each rung's median over the "
+             "batch sizes, whether the ladder holds on the medians (the same bar as above), and at how many batch "
+             "sizes it holds when each is compared with itself.", "",
+             "| recording | M | median RMSE | median NLPD | median +-2 SD | holds at the medians | "
+             "holds per batch size |", "|:---|:---|---:|---:|---:|:---|:---|"]
+    for rec, r in over.items():
+        med = [r["median"][n] for n in r["rungs"]]
+        per = r["holds_per_batch"]
+        sizes = " / ".join(str(dict(M_LADDER)[n]) for n in r["rungs"])
+        lines.append(f"| {rec} | {sizes} | " + " / ".join(f"{m['rmse']:.3f}" for m in med) + " | "
+                     + " / ".join(f"{m['nlpd']:.3f}" for m in med) + " | "
+                     + " / ".join(f"{m['within_2sd']:.3f}" for m in med) + f" | "
+                     f"{'yes' if r['holds_at_median'] else 'no'} | {sum(per.values())} of {len(per)} "
+                     f"({', '.join(b for b, ok in per.items() if not ok) or 'none'} not) |")
+    return lines + [""]
 
 
 def reliability_diagram(curves: list[tuple[str, dict[str, Any]]], title: str, path) -> None:

@@ -666,8 +666,8 @@ def test_the_sections_streams_in_worker_processes_give_the_numbers_of_one_proces
     digit either way; only the seconds differ."""
     plan = {"calibration_recordings": ("sim_revisit",), "calibration_engines": ("dual_svgp",),
             "calibration_candidates": ("shipped", "M = 128"), "calibration_batch_factors": (0.9,),
-            "calibration_parts": (), "calibration_offline_iterations": 10, "calibration_exact_points": 100,
-            "calibration_batch": 200}
+            "calibration_parts": ("ladder_batching",), "calibration_offline_iterations": 10,
+            "calibration_exact_points": 100, "calibration_batch": 200}
 
     def without_seconds(node):
         if isinstance(node, dict):
@@ -686,3 +686,32 @@ def test_the_sections_streams_in_worker_processes_give_the_numbers_of_one_proces
     assert one["defaults"]["shipped"]["per_recording"]["sim_revisit"]["rmse"] == one["recordings"]["sim_revisit"][
         "engines"]["dual_svgp"]["rmse"]
     assert sum("candidate M = 128:" in line for line in lines) == 4  # each task's line and each table row, per run
+    # the ladder at every batch size: M = 128 streamed again at the spread's other size (180), the rest reused
+    ladder = one["recordings"]["sim_revisit"]["ladder_batching"]
+    assert ladder["rungs"] == ["M = 128", "shipped"] and list(ladder["runs"]["shipped"]) == ["200", "180"]
+    assert ladder["runs"]["M = 128"]["200"]["rmse"] == one["defaults"]["M = 128"]["per_recording"]["sim_revisit"][
+        "rmse"]
+    assert ladder["runs"]["shipped"]["180"] == {k: one["recordings"]["sim_revisit"]["batching"]["runs"]["180"][k]
+                                                for k in ("rmse", "nlpd", "within_2sd")}
+    assert sum("candidate M = 128, batches of 180:" in line for line in lines) == 2
+
+
+def test_the_ladder_over_batchings_is_judged_on_its_medians_and_per_batch_size():
+    """bench.ladder_over_batchings (the calibration section): each rung's median over the batch sizes, the bar of larger_m_holds on the
+    medians, and the bar at each batch size compared with itself."""
+    def s(rmse, nlpd):
+        return {"rmse": rmse, "nlpd": nlpd, "within_2sd": 0.95, "z_std": 1.0}
+
+    runs = {"M = 128": {50: s(1.00, 1.00), 45: s(1.00, 1.00), 55: s(1.30, 1.00)},
+            "shipped": {50: s(1.05, 1.00), 45: s(0.99, 1.00), 55: s(1.00, 1.00)}}
+    out = bench.ladder_over_batchings(runs)
+    assert out["median"]["M = 128"]["rmse"] == 1.00 and out["median"]["shipped"]["rmse"] == 1.00
+    assert out["holds_at_median"] is True
+    assert out["holds_per_batch"] == {"50": False, "45": True, "55": True}  # 5 % worse at 50, better at 45 and 55
+    runs["shipped"][45] = s(0.99, 1.03)  # NLPD 0.03 nats worse at 45 too: the median NLPD is still 1.00
+    assert bench.ladder_over_batchings(runs)["holds_per_batch"]["45"] is False
+    runs["shipped"][55] = s(1.00, 1.03)
+    assert bench.ladder_over_batchings(runs)["holds_at_median"] is False  # median NLPD 1.03 against 1.00
+    lines = bench._ladder_over_batchings_lines({"sim": bench.ladder_over_batchings(runs)})
+    assert any(line.startswith("| sim | 128 / 256 |") and "| no | 0 of 3 (50, 45, 55 not) |" in line
+               for line in lines)
