@@ -339,8 +339,9 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
                                                    for b, r in row["batching"]["runs"].items()))
         rungs = _ladder_rungs(candidates)
         if "ladder_batching" in parts and "dual_svgp" in row["engines"] and len(rungs) > 1:
+            sizes = batch_sizes(rec, factors)
             row["ladder_batching"] = ladder_over_batchings({
-                cand: {b: _rung_at(done, row, rec, name, cand, b) for b in batch_sizes(rec, factors)} for cand in rungs})
+                cand: {b: _rung_at(done, row, rec, name, cand, b) for b in sizes} for cand in rungs})
         out["recordings"][name] = row
     if ("sessions", None, None) in done:
         out["sessions"] = done[("sessions", None, None)]

@@ -697,8 +697,8 @@ def test_the_sections_streams_in_worker_processes_give_the_numbers_of_one_proces
 
 
 def test_the_ladder_over_batchings_is_judged_on_its_medians_and_per_batch_size():
-    """bench.ladder_over_batchings (the calibration section): each rung's median over the batch sizes, the bar of larger_m_holds on the
-    medians, and the bar at each batch size compared with itself."""
+    """bench.ladder_over_batchings (the calibration section): each rung's median over the batch sizes, the bar of
+    larger_m_holds on the medians, and the bar at each batch size compared with itself."""
     def s(rmse, nlpd):
         return {"rmse": rmse, "nlpd": nlpd, "within_2sd": 0.95, "z_std": 1.0}
 
