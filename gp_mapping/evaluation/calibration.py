@@ -291,7 +291,10 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               "lengthscale 2 m": {"lengthscale": 2.0},
               # every full update takes its whole step budget: no threshold on one step's gain, which makes the
               # end point jump with the batching (docs/calibration.md, One run is one draw)
-              "hyper_tol 0": {"hyper_tol": 0.0}}
+              "hyper_tol 0": {"hyper_tol": 0.0},
+              # an error shared in time beside the field (docs/calibration.md, In the engine), at each M of the ladder
+              "time error": {"time_error": True}, "time error, M = 128": {"time_error": True, "num_inducing": 128},
+              "time error, M = 512": {"time_error": True, "num_inducing": 512}}
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
@@ -441,18 +444,21 @@ def _task_line(task: tuple[str, str | None, Any], result: Any) -> str:
 
 
 def run_tasks(tasks: list[tuple[str, str | None, Any]], plan: dict, root, jobs: int,
-              log: Callable[[str], None]) -> dict[tuple[str, str | None, Any], Any]:
-    """Each task's result (run_task), computed here one after another (``jobs`` 1) or in ``jobs`` worker processes
-    (spawned: a forked child of a process whose torch has started threads can hang), each running as many torch
-    threads as this process."""
+              log: Callable[[str], None], runner: Callable[[Any], Any] | None = None,
+              describe: Callable[[Any, Any], str] | None = None) -> dict[tuple[str, str | None, Any], Any]:
+    """Each task's result (``runner``, a module-level function: run_task unless said), computed here one after
+    another (``jobs`` 1) or in ``jobs`` worker processes (spawned: a forked child of a process whose torch has
+    started threads can hang), each running as many torch threads as this process; each result is logged as
+    ``describe`` (_task_line unless said) writes it. A runner reads the plan and data folder from _WORKER."""
+    runner, describe = runner or run_task, describe or _task_line
     done: dict[tuple[str, str | None, Any], Any] = {}
     if jobs <= 1:
         saved = dict(_WORKER)
         _WORKER.update(plan=plan, root=root, recordings={})
         try:
             for task in tasks:
-                done[task] = run_task(task)
-                log(_task_line(task, done[task]))
+                done[task] = runner(task)
+                log(describe(task, done[task]))
         finally:
             _WORKER.clear()
             _WORKER.update(saved)
@@ -464,12 +470,12 @@ def run_tasks(tasks: list[tuple[str, str | None, Any]], plan: dict, root, jobs: 
 
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_start_worker, initargs=(plan, root, torch.get_num_threads())) as pool:
-        futures = {pool.submit(run_task, task): task for task in tasks}
+        futures = {pool.submit(runner, task): task for task in tasks}
         try:
             for future in as_completed(futures):
                 task = futures[future]
                 done[task] = future.result()
-                log(_task_line(task, done[task]))
+                log(describe(task, done[task]))
         except BaseException:  # a failed task fails the section: the queued ones are not run
             pool.shutdown(wait=True, cancel_futures=True)
             raise

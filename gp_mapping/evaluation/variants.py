@@ -97,35 +97,80 @@ def recording(name: str, seed: int, seconds: float = 400.0, batch: int = 50) -> 
     return calibration.Recording(name, track(drive), targets(drive), track(again), targets(again), batch, drive.t)
 
 
-def ladder(rec: calibration.Recording, name: str, log: Callable[[str], None], **overrides: Any
-           ) -> tuple[dict[str, dict[str, float]], bool]:
-    """The shipped dual SVGP with ``overrides`` at each M of the calibration section's ladder: its scores by M
-    (RMSE, NLPD, +-2 SD, z-std) and whether each larger M maps no worse (calibration.larger_m_holds)."""
-    rungs: dict[str, dict[str, float]] = {}
-    label = "".join(f", {key} {value}" for key, value in overrides.items())
-    for _, m in calibration.M_LADDER:
-        s = calibration.engine_scores(calibration.shipped(num_inducing=m, **overrides), rec)
-        rungs[str(m)] = {key: s[key] for key in ("rmse", "nlpd", "within_2sd", "z_std")}
-        log(f"  {name} M={m}{label}: RMSE {s['rmse']:.3f} NLPD {s['nlpd']:.3f} +-2 SD {s['within_2sd']:.3f}")
-    return rungs, calibration.larger_m_holds(list(rungs.values()))
+def rung_scores(rec: calibration.Recording, m: int, position_noise: float = 0.0) -> dict[str, float]:
+    """The shipped dual SVGP with ``m`` inducing points (and ``position_noise`` [m] where it is above 0) streamed over
+    ``rec``: RMSE, NLPD, +-2 SD and z-std on its held-out loop."""
+    overrides = {"position_noise": position_noise} if position_noise > 0 else {}
+    s = calibration.engine_scores(calibration.shipped(num_inducing=m, **overrides), rec)
+    return {key: s[key] for key in ("rmse", "nlpd", "within_2sd", "z_std")}
+
+
+def run_task(task: tuple[str, str, Any]) -> Any:
+    """One stream of the section (run's tasks, calibration.run_tasks): ("rung", variant, (seed, M, position
+    noise)) or ("peers", variant, seed). A worker makes each variant's recording once (the plan's
+    variants_seconds)."""
+    kind, name, arg = task
+    seed = arg[0] if kind == "rung" else arg
+    made = calibration._WORKER["recordings"]
+    if (name, seed) not in made:
+        made[(name, seed)] = recording(name, seed=seed,
+                                       seconds=float(calibration._WORKER["plan"].get("variants_seconds", 400.0)))
+    rec = made[(name, seed)]
+    if kind == "rung":
+        return rung_scores(rec, arg[1], arg[2])
+    if kind == "peers":
+        return calibration.peer_scores(rec, calibration.shipped(), calibration._WORKER["plan"])
+    raise ValueError(f"unknown task {task!r}")
+
+
+def _task_line(task: tuple[str, str, Any], result: Any) -> str:
+    kind, name, arg = task
+    if kind == "peers":
+        return f"  {name} peers: " + ", ".join(f"{p} {s['rmse']:.3f}" for p, s in result.items())
+    _, m, noise = arg
+    label = f", position_noise {noise:g}" if noise > 0 else ""
+    return (f"  {name} M={m}{label}: RMSE {result['rmse']:.3f} NLPD {result['nlpd']:.3f} +-2 SD "
+            f"{result['within_2sd']:.3f}")
 
 
 def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
+    """The section: each variant's ladder (and with position noise where it has a track error) and its peers.
+    Every stream is a task of calibration.run_tasks, in ``plan["jobs"]`` worker processes where that is above 1;
+    every engine and peer is seeded, so the numbers do not depend on it."""
     names = tuple(plan.get("variants", VARIANTS))
     peers = bool(plan.get("variants_peers", True))
+    sizes = [m for _, m in calibration.M_LADDER]
+    seeds = {name: 100 * (k + 1) for k, name in enumerate(names)}  # each variant's own world and drive
+    noises = {name: [0.0] + ([VARIANTS[name].get("track_error", (0.0, 1.0))[0]]
+                             if VARIANTS[name].get("track_error", (0.0, 1.0))[0] > 0
+                             and plan.get("variants_position_noise", True) else []) for name in names}
+    tasks: list[tuple[str, str, Any]] = []
+    for name in names:
+        tasks += [("rung", name, (seeds[name], m, noise)) for noise in noises[name] for m in sizes]
+        tasks += [("peers", name, seeds[name])] if peers else []
+    done = calibration.run_tasks(tasks, plan, None, int(plan.get("jobs", 1)), log, runner=run_task,
+                                 describe=_task_line)
     out: dict[str, Any] = {"variants": {}}
-    for k, name in enumerate(names):
-        rec = recording(name, seed=100 * (k + 1), seconds=float(plan.get("variants_seconds", 400.0)))
-        row: dict[str, Any] = {"streamed": len(rec.x), "held_out": len(rec.x_test)}
-        row["dual_svgp"], row["ladder_holds"] = ladder(rec, name, log)
-        error_sd = VARIANTS[name].get("track_error", (0.0, 1.0))[0]
-        if error_sd > 0 and plan.get("variants_position_noise", True):
-            rungs, holds = ladder(rec, name, log, position_noise=error_sd)
-            row["position_noise"] = {"track_error_sd": error_sd, **rungs, "ladder_holds": holds}
+    for name in names:
+        streamed, held_out = _sizes(name, seeds[name], float(plan.get("variants_seconds", 400.0)))
+        row: dict[str, Any] = {"streamed": streamed, "held_out": held_out}
+        for noise in noises[name]:
+            rungs = {str(m): done[("rung", name, (seeds[name], m, noise))] for m in sizes}
+            holds = calibration.larger_m_holds(list(rungs.values()))
+            if noise == 0.0:
+                row["dual_svgp"], row["ladder_holds"] = rungs, holds
+            else:
+                row["position_noise"] = {"track_error_sd": noise, **rungs, "ladder_holds": holds}
         if peers:
-            row["peers"] = calibration.peer_scores(rec, calibration.shipped(), plan)
+            row["peers"] = done[("peers", name, seeds[name])]
         out["variants"][name] = row
     return out
+
+
+def _sizes(name: str, seed: int, seconds: float) -> tuple[int, int]:
+    """Readings streamed and held out of a variant's recording."""
+    rec = recording(name, seed=seed, seconds=seconds)
+    return len(rec.x), len(rec.x_test)
 
 
 def _ladder_cells(rungs: dict[str, dict[str, float]], sizes: list[str], holds: bool) -> str:

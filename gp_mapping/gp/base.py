@@ -456,7 +456,8 @@ class Engine(nn.Module, abc.ABC):
                     err = torch.where(seen, yt - offset - mean, torch.zeros_like(mean))
                     slope2 = lagged._reading_slope2(xt) if self.config.calibration_slope else None
                     cal.record(err, var, noise, seen, lagged._prior_latent_variance(), slope2)
-                    cal.refit(self._target_variance(), self._prior_latent_variance())
+                    cal.refit(self._target_variance(), self._prior_latent_variance(),
+                              shared_var=self._shared_noise_variance())
                 self._keep_lagged(xt)
             return torch.where(seen, yt - offset, yt)
 
@@ -507,6 +508,15 @@ class Engine(nn.Module, abc.ABC):
     def _target_variance(self) -> torch.Tensor:
         """(P,) variance of the targets seen so far (the scale of the calibration's tau^2 grid)."""
         return self.y_std.detach() ** 2
+
+    def _shared_noise_variance(self) -> torch.Tensor:
+        """(P,) the variance of the error a reading shares with its neighbours in time (model.time_error),
+        targets' units; 0 without one. Part of each reading's noise variance; the calibration's factor c may
+        narrow it (gp/calibration.py)."""
+        error = getattr(getattr(self, "likelihood", None), "time_error", None)
+        if error is None:
+            return torch.zeros(self.output_dims, dtype=torch.float64, device=self.device)
+        return error.variance.detach() * self.y_std.detach() ** 2
 
     #: an input farther from any datum than a map in metres reaches (every kernel's correlation 0 there)
     _NOWHERE = 1.0e7

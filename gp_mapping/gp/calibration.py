@@ -20,7 +20,9 @@ is fitted by maximum likelihood (a: how far the latent variance is off; tau^2: t
 no part of the model sees; b, where the engine states its mean's slope (dual_svgp) and model.calibration_slope
 is on: the variance of a position error [m^2], which reads as slope times that error, so a steep place errs
 more than a flat one; 0 otherwise; c in [0.1, 1]: how much of the engine's noise the readings show, below 1
-for a sensor quieter than model.noise_floor, which the engine learns its noise above).
+for a sensor quieter than model.noise_floor, which the engine learns its noise above, or for an error shared
+in time (model.time_error) whose variance, learned along the stream, is more than a new pass meets: c scales
+the floor's part of the noise and the shared error's, never the white noise the engine learned above its floor).
 
 Two fits. A position error is not in a reading taken exactly at x, only in one taken where the robot *thought*
 it was. A new pass over mapped ground is the second kind: its variance is the fit with the slope term. A
@@ -150,10 +152,13 @@ class PrequentialCalibration(_OptionalState):
     def __init__(self, input_dims: int, output_dims: int, records: int, noise_floor: float = 0.0) -> None:
         super().__init__()
         self.records = int(records)
-        #: the engine's noise floor (targets' units, model.noise_floor): the part of a noise variance that the
-        #: noise factor c scales (NOISE_BOUNDS)
+        #: the engine's noise floor (targets' units, model.noise_floor): with shared_var, the part of a noise
+        #: variance that the noise factor c scales (NOISE_BOUNDS)
         self.noise_floor = float(noise_floor)
         f64 = {"dtype": torch.float64}
+        # the variance (P,) of the error the engine's readings share in time (model.time_error; 0 without it),
+        # targets' units, as of the last refit: c scales it with the floor's part (refit)
+        self.register_buffer("shared_var", torch.zeros(output_dims, **f64))
         # Ring of records, per output: squared error, latent variance, noise variance (targets' units), and
         # whether the entry is filled (a vector output can miss a channel).
         self.register_buffer("err2", torch.zeros(self.records, output_dims, **f64))
@@ -191,7 +196,7 @@ class PrequentialCalibration(_OptionalState):
         self.register_buffer("position", torch.zeros(output_dims, **f64))
 
     ADDED_LATER = ("prior_var", "widen", "slope2", "position", "reported_scale", "reported_extra", "reported_widen",
-                   "noise_scale", "reported_noise_scale")
+                   "noise_scale", "reported_noise_scale", "shared_var")
     #: the reported-position fit's buffers and the exact-position ones a state without them loads them from
     REPORTED = {"reported_scale": "scale", "reported_extra": "extra", "reported_widen": "widen",
                 "reported_noise_scale": "noise_scale"}
@@ -240,15 +245,20 @@ class PrequentialCalibration(_OptionalState):
         self.filled[idx] = observed
         self.record_count += err.shape[0]
 
-    def refit(self, target_var: torch.Tensor, prior_var: torch.Tensor, force: bool = False) -> None:
+    def refit(self, target_var: torch.Tensor, prior_var: torch.Tensor, force: bool = False,
+              shared_var: torch.Tensor | None = None) -> None:
         """Maximum-likelihood fits per output from the stored records (both of them: without the slope term and
         with it), once REFIT_EVERY records came since the last refit (or ``force``); ``target_var`` (P,) sets the
         scale of the tau^2 grid; ``prior_var`` (P,) is the map's no-data latent variance now, the scale each
-        record's latent variance is brought to (module docstring). Outputs with fewer than
-        CALIBRATION_MIN_RECORDS records stay uncalibrated."""
+        record's latent variance is brought to (module docstring); ``shared_var`` (P,): the variance of the error
+        the engine's readings share in time now (None: as at the last refit), the part of each record's noise
+        that c scales beside the floor's. Outputs with fewer than CALIBRATION_MIN_RECORDS records stay
+        uncalibrated."""
         if not force and int(self.record_count) - int(self.fitted_at) < REFIT_EVERY:
             return
         self.fitted_at.copy_(self.record_count)
+        if shared_var is not None:
+            self.shared_var.copy_(shared_var.detach().to(self.shared_var))
         for p in range(self.err2.shape[1]):
             keep = self.filled[:, p]
             if int(keep.sum()) < CALIBRATION_MIN_RECORDS:
@@ -265,16 +275,17 @@ class PrequentialCalibration(_OptionalState):
                 e2, v, s, g, then = (t.cpu() for t in (e2, v, s, g, then))
                 v = torch.where(then > 0, v * (float(prior_var[p]) / then.clamp_min(1e-300)), v)
                 unit = max(float(target_var[p]), 1e-12)
-                exact = self._fit(e2, v, s, torch.zeros_like(g), unit, self.noise_floor)
-                reported = self._fit(e2, v, s, g, unit, self.noise_floor) if bool((g > 0).any()) else exact
+                scalable = self.noise_floor + float(self.shared_var[p])
+                exact = self._fit(e2, v, s, torch.zeros_like(g), unit, scalable)
+                reported = self._fit(e2, v, s, g, unit, scalable) if bool((g > 0).any()) else exact
             self.scale[p], self.extra[p], _, self.noise_scale[p], self.widen[p] = exact
             (self.reported_scale[p], self.reported_extra[p], self.position[p], self.reported_noise_scale[p],
              self.reported_widen[p]) = reported
 
     @staticmethod
-    def _noise_parts(s: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """A noise variance split into what the engine learned above its floor and the floor's part (which c
-        scales)."""
+    def _noise_parts(s: torch.Tensor, floor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A noise variance split into the white noise the engine learned above its floor, and the part that c
+        scales: the floor's, and the error shared in time (``floor``: the floor plus its variance)."""
         learned = (s - floor).clamp_min(0.0)
         return learned, s - learned
 
@@ -282,7 +293,7 @@ class PrequentialCalibration(_OptionalState):
     def _fit(cls, e2, v, s, g, unit: float, floor: float = 0.0) -> tuple[float, float, float, float, float]:
         """(a, tau^2, b, c, w) of the records (squared errors e2, latent and noise variances v and s, squared slopes
         g: all 0 for the fit without the slope term); ``unit`` scales the tau^2 bounds; ``floor``: the engine's
-        noise floor, the part of s that c scales. A coarse grid over the log parameters finds the likelihood's
+        noise floor and the variance of its error shared in time, the part of s that c scales. A coarse grid over the log parameters finds the likelihood's
         basin; Newton steps within the bounds find its optimum (:meth:`_newton`)."""
         s, s_floor = cls._noise_parts(s, floor)
         # (lower, upper, coarse points) of a, tau^2, b, c; one that cannot act (no slopes, no floor) is held at
@@ -384,12 +395,12 @@ class PrequentialCalibration(_OptionalState):
                                       + self.position * slope2 + self.reported_extra)
 
     def noise_part(self, noise_var: torch.Tensor, reported: bool = False, full_floor: bool = False) -> torch.Tensor:
-        """The engine's noise variance (N, P) as a reading's variance counts it: what it learned above its floor,
-        and the floor's part times c (of the fit for a reading taken exactly at x, or ``reported``: at a reported
+        """The engine's noise variance (N, P) as a reading's variance counts it: the white noise it learned above
+        its floor, and the floor's part and the error shared in time times c (of the fit for a reading taken exactly at x, or ``reported``: at a reported
         position; ``full_floor``: times 1)."""
         if full_floor:
             return noise_var
-        learned, floor = self._noise_parts(noise_var, self.noise_floor)
+        learned, floor = self._noise_parts(noise_var, self.noise_floor + self.shared_var)
         return learned + (self.reported_noise_scale if reported else self.noise_scale) * floor
 
     def _loaded(self) -> None:

@@ -37,7 +37,8 @@ def test_a_variant_moves_the_track_and_not_the_readings(monkeypatch):
 def test_the_section_is_opt_in_and_reports_each_variant_at_each_m(monkeypatch):
     assert "variants" in harness.OPTIONAL_SECTIONS and "variants" not in harness.SECTIONS
     monkeypatch.setattr(calibration, "M_LADDER", (("small", 8), ("large", 16)))
-    out = variants.run({"variants": ("pose_drift",), "variants_peers": False, "variants_seconds": 40.0},
+    # in two worker processes (calibration.run_tasks, as `gp-mapping bench --jobs 2` runs it): each stream a task
+    out = variants.run({"variants": ("pose_drift",), "variants_peers": False, "variants_seconds": 40.0, "jobs": 2},
                        lambda message: None)
     row = out["variants"]["pose_drift"]
     assert set(row["dual_svgp"]) == {"8", "16"} and row["streamed"] == 400

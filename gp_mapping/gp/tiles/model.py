@@ -432,6 +432,10 @@ class TiledModel(SharedHyperparameters, Engine):
     def _target_variance(self) -> torch.Tensor:
         return self.target_m2 / self.target_count.clamp_min(1.0)
 
+    def _shared_noise_variance(self) -> torch.Tensor:
+        """The prior engine's (the tiles share their hyperparameters, Engine._shared_noise_variance)."""
+        return self.prior._shared_noise_variance()
+
     def _prior_latent_variance(self) -> torch.Tensor:
         """The prior engine's (current hyperparameters, running scaling): what a tile without data states, as
         the blend does far from every tile, without routing a point through the lattice (8x the cost)."""
