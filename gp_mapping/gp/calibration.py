@@ -293,8 +293,9 @@ class PrequentialCalibration(_OptionalState):
     def _fit(cls, e2, v, s, g, unit: float, floor: float = 0.0) -> tuple[float, float, float, float, float]:
         """(a, tau^2, b, c, w) of the records (squared errors e2, latent and noise variances v and s, squared slopes
         g: all 0 for the fit without the slope term); ``unit`` scales the tau^2 bounds; ``floor``: the engine's
-        noise floor and the variance of its error shared in time, the part of s that c scales. A coarse grid over the log parameters finds the likelihood's
-        basin; Newton steps within the bounds find its optimum (:meth:`_newton`)."""
+        noise floor and the variance of its error shared in time, the part of s that c scales. A coarse grid over
+        the log parameters finds the likelihood's basin; Newton steps within the bounds find its optimum
+        (:meth:`_newton`)."""
         s, s_floor = cls._noise_parts(s, floor)
         # (lower, upper, coarse points) of a, tau^2, b, c; one that cannot act (no slopes, no floor) is held at
         # its only value: b at its floor (the term off), c at 1
@@ -396,8 +397,8 @@ class PrequentialCalibration(_OptionalState):
 
     def noise_part(self, noise_var: torch.Tensor, reported: bool = False, full_floor: bool = False) -> torch.Tensor:
         """The engine's noise variance (N, P) as a reading's variance counts it: the white noise it learned above
-        its floor, and the floor's part and the error shared in time times c (of the fit for a reading taken exactly at x, or ``reported``: at a reported
-        position; ``full_floor``: times 1)."""
+        its floor, and the floor's part and the error shared in time times c (of the fit for a reading taken
+        exactly at x, or ``reported``: at a reported position; ``full_floor``: times 1)."""
         if full_floor:
             return noise_var
         learned, floor = self._noise_parts(noise_var, self.noise_floor + self.shared_var)

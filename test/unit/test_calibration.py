@@ -62,6 +62,45 @@ def test_refit_is_the_maximum_likelihood_of_the_variance_model():
     assert float(plain.noise_scale) == 1.0
 
 
+def test_the_noise_factor_scales_an_error_shared_in_time_with_the_floor_and_keeps_the_white_noise_above_it():
+    """With model.time_error a reading's noise is white (the floor and what the engine learned above it) plus the
+    variance of the error it shares in time; the latter, learned along the stream, can be more than a new pass
+    meets. The engine hands it to the refit (shared_var): c then scales the floor's part and the shared error's,
+    and the white noise learned above the floor stays. Records drawn with c = 0.3 on floor 0.5 + shared 1.5."""
+    rng = np.random.default_rng(3)
+    n = 1000
+    v = rng.uniform(0.001, 1.0, n)
+    white = rng.uniform(0.5, 1.5, n)  # floor 0.5 and up to 1 learned above it (tiles' noises differ)
+    shared = 1.5
+    err = rng.normal(size=n) * np.sqrt(v + (white - 0.5) + 0.3 * (0.5 + shared))
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)[:, None]  # noqa: E731
+    one = torch.ones(1, dtype=torch.float64)
+    cal = PrequentialCalibration(2, 1, records=n, noise_floor=0.5)
+    cal.record(t(err), t(v), t(white + shared), torch.ones(n, 1, dtype=torch.bool), one)
+    cal.refit(one, one, force=True, shared_var=torch.tensor([shared], dtype=torch.float64))
+    assert float(cal.shared_var) == shared and float(cal.noise_scale) == pytest.approx(0.3, rel=0.25)
+    s2 = cal.reading_variance(t([0.0]), t([1.2 + shared]))  # 0.7 learned above the floor
+    assert float(s2) == pytest.approx(float(cal.widen) * (0.7 + float(cal.noise_scale) * (0.5 + shared)
+                                                          + float(cal.extra)))
+    # a refit without shared_var keeps the last one (a merge's pool); the state file carries it
+    cal.refit(one, one, force=True)
+    assert float(cal.shared_var) == shared
+    loaded = PrequentialCalibration(2, 1, records=n, noise_floor=0.5)
+    loaded.load_state_dict(cal.state_dict())
+    assert float(loaded.shared_var) == shared
+    # without the shared part c sees only the floor's 0.5 of each record's noise: it cannot reach the truth, and
+    # the records' likelihood under the fit is worse
+    blind = PrequentialCalibration(2, 1, records=n, noise_floor=0.5)
+    blind.record(t(err), t(v), t(white + shared), torch.ones(n, 1, dtype=torch.bool), one)
+    blind.refit(one, one, force=True)
+
+    def nll(c):
+        total = c.widen * (c.scale * t(v) + c.noise_part(t(white + shared)) + c.extra)
+        return float((total.log() + t(err) ** 2 / total).mean())
+
+    assert nll(cal) < nll(blind) - 0.05
+
+
 def test_the_slope_term_is_fitted_with_the_others_where_the_map_states_its_slope():
     """Records with the map's squared slope g (a position error reads as slope times that error): errors drawn
     from N(0, a v + n + b g + tau^2) with a = 2, b = 0.04 m^2 (a 0.2 m error), tau^2 = 0.1. The fit lands

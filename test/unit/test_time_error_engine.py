@@ -148,3 +148,19 @@ def test_time_error_elsewhere_is_a_config_error_naming_the_key(setting):
     with pytest.raises(ConfigError, match="time_error is learned by dual_svgp") as err:
         build_model(ModelConfig(device="cpu", time_error=True, **setting), 2, 1)
     assert err.value.key == "time_error"
+
+
+def test_the_calibration_is_given_the_shared_errors_variance_which_its_noise_factor_scales():
+    """The map hands the variance of e (targets' units) to each refit of its calibration (Engine._calibrate_on;
+    a tiled map its shared hyperparameters'), so the noise factor c scales it with the floor's part
+    (gp/calibration.py); without time_error it is 0 and the calibration is as before."""
+    full = calibration.load("sim_revisit", None, {})
+    rec = calibration.Recording(full.name, full.x[:1000], full.y[:1000], full.x_test[:20], full.y_test[:20], 50,
+                                full.t[:1000])  # 100 m of path: the calibration refits from its 10th batch on
+    for tile_size in (0.0, 12.0):
+        model, _ = calibration.stream_engine(calibration.shipped(time_error=True, tile_size=tile_size), rec)
+        shared = model._shared_noise_variance()
+        assert int(model.calibration.fitted_at) > 0 and float(shared[0]) > 0.0
+        assert float(model.calibration.shared_var[0]) == pytest.approx(float(shared[0]), rel=0.1)
+    white, _ = calibration.stream_engine(calibration.shipped(tile_size=0.0), rec)
+    assert float(white.calibration.shared_var[0]) == 0.0 and float(white._shared_noise_variance()[0]) == 0.0
