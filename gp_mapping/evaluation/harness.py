@@ -434,8 +434,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: the batches are small and cores are often shared)")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="worker processes for the calibration section's streams (default 1; each runs --threads "
-                             "torch threads, and the numbers do not depend on it)")
+                        help="worker processes for the calibration and variants sections' streams (default 1; each "
+                             "runs --threads torch threads, and the numbers do not depend on it)")
     parser.add_argument("--only", nargs="+", choices=SECTIONS + OPTIONAL_SECTIONS, default=None,
                         help="run only these sections; they are written to <sections>.json / .md (e.g. speed.md), "
                              "not over bench.json / bench.md")
