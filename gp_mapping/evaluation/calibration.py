@@ -398,6 +398,12 @@ def _batch_factors(plan: dict) -> tuple:
 _WORKER: dict[str, Any] = {"recordings": {}}
 
 
+def task_context() -> tuple[dict, Any, dict]:
+    """What a task runner of run_tasks reads, in a worker or in this process: the plan, the data folder and a
+    cache of what the worker has loaded or made (recordings), kept between its tasks."""
+    return _WORKER["plan"], _WORKER["root"], _WORKER["recordings"]
+
+
 def _start_worker(plan: dict, root, threads: int) -> None:
     import torch
 
@@ -410,13 +416,14 @@ def run_task(task: tuple[str, str | None, Any]) -> Any:
     ("batch", recording, batch size), ("candidate", recording, candidate), ("candidate_batch", recording,
     (candidate, batch size)) or ("sessions", None, None)."""
     kind, name, arg = task
+    plan, root, loaded = task_context()
     if kind == "sessions":
-        return session_offsets(_WORKER["root"], lambda message: None)
-    if name not in _WORKER["recordings"]:
-        _WORKER["recordings"][name] = load(name, _WORKER["root"], _WORKER["plan"])
-    rec = _WORKER["recordings"][name]
+        return session_offsets(root, lambda message: None)
+    if name not in loaded:
+        loaded[name] = load(name, root, plan)
+    rec = loaded[name]
     if kind == "peers":
-        return peer_scores(rec, shipped(), _WORKER["plan"])
+        return peer_scores(rec, shipped(), plan)
     if kind == "engine":
         return engine_scores(shipped(engine=arg), rec)
     if kind == "batch":
@@ -449,7 +456,7 @@ def run_tasks(tasks: list[tuple[str, str | None, Any]], plan: dict, root, jobs: 
     """Each task's result (``runner``, a module-level function: run_task unless said), computed here one after
     another (``jobs`` 1) or in ``jobs`` worker processes (spawned: a forked child of a process whose torch has
     started threads can hang), each running as many torch threads as this process; each result is logged as
-    ``describe`` (_task_line unless said) writes it. A runner reads the plan and data folder from _WORKER."""
+    ``describe`` (_task_line unless said) writes it. A runner reads the plan and data folder from task_context."""
     runner, describe = runner or run_task, describe or _task_line
     done: dict[tuple[str, str | None, Any], Any] = {}
     if jobs <= 1:

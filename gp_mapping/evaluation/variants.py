@@ -111,15 +111,14 @@ def run_task(task: tuple[str, str, Any]) -> Any:
     variants_seconds)."""
     kind, name, arg = task
     seed = arg[0] if kind == "rung" else arg
-    made = calibration._WORKER["recordings"]
+    plan, _, made = calibration.task_context()
     if (name, seed) not in made:
-        made[(name, seed)] = recording(name, seed=seed,
-                                       seconds=float(calibration._WORKER["plan"].get("variants_seconds", 400.0)))
+        made[(name, seed)] = recording(name, seed=seed, seconds=float(plan.get("variants_seconds", 400.0)))
     rec = made[(name, seed)]
     if kind == "rung":
         return rung_scores(rec, arg[1], arg[2])
     if kind == "peers":
-        return calibration.peer_scores(rec, calibration.shipped(), calibration._WORKER["plan"])
+        return calibration.peer_scores(rec, calibration.shipped(), plan)
     raise ValueError(f"unknown task {task!r}")
 
 
@@ -141,9 +140,7 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
     peers = bool(plan.get("variants_peers", True))
     sizes = [m for _, m in calibration.M_LADDER]
     seeds = {name: 100 * (k + 1) for k, name in enumerate(names)}  # each variant's own world and drive
-    noises = {name: [0.0] + ([VARIANTS[name].get("track_error", (0.0, 1.0))[0]]
-                             if VARIANTS[name].get("track_error", (0.0, 1.0))[0] > 0
-                             and plan.get("variants_position_noise", True) else []) for name in names}
+    noises = {name: _position_noises(name, bool(plan.get("variants_position_noise", True))) for name in names}
     tasks: list[tuple[str, str, Any]] = []
     for name in names:
         tasks += [("rung", name, (seeds[name], m, noise)) for noise in noises[name] for m in sizes]
@@ -165,6 +162,13 @@ def run(plan: dict, log: Callable[[str], None]) -> dict[str, Any]:
             row["peers"] = done[("peers", name, seeds[name])]
         out["variants"][name] = row
     return out
+
+
+def _position_noises(name: str, with_known_error: bool) -> list[float]:
+    """The position noises [m] a variant's ladder runs with: 0 (the shipped engine) and, for a variant with a track
+    error, that error's standard deviation (as a user who knows it would set model.position_noise)."""
+    error_sd = VARIANTS[name].get("track_error", (0.0, 1.0))[0]
+    return [0.0] + ([error_sd] if error_sd > 0 and with_known_error else [])
 
 
 def _sizes(name: str, seed: int, seconds: float) -> tuple[int, int]:
