@@ -473,7 +473,8 @@ class Engine(nn.Module, abc.ABC):
         (docs/merging.md). Returns the records kept (0 when this engine does not calibrate or none came)."""
         if not self.calibrates:
             return 0
-        return self.calibration.pool(list(records), self._target_variance(), self._prior_latent_variance())
+        return self.calibration.pool(list(records), self._target_variance(), self._prior_latent_variance(),
+                                     self._shared_noise_variance())
 
     def _lagged(self) -> "Engine | None":
         """The map as it was between one and two calibration lags of path ago (None until it exists)."""

@@ -416,13 +416,13 @@ class PrequentialCalibration(_OptionalState):
         return {k: getattr(self, k)[rows].detach().cpu().clone() for k in RECORD_FIELDS + ("filled",)}
 
     def pool(self, sources: list[dict[str, torch.Tensor]], target_var: torch.Tensor,
-             prior_var: torch.Tensor) -> int:
+             prior_var: torch.Tensor, shared_var: torch.Tensor | None = None) -> int:
         """Make the store the records of ``sources`` (:meth:`records_summary` of other maps: a merge's sources)
         and refit, so a merged map states its readings' variance as its sources' out-of-sample errors say maps of
         that ground err. A record's latent variance is relative to the prior variance of the map that made it, so
         records of other maps refit as this map's own do (module docstring). Each source keeps an equal share of
-        the store when all do not fit. ``target_var``, ``prior_var``: as :meth:`refit`. Returns the records
-        kept (0: none, the store and the fit unchanged)."""
+        the store when all do not fit. ``target_var``, ``prior_var``, ``shared_var``: as :meth:`refit`. Returns
+        the records kept (0: none, the store and the fit unchanged)."""
         sources = [r for r in sources if r["err2"].shape[0] > 0]
         if not sources or self.records == 0:
             return 0
@@ -438,7 +438,7 @@ class PrequentialCalibration(_OptionalState):
             buf.zero_()
             buf[:kept] = torch.cat([r[k] for r in picked]).to(device=dev, dtype=buf.dtype)
         self.record_count.fill_(kept)
-        self.refit(target_var, prior_var, force=True)
+        self.refit(target_var, prior_var, force=True, shared_var=shared_var)
         return kept
 
 class SessionOffsets(_OptionalState):

@@ -82,7 +82,7 @@ def test_the_noise_factor_scales_an_error_shared_in_time_with_the_floor_and_keep
     s2 = cal.reading_variance(t([0.0]), t([1.2 + shared]))  # 0.7 learned above the floor
     assert float(s2) == pytest.approx(float(cal.widen) * (0.7 + float(cal.noise_scale) * (0.5 + shared)
                                                           + float(cal.extra)))
-    # a refit without shared_var keeps the last one (a merge's pool); the state file carries it
+    # a refit without shared_var keeps the last one; the state file carries it
     cal.refit(one, one, force=True)
     assert float(cal.shared_var) == shared
     loaded = PrequentialCalibration(2, 1, records=n, noise_floor=0.5)
