@@ -307,6 +307,7 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
     engines = [e for e in ENGINES if e in _chosen(plan, "calibration_engines", tuple(ENGINES))]
     candidates = [c for c in CANDIDATES if c in _chosen(plan, "calibration_candidates", tuple(CANDIDATES))]
     parts = _chosen(plan, "calibration_parts", PARTS)
+    rungs = _ladder_rungs(candidates)  # the M ladder's selected rungs (ladder_batching)
     recs = {}
     for name in names:
         try:
@@ -322,7 +323,7 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
             tasks += [("batch", name, b) for b in batch_sizes(rec, factors)[1:]]
         tasks += [("candidate", name, c) for c in candidates if not (c == "shipped" and "dual_svgp" in engines)]
         if "ladder_batching" in parts and "dual_svgp" in engines:
-            tasks += [("candidate_batch", name, (c, b)) for c in _ladder_rungs(candidates) if c != "shipped"
+            tasks += [("candidate_batch", name, (c, b)) for c in rungs if c != "shipped"
                       for b in batch_sizes(rec, factors)[1:]]
     if "solin_p2" in names and "sessions" in parts:
         tasks.append(("sessions", None, None))
@@ -340,7 +341,6 @@ def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
                                                else row["engines"]["dual_svgp"] for b in batch_sizes(rec, factors)})
             log(f"  {name} batching: " + ", ".join(f"{b}: {r['rmse']:.3f}"
                                                    for b, r in row["batching"]["runs"].items()))
-        rungs = _ladder_rungs(candidates)
         if "ladder_batching" in parts and "dual_svgp" in row["engines"] and len(rungs) > 1:
             sizes = batch_sizes(rec, factors)
             row["ladder_batching"] = ladder_over_batchings({
