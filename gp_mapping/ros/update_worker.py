@@ -1,7 +1,7 @@
 """The update thread of a node: an inbox of messages, a queue of jobs, and one thread that runs them.
 
 The executor's callbacks never wait for a model update: they put messages in the inbox (:meth:`UpdateWorker._push`,
-bounded, the oldest dropped) and jobs in the queue (:meth:`UpdateWorker._submit`: publishing, checkpoints,
+bounded, the oldest dropped; a full inbox holds the callback back a moment, see there) and jobs in the queue (:meth:`UpdateWorker._submit`: publishing, checkpoints,
 services, parameter changes), and the update thread runs the jobs between two update steps. So the
 subscriptions keep up with a flood while a long update runs, and the state the steps change (the Mapper) has
 one user. ``_lock`` is held while a step runs; it only makes it safe for tests (and jobs) to look inside.
@@ -15,6 +15,13 @@ import threading
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
+
+#: How long a message callback waits for room when the inbox is full [s]. The update thread is behind then, and the
+#: executor thread taking messages only to drop them would take the GIL from it: under a 2 kHz flood on a loaded
+#: two-core machine an update (0.15 s alone) took 12 s and the map stalled. Waiting (GIL released) hands the update
+#: thread that time; meanwhile the transport drops what does not fit its queue, counted by the sequence numbers.
+#: Bounded, so that timers and services still run between two messages.
+INBOX_FULL_WAIT = 0.05
 
 
 class UpdateWorker:
@@ -31,24 +38,29 @@ class UpdateWorker:
         self._updates_waiting = False  # the last step ran an update: more full batches may be ready
         self._stopping = False
         self._updating = False
+        self._worker: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------------- the inbox
 
     def _push(self, item: Any, limit: int) -> bool:
-        """Put ``item`` in the inbox; with ``limit`` items there already the oldest is dropped first. Returns
-        whether one was dropped (the caller counts it)."""
+        """Put ``item`` in the inbox. With ``limit`` items there already and the update thread running, wait up to
+        :data:`INBOX_FULL_WAIT` for it to take them; if they are still there, the oldest is dropped. Returns whether
+        one was dropped (the caller counts it)."""
         with self._inbox_cond:
+            if len(self._inbox) >= limit and self._worker is not None and self._worker.is_alive():
+                self._inbox_cond.wait_for(lambda: len(self._inbox) < limit or self._stopping, INBOX_FULL_WAIT)
             dropped = len(self._inbox) >= limit
             if dropped:
                 self._inbox.popleft()
             self._inbox.append(item)
-            self._inbox_cond.notify()
+            self._inbox_cond.notify_all()
         return dropped
 
     def _take_inbox(self) -> deque:
         """Everything in the inbox, in arrival order; the inbox is left empty."""
         with self._inbox_cond:
             items, self._inbox = self._inbox, deque()
+            self._inbox_cond.notify_all()  # a callback waiting for room (_push)
         return items
 
     def _drop_inbox(self) -> int:
@@ -56,6 +68,7 @@ class UpdateWorker:
         with self._inbox_cond:
             dropped = len(self._inbox)
             self._inbox.clear()
+            self._inbox_cond.notify_all()
         return dropped
 
     @property
@@ -77,7 +90,7 @@ class UpdateWorker:
             if periodic:
                 self._queued.add(name)
             self._jobs.append((name, job, future))
-            self._inbox_cond.notify()
+            self._inbox_cond.notify_all()
         return future
 
     def _fail_queued_jobs(self) -> None:
