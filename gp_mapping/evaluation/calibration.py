@@ -281,6 +281,8 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               "one scale": {"kernel_scales": 1},
               "noise floor 0": {"noise_floor": 0.0}, "noise floor 0.04": {"noise_floor": 0.04},
               "noise floor 0.25": {"noise_floor": 0.25}, "memory objective": {"hyper_objective": "memory"},
+              # the calibration's factor c on the floor's part (shipped 2026-11-30, off since 2026-12-01)
+              "noise factor": {"calibration_noise_factor": True},
               "memory objective, floor 0.04": {"hyper_objective": "memory", "noise_floor": 0.04},
               "position noise 0.05 m": {"position_noise": 0.05}, "no slope term": {"calibration_slope": False},
               "consensus step 0.5": {"tile_consensus_step": 0.5},
@@ -292,9 +294,14 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               # every full update takes its whole step budget: no threshold on one step's gain, which makes the
               # end point jump with the batching (docs/calibration.md, One run is one draw)
               "hyper_tol 0": {"hyper_tol": 0.0},
-              # an error shared in time beside the field (docs/calibration.md, In the engine), at each M of the ladder
-              "time error": {"time_error": True}, "time error, M = 128": {"time_error": True, "num_inducing": 128},
-              "time error, M = 512": {"time_error": True, "num_inducing": 512}}
+              # an error shared in time beside the field (docs/calibration.md, In the engine), at each M of the
+              # ladder; with the noise factor, as they were measured (without it e's variance is stated in full)
+              **{"time error" + rung: {"time_error": True, "calibration_noise_factor": True, **m}
+                 for rung, m in (("", {}), (", M = 128", {"num_inducing": 128}), (", M = 512", {"num_inducing": 512}))},
+              # both errors a hand-held walk shares along a pass: in time, and its track's read through the slope
+              **{"time error, position noise 0.05 m" + rung: {"time_error": True, "position_noise": 0.05,
+                                                              "calibration_noise_factor": True, **m}
+                 for rung, m in (("", {}), (", M = 128", {"num_inducing": 128}), (", M = 512", {"num_inducing": 512}))}}
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:

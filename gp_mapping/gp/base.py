@@ -228,7 +228,8 @@ class Engine(nn.Module, abc.ABC):
         on = config.calibration == "prequential"  # without it the store is empty (a tile's, for one)
         self.calibration = PrequentialCalibration(self.input_dims, self.output_dims,
                                                   config.calibration_records if on else 0,
-                                                  noise_floor=getattr(config, "noise_floor", 0.0))
+                                                  noise_floor=getattr(config, "noise_floor", 0.0),
+                                                  noise_factor=getattr(config, "calibration_noise_factor", False))
         self.sessions = SessionOffsets(self.output_dims, MAX_SESSIONS)
         # every engine's counters (num_seen, num_updates), saved with its state
         self.register_buffer("num_seen_t", torch.tensor(0, dtype=torch.int64))

@@ -149,12 +149,15 @@ class _OptionalState(nn.Module):
 class PrequentialCalibration(_OptionalState):
     """Records out-of-sample residuals and fits (a, tau^2) per output; see the module docstring."""
 
-    def __init__(self, input_dims: int, output_dims: int, records: int, noise_floor: float = 0.0) -> None:
+    def __init__(self, input_dims: int, output_dims: int, records: int, noise_floor: float = 0.0,
+                 noise_factor: bool = False) -> None:
         super().__init__()
         self.records = int(records)
         #: the engine's noise floor (targets' units, model.noise_floor): with shared_var, the part of a noise
         #: variance that the noise factor c scales (NOISE_BOUNDS)
         self.noise_floor = float(noise_floor)
+        #: whether c is fitted (model.calibration_noise_factor); False: c = 1, the floor's part at full width
+        self.noise_factor = bool(noise_factor)
         f64 = {"dtype": torch.float64}
         # the variance (P,) of the error the engine's readings share in time (model.time_error; 0 without it),
         # targets' units, as of the last refit: c scales it with the floor's part (refit)
@@ -275,7 +278,7 @@ class PrequentialCalibration(_OptionalState):
                 e2, v, s, g, then = (t.cpu() for t in (e2, v, s, g, then))
                 v = torch.where(then > 0, v * (float(prior_var[p]) / then.clamp_min(1e-300)), v)
                 unit = max(float(target_var[p]), 1e-12)
-                scalable = self.noise_floor + float(self.shared_var[p])
+                scalable = self.noise_floor + float(self.shared_var[p]) if self.noise_factor else 0.0
                 exact = self._fit(e2, v, s, torch.zeros_like(g), unit, scalable)
                 reported = self._fit(e2, v, s, g, unit, scalable) if bool((g > 0).any()) else exact
             self.scale[p], self.extra[p], _, self.noise_scale[p], self.widen[p] = exact

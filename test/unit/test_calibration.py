@@ -33,7 +33,7 @@ def test_refit_is_the_maximum_likelihood_of_the_variance_model():
     noise = rng.uniform(0.05, 4.0, n)  # the engine's noise varies (tiles, position noise): c is identifiable
     floor = np.minimum(noise, 2.0)
     err = rng.normal(size=n) * np.sqrt(4.0 * v + (noise - floor) + 0.4 * floor + 0.3)
-    cal = PrequentialCalibration(2, 1, records=n, noise_floor=2.0)
+    cal = PrequentialCalibration(2, 1, records=n, noise_floor=2.0, noise_factor=True)
     t = lambda a: torch.as_tensor(a, dtype=torch.float64)[:, None]  # noqa: E731
     one = torch.ones(1, dtype=torch.float64)
     cal.record(t(err), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool), one)
@@ -60,6 +60,24 @@ def test_refit_is_the_maximum_likelihood_of_the_variance_model():
     plain.record(t(err), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool), one)
     plain.refit(one, one, force=True)
     assert float(plain.noise_scale) == 1.0
+    # model.calibration_noise_factor off (the default): the same records and floor leave c at 1, the floor's part
+    # at its full width, and a, tau^2 fitted as without a floor
+    off = PrequentialCalibration(2, 1, records=n, noise_floor=2.0)
+    off.record(t(err), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool), one)
+    off.refit(one, one, force=True)
+    assert float(off.noise_scale) == float(off.reported_noise_scale) == 1.0
+    assert (float(off.scale), float(off.extra)) == (float(plain.scale), float(plain.extra))
+    assert float(off.reading_variance(t([1.0]), t([2.5]))) == pytest.approx(
+        float(off.widen) * (float(off.scale) + 2.5 + float(off.extra)))
+
+
+def test_the_engine_fits_the_noise_factor_only_when_configured():
+    """model.calibration_noise_factor reaches the engine's calibration; off by default (docs/calibration.md, The
+    noise floor's part: records next to the path cannot see an error that returns with the heading)."""
+    assert ModelConfig().calibration_noise_factor is False
+    for on in (False, True):
+        model = build_model(ModelConfig(calibration_noise_factor=on), 2, 1)
+        assert model.calibration.noise_factor is on
 
 
 def test_the_noise_factor_scales_an_error_shared_in_time_with_the_floor_and_keeps_the_white_noise_above_it():
@@ -75,7 +93,7 @@ def test_the_noise_factor_scales_an_error_shared_in_time_with_the_floor_and_keep
     err = rng.normal(size=n) * np.sqrt(v + (white - 0.5) + 0.3 * (0.5 + shared))
     t = lambda a: torch.as_tensor(a, dtype=torch.float64)[:, None]  # noqa: E731
     one = torch.ones(1, dtype=torch.float64)
-    cal = PrequentialCalibration(2, 1, records=n, noise_floor=0.5)
+    cal = PrequentialCalibration(2, 1, records=n, noise_floor=0.5, noise_factor=True)
     cal.record(t(err), t(v), t(white + shared), torch.ones(n, 1, dtype=torch.bool), one)
     cal.refit(one, one, force=True, shared_var=torch.tensor([shared], dtype=torch.float64))
     assert float(cal.shared_var) == shared and float(cal.noise_scale) == pytest.approx(0.3, rel=0.25)
@@ -85,12 +103,12 @@ def test_the_noise_factor_scales_an_error_shared_in_time_with_the_floor_and_keep
     # a refit without shared_var keeps the last one; the state file carries it
     cal.refit(one, one, force=True)
     assert float(cal.shared_var) == shared
-    loaded = PrequentialCalibration(2, 1, records=n, noise_floor=0.5)
+    loaded = PrequentialCalibration(2, 1, records=n, noise_floor=0.5, noise_factor=True)
     loaded.load_state_dict(cal.state_dict())
     assert float(loaded.shared_var) == shared
     # without the shared part c sees only the floor's 0.5 of each record's noise: it cannot reach the truth, and
     # the records' likelihood under the fit is worse
-    blind = PrequentialCalibration(2, 1, records=n, noise_floor=0.5)
+    blind = PrequentialCalibration(2, 1, records=n, noise_floor=0.5, noise_factor=True)
     blind.record(t(err), t(v), t(white + shared), torch.ones(n, 1, dtype=torch.bool), one)
     blind.refit(one, one, force=True)
 
@@ -166,7 +184,7 @@ def test_a_fit_whose_optimum_lies_on_its_bounds_stops_there():
         return np.mean(np.log(total) + err ** 2 / total)
 
     err = rng.normal(size=n) * np.sqrt(0.6 * v + 1.5 * noise)
-    cal = PrequentialCalibration(2, 1, records=n, noise_floor=1.0)
+    cal = PrequentialCalibration(2, 1, records=n, noise_floor=1.0, noise_factor=True)
     t = lambda a: torch.as_tensor(a, dtype=torch.float64)[:, None]  # noqa: E731
     one = torch.ones(1, dtype=torch.float64)
     cal.record(t(err), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool), one, t(g))
