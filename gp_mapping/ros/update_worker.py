@@ -1,10 +1,10 @@
 """The update thread of a node: an inbox of messages, a queue of jobs, and one thread that runs them.
 
 The executor's callbacks never wait for a model update: they put messages in the inbox (:meth:`UpdateWorker._push`,
-bounded, the oldest dropped; a full inbox holds the callback back a moment, see there) and jobs in the queue (:meth:`UpdateWorker._submit`: publishing, checkpoints,
-services, parameter changes), and the update thread runs the jobs between two update steps. So the
-subscriptions keep up with a flood while a long update runs, and the state the steps change (the Mapper) has
-one user. ``_lock`` is held while a step runs; it only makes it safe for tests (and jobs) to look inside.
+bounded, the oldest dropped; a full inbox holds the callback back a moment, see there) and jobs in the queue
+(:meth:`UpdateWorker._submit`: publishing, checkpoints, services, parameter changes), and the update thread runs the
+jobs between two update steps. So the subscriptions keep up with a flood while a long update runs, and the state
+the steps change (the Mapper) has one user. ``_lock`` is held while a step runs; it only makes it safe for tests (and jobs) to look inside.
 
 A node that mixes :class:`UpdateWorker` in says what one step is (``_update_step``: feed the inbox to the model,
 run one update; returns whether more work is ready) and what follows it (``_after_update_step``).
