@@ -270,6 +270,12 @@ def shipped(**overrides) -> ModelConfig:
 ENGINES = {"dual_svgp": RECORDINGS, "continual_mogp": RECORDINGS,
            "var_gp": ("solin_p1", "optitrack_magnitude", "optitrack_vector", "demo", "sim_world", "sim_revisit"),
            "smc_experts": ("solin_p1", "optitrack_magnitude", "demo", "sim_world", "sim_revisit")}
+def _at_each_m(name: str, overrides: dict) -> dict[str, dict]:
+    """A candidate at each M of the ladder: ``name`` at the shipped M, ``name, M = 128`` and ``name, M = 512``."""
+    return {name + rung: {**overrides, **m} for rung, m in (("", {}), (", M = 128", {"num_inducing": 128}),
+                                                           (", M = 512", {"num_inducing": 512}))}
+
+
 #: the defaults table's candidates (dual_svgp, name -> overrides of the shipped model section)
 CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               "lag 2.5 m": {"calibration_lag": 2.5}, "lag 10 m": {"calibration_lag": 10.0},
@@ -296,12 +302,10 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               "hyper_tol 0": {"hyper_tol": 0.0},
               # an error shared in time beside the field (docs/calibration.md, In the engine), at each M of the
               # ladder; with the noise factor, as they were measured (without it e's variance is stated in full)
-              **{"time error" + rung: {"time_error": True, "calibration_noise_factor": True, **m}
-                 for rung, m in (("", {}), (", M = 128", {"num_inducing": 128}), (", M = 512", {"num_inducing": 512}))},
+              **_at_each_m("time error", {"time_error": True, "calibration_noise_factor": True}),
               # both errors a hand-held walk shares along a pass: in time, and its track's read through the slope
-              **{"time error, position noise 0.05 m" + rung: {"time_error": True, "position_noise": 0.05,
-                                                              "calibration_noise_factor": True, **m}
-                 for rung, m in (("", {}), (", M = 128", {"num_inducing": 128}), (", M = 512", {"num_inducing": 512}))}}
+              **_at_each_m("time error, position noise 0.05 m",
+                           {"time_error": True, "position_noise": 0.05, "calibration_noise_factor": True})}
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:
