@@ -301,11 +301,10 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               # end point jump with the batching (docs/calibration.md, One run is one draw)
               "hyper_tol 0": {"hyper_tol": 0.0},
               # an error shared in time beside the field (docs/calibration.md, In the engine), at each M of the
-              # ladder; with the noise factor, as they were measured (without it e's variance is stated in full)
-              **_at_each_m("time error", {"time_error": True, "calibration_noise_factor": True}),
+              # ladder; the calibration narrows e's variance to what a new pass meets (gp/calibration.py)
+              **_at_each_m("time error", {"time_error": True}),
               # both errors a hand-held walk shares along a pass: in time, and its track's read through the slope
-              **_at_each_m("time error, position noise 0.05 m",
-                           {"time_error": True, "position_noise": 0.05, "calibration_noise_factor": True})}
+              **_at_each_m("time error, position noise 0.05 m", {"time_error": True, "position_noise": 0.05})}
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:

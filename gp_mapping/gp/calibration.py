@@ -278,12 +278,18 @@ class PrequentialCalibration(_OptionalState):
                 e2, v, s, g, then = (t.cpu() for t in (e2, v, s, g, then))
                 v = torch.where(then > 0, v * (float(prior_var[p]) / then.clamp_min(1e-300)), v)
                 unit = max(float(target_var[p]), 1e-12)
-                scalable = self.noise_floor + float(self.shared_var[p]) if self.noise_factor else 0.0
+                scalable = float(self._scaled_noise()[p])
                 exact = self._fit(e2, v, s, torch.zeros_like(g), unit, scalable)
                 reported = self._fit(e2, v, s, g, unit, scalable) if bool((g > 0).any()) else exact
             self.scale[p], self.extra[p], _, self.noise_scale[p], self.widen[p] = exact
             (self.reported_scale[p], self.reported_extra[p], self.position[p], self.reported_noise_scale[p],
              self.reported_widen[p]) = reported
+
+    def _scaled_noise(self) -> torch.Tensor:
+        """(P,) the part of a reading's noise variance that c scales: the error its readings share in time
+        (model.time_error), whose variance learned batch by batch can exceed what a new pass meets, and with
+        model.calibration_noise_factor the noise floor's part too."""
+        return self.shared_var + (self.noise_floor if self.noise_factor else 0.0)
 
     @staticmethod
     def _noise_parts(s: torch.Tensor, floor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,7 +410,7 @@ class PrequentialCalibration(_OptionalState):
         exactly at x, or ``reported``: at a reported position; ``full_floor``: times 1)."""
         if full_floor:
             return noise_var
-        learned, floor = self._noise_parts(noise_var, self.noise_floor + self.shared_var)
+        learned, floor = self._noise_parts(noise_var, self._scaled_noise())
         return learned + (self.reported_noise_scale if reported else self.noise_scale) * floor
 
     def _loaded(self) -> None:

@@ -80,11 +80,11 @@ class ModelConfig:
                                      "reading taken exactly at x (the localizer, map.npz) has a fit of its own "
                                      "without it (docs/calibration.md, The slope term)")
     calibration_noise_factor: bool = option(False, doc="prequential calibration: let the records narrow the noise "
-                                            "floor's part of a reading's variance (and model.time_error's shared "
-                                            "error) by a factor c in [0.1, 1]. Off by default: records made next "
-                                            "to the path cannot see an error that returns with the heading (a "
-                                            "sensor's offset), and on such a world c stated a reading's variance "
-                                            "too narrow (0.75 within +-2 SD against 0.89 without; "
+                                            "floor's part of a reading's variance by a factor c in [0.1, 1], as "
+                                            "they always narrow model.time_error's shared error. Off by default: "
+                                            "records made next to the path cannot see an error that returns with the "
+                                            "heading (a sensor's offset), and on such a world c stated a reading's "
+                                            "variance too narrow (0.75 within +-2 SD against 0.89 without; "
                                             "docs/calibration.md, The noise floor's part)")
     # 4096: 1024 fixed the simulated sim_revisit (its early records come from a map with far-off hyperparameters)
     # but left the localization bench's leave-one-out Solin maps at 0.61-0.71 within +-2 SD (0.85-0.92 at 4096)

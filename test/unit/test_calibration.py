@@ -83,8 +83,9 @@ def test_the_engine_fits_the_noise_factor_only_when_configured():
 def test_the_noise_factor_scales_an_error_shared_in_time_with_the_floor_and_keeps_the_white_noise_above_it():
     """With model.time_error a reading's noise is white (the floor and what the engine learned above it) plus the
     variance of the error it shares in time; the latter, learned along the stream, can be more than a new pass
-    meets. The engine hands it to the refit (shared_var): c then scales the floor's part and the shared error's,
-    and the white noise learned above the floor stays. Records drawn with c = 0.3 on floor 0.5 + shared 1.5."""
+    meets. The engine hands it to the refit (shared_var): c then scales the shared error's (and with
+    model.calibration_noise_factor the floor's part too), and the white noise learned above the floor stays.
+    Records drawn with c = 0.3 on floor 0.5 + shared 1.5."""
     rng = np.random.default_rng(3)
     n = 1000
     v = rng.uniform(0.001, 1.0, n)
@@ -106,6 +107,15 @@ def test_the_noise_factor_scales_an_error_shared_in_time_with_the_floor_and_keep
     loaded = PrequentialCalibration(2, 1, records=n, noise_floor=0.5, noise_factor=True)
     loaded.load_state_dict(cal.state_dict())
     assert float(loaded.shared_var) == shared
+    # model.calibration_noise_factor off (the default): c scales the shared error alone, the floor's part stays at
+    # its full width; records drawn with c = 0.3 on the shared 1.5 only
+    err_off = rng.normal(size=n) * np.sqrt(v + white + 0.3 * shared)
+    off = PrequentialCalibration(2, 1, records=n, noise_floor=0.5)
+    off.record(t(err_off), t(v), t(white + shared), torch.ones(n, 1, dtype=torch.bool), one)
+    off.refit(one, one, force=True, shared_var=torch.tensor([shared], dtype=torch.float64))
+    assert float(off.noise_scale) == pytest.approx(0.3, rel=0.25)
+    assert float(off.reading_variance(t([0.0]), t([1.2 + shared]))) == pytest.approx(
+        float(off.widen) * (1.2 + float(off.noise_scale) * shared + float(off.extra)))
     # without the shared part c sees only the floor's 0.5 of each record's noise: it cannot reach the truth, and
     # the records' likelihood under the fit is worse
     blind = PrequentialCalibration(2, 1, records=n, noise_floor=0.5, noise_factor=True)
