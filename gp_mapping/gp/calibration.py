@@ -20,9 +20,10 @@ is fitted by maximum likelihood (a: how far the latent variance is off; tau^2: t
 no part of the model sees; b, where the engine states its mean's slope (dual_svgp) and model.calibration_slope
 is on: the variance of a position error [m^2], which reads as slope times that error, so a steep place errs
 more than a flat one; 0 otherwise; c in [0.1, 1]: how much of the engine's noise the readings show, below 1
-for a sensor quieter than model.noise_floor, which the engine learns its noise above, or for an error shared
-in time (model.time_error) whose variance, learned along the stream, is more than a new pass meets: c scales
-the floor's part of the noise and the shared error's, never the white noise the engine learned above its floor).
+for an error shared in time (model.time_error) whose variance, learned along the stream, is more than a new
+pass meets, and, with model.calibration_noise_factor, for a sensor quieter than model.noise_floor, which the
+engine learns its noise above: c scales the shared error's variance and, with that option, the floor's part,
+never the white noise the engine learned above its floor).
 
 Two fits. A position error is not in a reading taken exactly at x, only in one taken where the robot *thought*
 it was. A new pass over mapped ground is the second kind: its variance is the fit with the slope term. A
@@ -95,7 +96,8 @@ EXTRA_BOUNDS = (1e-8, 10.0)
 POSITION_BOUNDS = (1e-6, 10 ** -0.6)
 #: coarse grid points of b over POSITION_BOUNDS (with the records' slopes; one, at the floor, without)
 POSITION_POINTS = 6
-#: bounds of c, the factor on the part of the engine's noise that is its floor (model.noise_floor): the floor holds
+#: bounds of c, the factor on the variance of the error shared in time (model.time_error) and, with
+#: model.calibration_noise_factor, on the part of the engine's noise that is its floor (model.noise_floor): the floor holds
 #: the noise the engine learns with, but a sensor quieter than the floor reads closer to the map than it says, and
 #: its readings were over-covered (the demo bag: 1.000 within +-2 SD, z-std 0.50). The noise the engine learned
 #: above the floor is the data's and stays. c <= 1: the fit never widens the noise (tau^2 does that); 0.1: the
