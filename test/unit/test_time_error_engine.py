@@ -152,8 +152,9 @@ def test_time_error_elsewhere_is_a_config_error_naming_the_key(setting):
 
 def test_the_calibration_is_given_the_shared_errors_variance_which_its_noise_factor_scales():
     """The map hands the variance of e (targets' units) to each refit of its calibration (Engine._calibrate_on;
-    a tiled map its shared hyperparameters'), so the noise factor c scales it with the floor's part
-    (gp/calibration.py); without time_error it is 0 and the calibration is as before."""
+    a tiled map its shared hyperparameters'), so the noise factor c scales it, whether or not
+    model.calibration_noise_factor lets c scale the floor's part too (gp/calibration.py); without time_error it is
+    0 and the calibration is as before."""
     full = calibration.load("sim_revisit", None, {})
     rec = calibration.Recording(full.name, full.x[:1000], full.y[:1000], full.x_test[:20], full.y_test[:20], 50,
                                 full.t[:1000])  # 100 m of path: the calibration refits from its 10th batch on
