@@ -127,9 +127,11 @@ class ModelConfig:
                               "neighbouring readings share, e(t), an Ornstein-Uhlenbeck process in the reading's "
                               "time (a track's pose error, an attitude error, a drift), learned with the other "
                               "hyperparameters from each batch's readings and their stamps; its variance adds to "
-                              "each reading's noise. Off by default: it maps the simulated corridor better and the "
-                              "simulated worlds' variance worse (docs/calibration.md, Errors that neighbouring "
-                              "readings share); with another engine or likelihood, a config error")
+                              "each reading's noise and is held below what revisits show (readings of one place "
+                              "on different passes, gp/revisits.py). Off by default: it maps the simulated "
+                              "corridor better and OptiTrack vector and the simulated worlds worse "
+                              "(docs/calibration.md, Errors that neighbouring readings share); with another engine "
+                              "or likelihood, a config error")
     error_variance: float = option(0.1, doc="time_error: initial variance of e(t) (standardised)", low=0.0,
                                    low_open=True, high=1e2)
     error_timescale: float = option(2.0, doc="time_error: initial timescale of e(t) [s]", low=0.0, low_open=True,

@@ -142,7 +142,9 @@ class GaussianLikelihood(Likelihood):
         # only the learned parts: the floor is the same in the targets' units whatever their scale
         self.noise_param.set(self.noise_param.value.detach() * factor ** 2)
         if hasattr(self, "time_error"):
-            self.time_error.variance_param.set(self.time_error.variance.detach() * factor ** 2)
+            error = self.time_error
+            error.variance_param.set(error.variance_param.value.detach() * factor ** 2)
+            error.variance_cap.mul_(factor ** 2)
 
     def correlated_covariance(self, t: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
         """(P, N, N) covariance of the errors of readings at the times ``t`` (N,) [s]: the white noise (plus each
@@ -199,10 +201,14 @@ class TimeError(nn.Module):
         super().__init__()
         self.variance_param = PositiveParameter(variance, (num_outputs,))
         self.timescale_param = PositiveParameter(timescale, (num_outputs,))
+        # the most variance that revisits show (gp/revisits.py; set by the engine at each update, inf until they
+        # show it): above it the learned value is field detail along a pass. The parameter itself is kept, so e
+        # follows when the bound rises, and a step's gradient reaches it only while it is below the bound.
+        self.register_buffer("variance_cap", torch.full((num_outputs,), float("inf"), dtype=torch.float64))
 
     @property
     def variance(self) -> torch.Tensor:
-        return self.variance_param.value
+        return torch.minimum(self.variance_param.value, self.variance_cap)
 
     @property
     def timescale(self) -> torch.Tensor:

@@ -61,12 +61,13 @@ class DualMemory:
         return keys, keep
 
     def _renew_memory(self, V: torch.Tensor, kxx: torch.Tensor, hx: torch.Tensor, hy: torch.Tensor,
-                      lam1: torch.Tensor, lam2: torch.Tensor, n_mem: int, in_session: torch.Tensor) -> int:
+                      lam1: torch.Tensor, lam2: torch.Tensor, n_mem: int, in_session: torch.Tensor,
+                      times: torch.Tensor) -> int:
         """The end of a full update: the held data are [memory (n_mem); batch] with V = L^{-1} K_ZH, prior
         variances kxx and fitted sites (lam1, lam2). Draws the batch's candidates, runs the reservoir over old
         members and candidates, folds every datum that leaves into the old part, empties the pending points and
         sets the totals; returns how many data were folded. ``in_session`` (bool, one per held datum) marks the
-        current session's data."""
+        current session's data; ``times`` their stamps [s]."""
         cfg = self.config
         n_b = hx.shape[0] - n_mem
         # Memory: candidates from the batch, then the reservoir over old members and candidates.
@@ -100,6 +101,7 @@ class DualMemory:
         self.mem_lam1, self.mem_lam2 = lam1[kept], lam2[kept]
         self.mem_logkey = pool_keys[keep]
         self.mem_in_session = in_session[kept]
+        self.mem_t = times[kept]
         for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2", "pend_in_session", "pend_t"):
             setattr(self, name, getattr(self, name)[:0])
         a_m, W_m = site_sums(V[:, kept], self.mem_lam1, self.mem_lam2)

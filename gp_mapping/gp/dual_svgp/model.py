@@ -49,6 +49,7 @@ from ..inducing import DEFAULT_REL_TOL, grid_points
 from ..kernels import PositiveParameter, build_kernel
 from ..likelihoods import build_likelihood
 from ..linalg import jittered_cholesky, symmetrise
+from ..revisits import Moments, RevisitNugget
 from .hyperparameters import HyperparameterSteps
 from .memory import DualMemory
 from .placement import InducingPlacement
@@ -65,7 +66,7 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
 
     #: buffers whose size changes as data arrive (resized on load_state_dict)
     RESIZABLE = ("Z", "a_w", "W", "a_w_old", "b_w_old", "b_w_session", "W_old", "mem_x", "mem_y", "mem_lam1",
-                 "mem_lam2", "mem_logkey", "mem_in_session", "pend_x", "pend_y", "pend_lam1", "pend_lam2",
+                 "mem_lam2", "mem_logkey", "mem_in_session", "mem_t", "pend_x", "pend_y", "pend_lam1", "pend_lam2",
                  "pend_in_session", "pend_t", "rng_state", "adam_avg", "adam_avg_sq")
 
     def __init__(self, config: ModelConfig, input_dims: int, output_dims: int, *,
@@ -77,6 +78,10 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         device = resolve_device(config.device)
         self.kernel = build_kernel(config, d)
         self.likelihood = self._own_likelihood(build_likelihood(config, p, with_time_error=config.time_error))
+        if config.time_error:  # e's variance is held to what revisits show (gp/revisits.py)
+            self.revisits = RevisitNugget(p)
+            # the same error's evidence from other ground (a tiled map sets its other tiles' before an update)
+            self.revisits_elsewhere: Moments | None = None
         if config.position_noise > 0:  # the variance of the positions' error [m^2] (_slope_noise)
             self.position_param = PositiveParameter(float(config.position_noise) ** 2)
             self.position_param.raw.requires_grad_(config.learn_position_noise)
@@ -117,6 +122,8 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         # the pending points' stamps [s]: with model.time_error the hyperparameter steps see the batch's errors as
         # correlated in time (the memory's readings, far apart in time, as independent)
         self.register_buffer("pend_t", torch.zeros(0, **f64))
+        # the memory's stamps [s] (NaN: unknown): the pairs across passes that bound e's variance (gp/revisits.py)
+        self.register_buffer("mem_t", torch.zeros(0, **f64))
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(int(config.seed))
         self.register_buffer("rng_state", self._generator.get_state())
@@ -407,6 +414,8 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
             yt = self._calibrate_on(xt, yt)
             with torch.no_grad():
                 self._track_targets(yt)
+                if hasattr(self, "revisits"):
+                    self._bound_time_error(xt, yt, tt)
             ys = self._standardise(yt)
             with torch.no_grad():
                 if mode == "fast":
@@ -423,6 +432,17 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
                       "memory_size": self.memory_size, "pending": int(self.pend_x.shape[0]),
                       "num_inducing": self.num_inducing, "jitter": self.jitter})
         return stats
+
+    def _bound_time_error(self, x: torch.Tensor, y: torch.Tensor, t: torch.Tensor) -> None:
+        """Fold a batch (targets' units) and the readings held before it into the revisit moments, and cap e's
+        variance at what they show (gp/revisits.py), in the standardised units the likelihood learns in."""
+        held_y = torch.cat([self.mem_y, self.pend_y]) * self.y_std + self.y_mean
+        self.revisits.observe(x, y, t, torch.cat([self.mem_x, self.pend_x]), held_y,
+                              torch.cat([self.mem_t, self.pend_t]))
+        # never exactly 0: e's covariance stays a valid, if negligible, part of every reading's noise
+        floor = 1e-4 * self.y_std ** 2
+        bound = self.revisits.shared_variance(self.revisits_elsewhere)
+        self.likelihood.time_error.variance_cap.copy_(torch.maximum(bound, floor) / self.y_std ** 2)
 
     def _scheduled_mode(self, n_new: int) -> str:
         """'full' on every full_update_every-th update once full_update_samples samples (this batch included)
@@ -456,6 +476,16 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         if prefix + "pend_t" not in state_dict and prefix + "pend_x" in state_dict:
             n = state_dict[prefix + "pend_x"].shape[0]
             state_dict[prefix + "pend_t"] = -(torch.arange(n, dtype=torch.float64) + 1.0) * UNSTAMPED_GAP
+        # maps saved before the memory had stamps: unknown, so they pair with nothing across passes
+        if prefix + "mem_t" not in state_dict and prefix + "mem_x" in state_dict:
+            state_dict[prefix + "mem_t"] = torch.full((state_dict[prefix + "mem_x"].shape[0],), float("nan"),
+                                                      dtype=torch.float64)
+        # time_error maps saved before e was bounded by revisits: unbounded until this map's revisits bound it
+        if hasattr(self, "revisits") and prefix + "num_seen_t" in state_dict:
+            cap = prefix + "likelihood.time_error.variance_cap"
+            state_dict.setdefault(cap, self.likelihood.time_error.variance_cap.detach().clone())
+            for name, value in self.revisits.state_dict().items():
+                state_dict.setdefault(prefix + "revisits." + name, value.detach().clone())
         # maps saved before sessions were re-expressed: their data keep the offsets they were conditioned with
         if prefix + "b_w_session" not in state_dict and prefix + "b_w_old" in state_dict:
             state_dict[prefix + "b_w_session"] = torch.zeros_like(state_dict[prefix + "b_w_old"])
@@ -569,7 +599,8 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
                                              cfg.rho, extra=self._slope_noise(slope2))
         in_session = torch.cat([self.mem_in_session, self.pend_in_session,
                                 x.new_ones(x.shape[0], dtype=torch.bool)])
-        folded = self._renew_memory(V, kxx, hx, hy, lam1, lam2, n_mem, in_session)
+        folded = self._renew_memory(V, kxx, hx, hy, lam1, lam2, n_mem, in_session,
+                                    torch.cat([self.mem_t, self.pend_t, t]))
         return {"z_moved": z_moved, "hyper_steps": steps, "objective": objective, "folded": folded}
 
     def extra_repr(self) -> str:

@@ -52,6 +52,7 @@ class RecyclableDual:
                 for name in ("x", "y", "lam1", "lam2", "in_session"):
                     setattr(self, f"{prefix}_{name}", getattr(self, f"{prefix}_{name}")[:0])
             self.mem_logkey = self.mem_logkey[:0]
+            self.mem_t, self.pend_t = self.mem_t[:0], self.pend_t[:0]
             self.y_mean.copy_(torch.as_tensor(target_mean, dtype=torch.float64).reshape(p))
             self.y_std.copy_(torch.as_tensor(target_scale, dtype=torch.float64).reshape(p))
             self.standardised.fill_(True)

@@ -46,7 +46,9 @@ is kernel launches, it may.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 import time
 from typing import Any, Callable, Iterator
 
@@ -57,6 +59,7 @@ from ..base import UNSTAMPED_GAP, Engine, merge_moments, moments_scale, resolve_
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..merging import MergeError, MergeResult, load_merged
+from ..revisits import Moments
 from .layout import TileLayout, parse_tile_key, tile_key
 from .shared import VERSIONS, SharedHyperparameters, Tile, shared_hyperparameter_names
 
@@ -334,6 +337,8 @@ class TiledModel(SharedHyperparameters, Engine):
                 tile_mode = "fast"
             consensus = self._theta()
             stamps = {} if tt is None else {"t": tt[rows.cpu()]}
+            if hasattr(slot.engine, "revisits"):  # e is the walk's, not the tile's: every tile's revisits bound it
+                slot.engine.revisits_elsewhere = self._revisits_besides(key)
             out = slot.engine.update(xt[rows], yt[rows], mode=tile_mode, **stamps)
             slot.version = next(VERSIONS)
             proposal = self._theta()
@@ -357,6 +362,11 @@ class TiledModel(SharedHyperparameters, Engine):
         with torch.no_grad():
             self.num_seen_t += xt.shape[0]
             self.num_updates_t += 1
+
+    def _revisits_besides(self, key: str) -> Moments | None:
+        """The revisit moments of every tile but ``key`` (gp/revisits.py), None when there is no other tile."""
+        others = [slot.engine.revisits.moments() for k, slot in self.tiles.items() if k != key]
+        return functools.reduce(operator.add, others) if others else None
 
     def _freeze_after_first_update(self) -> None:
         # continual_mogp: the mixing matrix is learned in the first tile's first update only (module docstring).
