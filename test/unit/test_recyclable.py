@@ -55,6 +55,26 @@ def test_a_merged_map_keeps_the_sources_noise_with_its_floor_counted_once():
     assert torch.allclose(merged_noise, source_noise, rtol=1e-9)
 
 
+@pytest.mark.parametrize("error_variance", [0.1, 100.0])
+def test_a_merged_map_with_an_error_in_time_keeps_the_sources_whole_noise(error_variance):
+    # With model.time_error a reading's noise is its white noise plus e's variance; the sources' summaries hold
+    # that whole. The merged map once loaded the whole as its white noise beside a new e, counting e twice (a
+    # merged Solin room over-covered: 1.000 within +-2 SD). Now e takes part of the whole, at most what lies above
+    # the floor (a start far above it: the second case), and the white noise the rest, floor included.
+    rng = np.random.default_rng(7)
+    x = rng.uniform(-2, 2, (300, 2))
+    cfg = ModelConfig(device="cpu", num_inducing=30, memory_size=50, noise_floor=0.09, time_error=True,
+                      error_variance=error_variance)
+    model = _train(cfg, x, 40 + 3 * _field(x) + 0.5 * rng.normal(size=len(x)))
+    merged = merged_engine(merge([source_from_engine(model)], cfg, steps=0), cfg, 1)
+    source_noise = model.likelihood.noise_variance.detach() * model.y_std ** 2
+    lik = merged.likelihood
+    assert hasattr(lik, "time_error") and float(lik.time_error.variance) > 0
+    # (within the 1e-3 share of a learned part that the likelihood keeps above its floor: 3e-7 of the whole here)
+    torch.testing.assert_close(lik.noise_variance.detach() * merged.y_std ** 2, source_noise, rtol=1e-6, atol=0)
+    assert float(lik.white_variance.detach() * merged.y_std ** 2) >= 0.09 * (1 - 1e-9)  # the floor stays inside
+
+
 def test_one_source_taken_as_the_global_model_gives_a_zero_bound_and_the_same_map():
     rng = np.random.default_rng(0)
     x = rng.uniform(-2, 2, (300, 2))
