@@ -402,20 +402,9 @@ def load_merged(engine, result: MergeResult) -> None:
                                   result.target_scale, result.jitter, result.num_data)
     if bool(torch.isfinite(result.noise).all()):
         with torch.no_grad():
-            # the whole noise (a floor included, in the target scale just set): the likelihood keeps its floor
-            noise = result.noise.to(engine.device)
-            error = getattr(engine.likelihood, "time_error", None)
-            if error is not None:
-                # model.time_error: a reading's noise is its white noise plus e's variance, and the sources' is
-                # that whole. The merged map keeps the whole: e starts where a new map's does, but takes no more
-                # than the sources' noise leaves above the floor, and the white noise is the rest (the sources'
-                # own split is not in their summaries). Loaded as the whole white noise beside a new e, it was
-                # counted twice: a merged Solin room covered 1.000 of a held-out sequence, z-std 0.32.
-                above_floor = (noise - torch.as_tensor(engine.likelihood._floor(), dtype=noise.dtype)).clamp_min(0.0)
-                shared = torch.minimum(error.variance_param.value.detach(), above_floor)
-                error.variance_param.set(shared.clamp_min(1e-12))
-                noise = noise - error.variance_param.value.detach()
-            engine.likelihood.initialise_noise(noise)
+            # the whole noise (a floor included, in the target scale just set): the likelihood keeps its floor,
+            # and with a time error splits it (GaussianLikelihood.take_reading_noise)
+            engine.likelihood.take_reading_noise(result.noise.to(engine.device))
 
 
 __all__ = ["COMPRESSING_STEPS", "LOG_2PI", "MergeResult", "RawData", "RecyclableMerge", "explains_sources",
