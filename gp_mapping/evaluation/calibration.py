@@ -290,7 +290,7 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               # the calibration's factor c on the floor's part (shipped 2026-11-30, off since 2026-12-01)
               "noise factor": {"calibration_noise_factor": True},
               "memory objective, floor 0.04": {"hyper_objective": "memory", "noise_floor": 0.04},
-              "position noise 0.05 m": {"position_noise": 0.05}, "no slope term": {"calibration_slope": False},
+              "no slope term": {"calibration_slope": False},
               "consensus step 0.5": {"tile_consensus_step": 0.5},
               "consensus step 0.5, M = 128": {"tile_consensus_step": 0.5, "num_inducing": 128},
               "consensus step 0.5, M = 512": {"tile_consensus_step": 0.5, "num_inducing": 512},
@@ -300,11 +300,11 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               # every full update takes its whole step budget: no threshold on one step's gain, which makes the
               # end point jump with the batching (docs/calibration.md, One run is one draw)
               "hyper_tol 0": {"hyper_tol": 0.0},
-              # an error shared in time beside the field (docs/calibration.md, In the engine), at each M of the
-              # ladder; the calibration narrows e's variance to what a new pass meets (gp/calibration.py)
-              **_at_each_m("time error", {"time_error": True}),
-              # both errors a hand-held walk shares along a pass: in time, and its track's read through the slope
-              **_at_each_m("time error, position noise 0.05 m", {"time_error": True, "position_noise": 0.05})}
+              # white noise alone, the engine before model.time_error became the default (2026-12-02), at each M
+              **_at_each_m("white noise", {"time_error": False}),
+              # both errors a hand-held walk shares along a pass: in time (shipped), and its track's read through
+              # the slope (docs/calibration.md, Both errors of a walk together)
+              **_at_each_m("position noise 0.05 m", {"position_noise": 0.05})}
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:

@@ -56,9 +56,6 @@ def build_model(model_config: ModelConfig | Mapping[str, Any], input_dims: int, 
     except KeyError:
         raise ConfigError(f"unknown engine {model_config.engine!r}; registered: {', '.join(sorted(ENGINES))}",
                           "engine") from None
-    if model_config.time_error and (model_config.engine != "dual_svgp" or model_config.likelihood != "gaussian"):
-        raise ConfigError(f"time_error is learned by dual_svgp with the gaussian likelihood, not by engine "
-                          f"{model_config.engine!r} with likelihood {model_config.likelihood!r}", "time_error")
     # Local submaps: tiles of this engine (gp/tiles/) over the plane. Engines that cover a growing map their
     # own way (smc_experts, var_gp) and 1-D inputs (a series, not a map) are not tiled.
     if model_config.tile_size > 0 and can_tile(factory) and int(input_dims) >= 2:

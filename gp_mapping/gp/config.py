@@ -123,15 +123,16 @@ class ModelConfig:
     learn_position_noise: bool = option(True, doc="dual_svgp with position_noise: learn the positions' error "
                                         "variance with the other hyperparameters, starting at position_noise "
                                         "(false: held at it)")
-    time_error: bool = option(False, doc="dual_svgp, gaussian likelihood: each reading also carries an error that "
+    time_error: bool = option(True, doc="dual_svgp, gaussian likelihood: each reading also carries an error that "
                               "neighbouring readings share, e(t), an Ornstein-Uhlenbeck process in the reading's "
                               "time (a track's pose error, an attitude error, a drift), learned with the other "
                               "hyperparameters from each batch's readings and their stamps; its variance adds to "
                               "each reading's noise and is held below what revisits show (readings of one place "
-                              "on different passes, gp/revisits.py). Off by default: it maps the simulated "
-                              "corridor better and OptiTrack vector and the simulated worlds worse "
-                              "(docs/calibration.md, Errors that neighbouring readings share); with another engine "
-                              "or likelihood, a config error")
+                              "on different passes, gp/revisits.py). On by default since 2026-12-02: by the "
+                              "defaults table's worst case across recordings it maps better than white noise "
+                              "alone (docs/calibration.md, Errors that neighbouring readings share). Other "
+                              "engines and likelihoods have no error in time and leave it out; false: white "
+                              "noise alone, the engine before 2026-12-02")
     error_variance: float = option(0.1, doc="time_error: initial variance of e(t) (standardised)", low=0.0,
                                    low_open=True, high=1e2)
     error_timescale: float = option(2.0, doc="time_error: initial timescale of e(t) [s]", low=0.0, low_open=True,

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 STATE_DEFINING_KEYS = (("model", "engine"), ("model", "kernel"), ("model", "likelihood"), ("model", "lengthscales"),
                        ("model", "constant_kernel"), ("model", "kernel_scales"), ("sync", "target"),
                        ("sync", "input_dims"), ("sync", "field_unit"), ("model", "tile_size"),
-                       ("model", "tile_overlap"), ("model", "tile_height"))
+                       ("model", "tile_overlap"), ("model", "tile_height"), ("model", "time_error"))
 
 
 class Checkpoints:

@@ -253,9 +253,10 @@ def read_state(path: str | os.PathLike) -> MapState:
             raise MapStateError(f"map state file {path} has malformed metadata: {name} is a "
                                 f"{type(value).__name__}, not a mapping", "metadata")
     model_section = config.get("model")
-    if isinstance(model_section, dict) and "kernel_scales" not in model_section:
-        # written before model.kernel_scales existed: its kernel is one, whatever the default is now
-        config["model"] = {**model_section, "kernel_scales": 1}
+    if isinstance(model_section, dict):
+        # written before these keys existed: its model is what it was then, whatever the defaults are now (one
+        # kernel; white noise alone)
+        config["model"] = {"kernel_scales": 1, "time_error": False, **model_section}
     model_state = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
     arrays = {k[len(MAPPER_PREFIX):]: v.numpy() for k, v in tensors.items() if k.startswith(MAPPER_PREFIX)}
     other = [k for k in tensors if not k.startswith((MODEL_PREFIX, MAPPER_PREFIX))]

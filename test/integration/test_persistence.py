@@ -129,6 +129,29 @@ def test_a_map_saved_before_kernel_scales_existed_loads_with_one_kernel(tmp_path
         Mapper.load(path, small_config())
 
 
+def test_a_map_saved_before_time_error_existed_loads_with_white_noise(tmp_path):
+    """A saved map's config without model.time_error was made with white noise alone (the default is now an error
+    in time beside it): it loads as white noise and predicts as saved; a config asking for the error in time is
+    refused by name, and the same map saved with it resumes under today's defaults."""
+    mapper = Mapper(small_config(model={"time_error": False}))
+    feed(mapper, 0.0, 10.0)
+    path = tmp_path / "ckpt.safetensors"
+    mapper.checkpoint(path)
+    state = read_state(path)
+    del state.config["model"]["time_error"]
+    write_state(path, state)
+    loaded = Mapper.load(path)
+    assert loaded.config.model.time_error is False and not loaded.model.wants_stamps
+    x = np.array([[0.5, 0.2], [1.0, -0.3]])
+    assert np.array_equal(loaded.model.predict(x)[0].detach().numpy(), mapper.model.predict(x)[0].detach().numpy())
+    with pytest.raises(MapStateError, match=r"model.time_error = False, but the config asks for True"):
+        Mapper.load(path, small_config())
+    shipped = Mapper(small_config())
+    feed(shipped, 0.0, 10.0)
+    shipped.checkpoint(path)
+    assert Mapper.load(path, small_config()).model.wants_stamps
+
+
 def test_resume_with_an_incompatible_config_names_the_mismatch(tmp_path):
     mapper = Mapper(small_config())
     feed(mapper, 0.0, 10.0)

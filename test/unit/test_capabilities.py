@@ -15,7 +15,7 @@ SMALL = {"num_inducing": 16, "memory_size": 50, "hyper_steps": 2, "smc_particles
 
 
 @pytest.mark.parametrize("engine,tiled,recyclable,stamps", [
-    ("dual_svgp", 0.0, True, False), ("dual_svgp", 3.0, True, False), ("continual_mogp", 0.0, True, False),
+    ("dual_svgp", 0.0, True, True), ("dual_svgp", 3.0, True, True), ("continual_mogp", 0.0, True, False),
     ("var_gp", 0.0, False, False), ("smc_experts", 0.0, False, True)])
 def test_every_engine_declares_what_it_can_do(engine, tiled, recyclable, stamps):
     cfg = dataclasses.replace(ModelConfig(), engine=engine, tile_size=tiled, **SMALL)

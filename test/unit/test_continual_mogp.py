@@ -27,7 +27,8 @@ def one_thread():
 def config(**kw) -> ModelConfig:
     base = dict(engine="continual_mogp", kernel="rbf", constant_kernel=False, lengthscales="per_axis",
                 lengthscale=0.5, signal_variance=1.0, noise_variance=0.05, num_inducing=30, hyper_steps=10, hyper_lr=0.05,
-                learn_hyperparameters=True, jitter=JITTER, device="cpu", seed=0)
+                learn_hyperparameters=True, jitter=JITTER, device="cpu", seed=0,
+                time_error=False)  # the DualSVGPs built from it to compare with: their white-noise algebra
     base.update(kw)
     return ModelConfig(**base)
 

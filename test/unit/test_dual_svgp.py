@@ -20,6 +20,7 @@ def make(d: int = 2, p: int = 1, **kw) -> DualSVGP:
     kw.setdefault("full_update_every", 1)  # these tests call update() expecting full updates unless they say
     kw.setdefault("full_update_samples", 1)
     kw.setdefault("tile_size", 0.0)  # the engine itself, not tiles of it
+    kw.setdefault("time_error", False)  # the white-noise model's algebra (e(t): the tests that ask for it)
     return build_model(ModelConfig(**kw), d, p)
 
 

@@ -263,11 +263,11 @@ def test_failed_update_is_counted_and_mapping_goes_on(monkeypatch):
     real_update = mapper.model.update
     calls = []
 
-    def flaky(x, y, mode=None):
+    def flaky(x, y, mode=None, t=None):
         calls.append(len(x))
         if len(calls) == 2:
             raise RuntimeError("simulated numerical failure")
-        return real_update(x, y, mode)
+        return real_update(x, y, mode, t=t)
 
     monkeypatch.setattr(mapper.model, "update", flaky)
     with pytest.raises(RuntimeError, match="simulated"):
@@ -428,10 +428,10 @@ def test_files_hold_the_variance_of_a_reading(tmp_path, target):
 
 
 def test_an_engine_that_learns_from_time_is_handed_each_batchs_stamps(monkeypatch):
-    """model.time_error: the Mapper gives the engine (tiles of dual_svgp) every batch's field stamps, in data time
-    and in order (Engine.wants_stamps), and the map stays finite."""
-    mapper = Mapper(config(model={"time_error": True}))
-    assert mapper.model.wants_stamps and not Mapper(config()).model.wants_stamps
+    """model.time_error (the default): the Mapper gives the engine (tiles of dual_svgp) every batch's field stamps,
+    in data time and in order (Engine.wants_stamps), and the map stays finite. White noise alone wants none."""
+    mapper = Mapper(config())
+    assert mapper.model.wants_stamps and not Mapper(config(model={"time_error": False})).model.wants_stamps
     seen, update = [], mapper.model.update
 
     def spy(x, y, mode=None, t=None):

@@ -138,13 +138,13 @@ def test_cholesky_failure_is_rolled_back_counted_and_logged(monkeypatch, caplog)
     real = m.model.update
     calls, saved = [], {}
 
-    def failing(x, y, mode=None):
+    def failing(x, y, mode=None, t=None):
         calls.append(len(x))
         if len(calls) == 2:
             saved.update({k: v.clone() for k, v in m.model.state_dict().items()})
-            real(x, y, mode)  # half-done work that must be undone
+            real(x, y, mode, t=t)  # half-done work that must be undone
             raise GPNumericalError("Cholesky factorisation failed even with jitter 1e-2 (simulated)")
-        return real(x, y, mode)
+        return real(x, y, mode, t=t)
 
     monkeypatch.setattr(m.model, "update", failing)
     with caplog.at_level(logging.WARNING, logger="gp_mapping.mapper"):
@@ -169,8 +169,8 @@ def test_non_finite_model_after_an_update_is_rolled_back(monkeypatch):
     m = mapper()
     real = m.model.update
 
-    def poisoning(x, y, mode=None):
-        stats = real(x, y, mode)
+    def poisoning(x, y, mode=None, t=None):
+        stats = real(x, y, mode, t=t)
         if m.model.num_seen > 25:
             # the engine that holds the map (with tiles, the first tile's)
             engine = m.model.tile(m.model.tile_indices()[0]) if hasattr(m.model, "tile_indices") else m.model
@@ -202,8 +202,8 @@ def test_jitter_escalation_is_counted_and_logged(monkeypatch, caplog):
     real = m.model.update
     jitters = iter([1e-6, 1e-6, 1e-4, 1e-4, 1e-2, 1e-2])
 
-    def escalating(x, y, mode=None):
-        stats = real(x, y, mode)
+    def escalating(x, y, mode=None, t=None):
+        stats = real(x, y, mode, t=t)
         return {**stats, "jitter": next(jitters)}
 
     monkeypatch.setattr(m.model, "update", escalating)

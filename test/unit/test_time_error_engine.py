@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gp_mapping.gp import ConfigError, ModelConfig, ModelInputError, build_model
+from gp_mapping.gp import ModelConfig, ModelInputError, build_model
 from gp_mapping.gp.base import UNSTAMPED_GAP
 from gp_mapping.evaluation import calibration
 from gp_mapping.evaluation.variants import track_error
@@ -73,14 +73,14 @@ def test_the_engine_learns_the_shared_error_apart_from_the_white_noise_and_maps_
 
 def test_with_hyperparameters_held_the_shared_error_is_extra_noise_in_every_reading():
     """Sites and a reading's predictive variance take e's variance as noise of each reading (its covariance only
-    shapes the hyperparameters' bound): the map equals the one with white noise white + e."""
+    shapes the hyperparameters' bound): the map equals the one with white noise (time_error off) white + e."""
     rng = np.random.default_rng(1)
     x = rng.uniform(0.0, 4.0, (120, 2))
     y = _field(x)[:, None] + 0.3 * rng.standard_normal((120, 1))
     t = np.arange(120) * 0.1
     held = dict(learn_hyperparameters=False, jitter=0.0, full_update_every=1, full_update_samples=1)
     shared = _engine(time_error=True, noise_variance=0.02, error_variance=0.05, **held)
-    white = _engine(noise_variance=0.07, **held)
+    white = _engine(time_error=False, noise_variance=0.07, **held)
     for i in range(0, 120, 40):
         shared.update(x[i:i + 40], y[i:i + 40], t=t[i:i + 40])
         white.update(x[i:i + 40], y[i:i + 40])
@@ -94,7 +94,7 @@ def test_stamps_reach_the_engine_and_bad_stamps_are_refused():
     x = np.random.default_rng(2).uniform(0.0, 4.0, (60, 2))
     y = _field(x)[:, None]
     model = _engine(time_error=True)
-    assert model.wants_stamps and not _engine().wants_stamps
+    assert model.wants_stamps and not _engine(time_error=False).wants_stamps
     model.update(x[:30], y[:30], mode="fast", t=100.0 + np.arange(30) * 0.1)
     np.testing.assert_allclose(model.pend_t.numpy(), 100.0 + np.arange(30) * 0.1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -143,11 +143,16 @@ def test_the_calibration_stream_gives_an_engine_that_wants_them_its_stamps():
     assert model.num_seen == 150 and float(model.likelihood.time_error.timescale[0]) != 2.0  # it learned from them
 
 
-@pytest.mark.parametrize("setting", [{"engine": "continual_mogp"}, {"engine": "var_gp"}, {"likelihood": "student_t"}])
-def test_time_error_elsewhere_is_a_config_error_naming_the_key(setting):
-    with pytest.raises(ConfigError, match="time_error is learned by dual_svgp") as err:
-        build_model(ModelConfig(device="cpu", time_error=True, **setting), 2, 1)
-    assert err.value.key == "time_error"
+@pytest.mark.parametrize("setting", [{"engine": "continual_mogp"}, {"engine": "var_gp"}, {"engine": "smc_experts"},
+                                     {"likelihood": "student_t"}, {"likelihood": "bernoulli"}])
+def test_engines_and_likelihoods_without_an_error_in_time_leave_it_out(setting):
+    """model.time_error is on by default and is dual_svgp's with the gaussian likelihood: another engine or
+    likelihood builds as before, with no e and no shared variance for its calibration."""
+    model = build_model(ModelConfig(device="cpu", seed=0, tile_size=0.0, time_error=True, **setting), 2, 1)
+    assert not hasattr(getattr(model, "likelihood", None), "time_error")
+    if setting.get("engine") != "smc_experts":  # a mixture's experts are stamped by their own clock
+        assert not model.wants_stamps
+    assert float(np.max(model._shared_noise_variance().numpy())) == 0.0
 
 
 def test_the_calibration_is_given_the_shared_errors_variance_which_its_noise_factor_scales():
@@ -163,5 +168,5 @@ def test_the_calibration_is_given_the_shared_errors_variance_which_its_noise_fac
         shared = model._shared_noise_variance()
         assert int(model.calibration.fitted_at) > 0 and float(shared[0]) > 0.0
         assert float(model.calibration.shared_var[0]) == pytest.approx(float(shared[0]), rel=0.1)
-    white, _ = calibration.stream_engine(calibration.shipped(tile_size=0.0), rec)
+    white, _ = calibration.stream_engine(calibration.shipped(time_error=False, tile_size=0.0), rec)
     assert float(white.calibration.shared_var[0]) == 0.0 and float(white._shared_noise_variance()[0]) == 0.0

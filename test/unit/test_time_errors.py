@@ -112,7 +112,7 @@ def test_passes_are_far_apart_in_time_and_each_recording_has_one_time_per_stream
 
 
 def test_the_section_reports_both_models_and_their_hyperparameters():
-    runs = ("shipped", "time_error, M = 128")
+    runs = ("white noise", "time_error, M = 128")
     out = time_errors.run({"time_errors_recordings": ("sim_revisit", "no_such_recording"), "time_errors_points": 150,
                            "time_errors_iterations": 5, "time_errors_engine_runs": runs}, None, lambda _: None)
     assert list(out["recordings"]) == ["sim_revisit"]  # the unknown one is skipped, with its reason logged
@@ -121,11 +121,11 @@ def test_the_section_reports_both_models_and_their_hyperparameters():
     for label, m in row["models"].items():
         assert np.isfinite(m["rmse"]) and np.isfinite(m["nlpd"]) and 0.0 <= m["within_2sd"] <= 1.0
         assert ("error_timescale" in m["hyperparameters"][0]) == time_errors.MODELS[label]
-    # the engine streamed as shipped and with its own e(t): the learned noise says which
+    # the engine streamed with white noise alone and as shipped, with its own e(t): the learned noise says which
     assert list(row["engine"]) == list(runs)
     for label, m in row["engine"].items():
         assert np.isfinite(m["rmse"]) and np.isfinite(m["nlpd"]) and min(m["noise"]["white"]) > 0
-        assert ("error_variance" in m["noise"]) == (label != "shipped")
+        assert ("error_variance" in m["noise"]) == (label != "white noise")
     text = "\n".join(time_errors.markdown(out))
     assert "| sim_revisit | white noise |" in text and "| sim_revisit | error in time |" in text
     assert "| sim_revisit | time_error, M = 128 |" in text

@@ -77,8 +77,10 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         self.inducing_rel_tol = float(inducing_rel_tol)
         device = resolve_device(config.device)
         self.kernel = build_kernel(config, d)
-        self.likelihood = self._own_likelihood(build_likelihood(config, p, with_time_error=config.time_error))
-        if config.time_error:  # e's variance is held to what revisits show (gp/revisits.py)
+        # model.time_error is the Gaussian likelihood's (another likelihood has no error in time and leaves it out)
+        self.learns_time_error = bool(config.time_error) and config.likelihood == "gaussian"
+        self.likelihood = self._own_likelihood(build_likelihood(config, p, with_time_error=self.learns_time_error))
+        if self.learns_time_error:  # e's variance is held to what revisits show (gp/revisits.py)
             self.revisits = RevisitNugget(p)
             # the same error's evidence from other ground (a tiled map sets its other tiles' before an update)
             self.revisits_elsewhere: Moments | None = None
@@ -135,7 +137,7 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
     # ------------------------------------------------------------------ properties
     @property
     def wants_stamps(self) -> bool:  # Engine.wants_stamps: model.time_error learns from the readings' times
-        return bool(self.config.time_error)
+        return self.learns_time_error
 
     @property
     def num_inducing(self) -> int:
@@ -583,7 +585,7 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
             # the batch's stamps; the memory's readings (NaN), scattered in time, count as independent of each
             # other and of the batch (made correlated by their stamps, they learned the same: docs/calibration.md)
             times = None
-            if cfg.time_error:
+            if self.learns_time_error:
                 unstamped = torch.full((n_mem,), float("nan"), dtype=torch.float64, device=self.device)
                 times = torch.cat([unstamped, self.pend_t, t])
             *seen, fixed, slope2_seen, times_seen = self._hyper_sample(V, hx, hy, lam1, lam2, weights, n_mem, slope2,
