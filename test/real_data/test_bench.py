@@ -29,7 +29,7 @@ def quick_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "gp_mapping.cli", "bench", "--quick", "--jobs", "2",
-                           "--out", str(out)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+                           "--out", str(out)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"out": out, "json": json.loads((out / "bench.json").read_text()), "md": (out / "bench.md").read_text(),
             "stdout": proc.stdout}
