@@ -106,3 +106,42 @@ def test_bernoulli_validates_targets_and_builders():
     assert isinstance(build_likelihood(ModelConfig(likelihood="bernoulli"), 1), BernoulliLikelihood)
     g = build_likelihood(ModelConfig(noise_variance=0.2), 3)
     np.testing.assert_allclose(g.noise_variance.detach().numpy(), [0.2] * 3, rtol=1e-14)
+
+
+def test_the_correlated_term_and_its_written_out_gradient_match_the_closed_form_under_autograd():
+    """GaussianLikelihood.correlated_expected_log_lik (model.time_error's data term) against
+    E_q[log N(y | f, Sigma)] = log N(y | mu, Sigma) - tr(Sigma^{-1} cov) / 2, written with torch.distributions
+    and differentiated by autograd: value and gradients in the mean, q's covariance and Sigma's parameters (white
+    noise, e's variance and timescale), with and without the inverse given."""
+    rng = np.random.default_rng(5)
+    n, p = 40, 2
+    t = torch.as_tensor(np.sort(rng.uniform(0.0, 20.0, n)))
+    y = torch.as_tensor(rng.normal(size=(n, p)))
+    a = torch.as_tensor(rng.normal(size=(p, n, n))) / n
+    cov0 = a @ a.transpose(-1, -2) + 0.1 * torch.eye(n, dtype=torch.float64)
+
+    def fresh():
+        lik = GaussianLikelihood(p, noise_variance=0.2, time_error=(0.4, 1.5))
+        mu = torch.as_tensor(rng.normal(size=(n, p))).requires_grad_(True)
+        return lik, mu, cov0.clone().requires_grad_(True)
+
+    for give_inverse in (False, True):
+        lik, mu, cov = fresh()
+        sigma = lik.correlated_covariance(t)
+        chol = torch.linalg.cholesky(sigma.detach())
+        value = lik.correlated_expected_log_lik(y, mu, cov, sigma, chol,
+                                                torch.cholesky_inverse(chol) if give_inverse else None)
+        params = [q for q in lik.parameters() if q.requires_grad]
+        grads = torch.autograd.grad(value, [mu, cov] + params)
+        ref_lik = GaussianLikelihood(p, noise_variance=0.2, time_error=(0.4, 1.5))
+        ref_lik.load_state_dict(lik.state_dict())
+        ref_mu, ref_cov = mu.detach().clone().requires_grad_(True), cov.detach().clone().requires_grad_(True)
+        ref_sigma = ref_lik.correlated_covariance(t)
+        normal = torch.distributions.MultivariateNormal(ref_mu.T, covariance_matrix=ref_sigma)
+        ref = (normal.log_prob(y.T).sum()
+               - 0.5 * torch.diagonal(torch.linalg.solve(ref_sigma, ref_cov), dim1=-2, dim2=-1).sum())
+        ref_grads = torch.autograd.grad(ref, [ref_mu, ref_cov] + [q for q in ref_lik.parameters() if q.requires_grad])
+        assert float(value.detach()) == pytest.approx(float(ref.detach()), rel=1e-10)
+        assert len(grads) == len(ref_grads) >= 5
+        for g, r in zip(grads, ref_grads):
+            np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-7, atol=1e-10)

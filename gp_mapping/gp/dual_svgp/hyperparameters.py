@@ -157,13 +157,14 @@ class HyperparameterSteps:
         corr = self._correlated_rows(times)
         with torch.enable_grad():
             kzz, kzx, kxx = self.kernel(z, z), self.kernel(z, hx), self.kernel.diag(hx)
-            kbb = sigma_chol = None
+            kbb = sigma = sigma_chol = None
             if corr is not None:
                 kbb = self.kernel(hx[corr], hx[corr])
-                # chol(Sigma) of the stamped readings' errors, once: the data term differentiates it, the site
-                # takes it as it is
+                # Sigma of the stamped readings' errors (the data term differentiates it) and its Cholesky
+                # factor, once, as a constant: the data term's gradient is written out with it, the site takes it
                 extra = None if slope2 is None else self._slope_noise(slope2[corr])
-                sigma_chol, _ = jittered_cholesky(self.likelihood.correlated_covariance(times[corr], extra), 0.0)
+                sigma = self.likelihood.correlated_covariance(times[corr], extra)
+                sigma_chol, _ = jittered_cholesky(sigma.detach(), 0.0)
         with torch.no_grad():
             L = self._factorise(kzz.detach())
             V = torch.linalg.solve_triangular(L, kzx.detach(), upper=False)  # (M, N)
@@ -173,7 +174,7 @@ class HyperparameterSteps:
                 # theta: q is then the optimal one for their correlated likelihood, as the conjugate per-reading
                 # sites are for the others (held fixed through a step, like every site)
                 V_b = V[:, corr]
-                Pi = torch.cholesky_inverse(sigma_chol.detach())  # (P, Nb, Nb)
+                Pi = torch.cholesky_inverse(sigma_chol)  # (P, Nb, Nb)
                 pi = (Pi @ hy[corr].T[..., None])[..., 0]  # (P, Nb)
                 lam1, lam2 = lam1.clone(), lam2.clone()
                 lam1[corr], lam2[corr] = 0.0, 0.0
@@ -212,7 +213,8 @@ class HyperparameterSteps:
                 independent[corr] = False
                 # the stamped readings are one group (the batch), weighted alike (_hyper_sample)
                 ell = (per_reading[independent].sum() + weights[corr].mean()
-                       * self.likelihood.correlated_expected_log_lik(hy[corr], mean_in[corr], cov_in, sigma_chol))
+                       * self.likelihood.correlated_expected_log_lik(hy[corr], mean_in[corr], cov_in, sigma,
+                                                                               sigma_chol, Pi))
         value = ell.detach() - penalty
 
         def gradients(scale: float) -> None:
