@@ -111,20 +111,28 @@ def test_a_map_saved_with_the_old_ard_key_loads_with_per_axis_lengthscales(tmp_p
     assert np.array_equal(loaded.model.predict(x)[0].detach().numpy(), mapper.model.predict(x)[0].detach().numpy())
 
 
-def test_a_map_saved_before_kernel_scales_existed_loads_with_one_kernel(tmp_path):
-    """A saved map's config without model.kernel_scales was made with one kernel (the default is now two): it
-    loads as one, predicts as saved, and a config asking for two scales is refused by name."""
-    mapper = Mapper(small_config(model={"kernel_scales": 1}))
+def _saved_before_the_key_existed(tmp_path, key: str, value):
+    """A mapper made with model.``key`` = ``value``, fed and saved without that key in its config (a file written
+    before the key existed), loaded back without a config: (the mapper, the file, the loaded mapper), after checking
+    that the loaded one has ``value`` and predicts as the saved one."""
+    mapper = Mapper(small_config(model={key: value}))
     feed(mapper, 0.0, 10.0)
     path = tmp_path / "ckpt.safetensors"
     mapper.checkpoint(path)
     state = read_state(path)
-    del state.config["model"]["kernel_scales"]
+    del state.config["model"][key]
     write_state(path, state)
     loaded = Mapper.load(path)
-    assert loaded.config.model.kernel_scales == 1
+    assert getattr(loaded.config.model, key) == value
     x = np.array([[0.5, 0.2], [1.0, -0.3]])
     assert np.array_equal(loaded.model.predict(x)[0].detach().numpy(), mapper.model.predict(x)[0].detach().numpy())
+    return mapper, path, loaded
+
+
+def test_a_map_saved_before_kernel_scales_existed_loads_with_one_kernel(tmp_path):
+    """A saved map's config without model.kernel_scales was made with one kernel (the default is now two): it
+    loads as one, predicts as saved, and a config asking for two scales is refused by name."""
+    _, path, _ = _saved_before_the_key_existed(tmp_path, "kernel_scales", 1)
     with pytest.raises(MapStateError, match=r"model.kernel_scales = 1, but the config asks for 2"):
         Mapper.load(path, small_config())
 
@@ -133,17 +141,8 @@ def test_a_map_saved_before_time_error_existed_loads_with_white_noise(tmp_path):
     """A saved map's config without model.time_error was made with white noise alone (the default is now an error
     in time beside it): it loads as white noise and predicts as saved; a config asking for the error in time is
     refused by name, and the same map saved with it resumes under today's defaults."""
-    mapper = Mapper(small_config(model={"time_error": False}))
-    feed(mapper, 0.0, 10.0)
-    path = tmp_path / "ckpt.safetensors"
-    mapper.checkpoint(path)
-    state = read_state(path)
-    del state.config["model"]["time_error"]
-    write_state(path, state)
-    loaded = Mapper.load(path)
-    assert loaded.config.model.time_error is False and not loaded.model.wants_stamps
-    x = np.array([[0.5, 0.2], [1.0, -0.3]])
-    assert np.array_equal(loaded.model.predict(x)[0].detach().numpy(), mapper.model.predict(x)[0].detach().numpy())
+    _, path, loaded = _saved_before_the_key_existed(tmp_path, "time_error", False)
+    assert not loaded.model.wants_stamps
     with pytest.raises(MapStateError, match=r"model.time_error = False, but the config asks for True"):
         Mapper.load(path, small_config())
     shipped = Mapper(small_config())
