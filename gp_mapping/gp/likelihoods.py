@@ -206,7 +206,8 @@ class GaussianLikelihood(Likelihood):
         """E_q[log N(y | f, Sigma_p)] summed over readings and outputs, for readings whose errors are correlated in
         time: ``sigma`` (P, N, N) is their error covariance (:meth:`correlated_covariance`, differentiated) and
         ``chol`` its Cholesky factor (factorised by the caller with jittered_cholesky, which also needs it; a
-        constant here), and ``sigma_inv`` its inverse where the caller has it. q(f) has mean ``mu`` (N, P) and covariance ``cov`` (P, N, N). Per output:
+        constant here), and ``sigma_inv`` its inverse where the caller has it. q(f) has mean ``mu`` (N, P) and
+        covariance ``cov`` (P, N, N). Per output:
             -1/2 [N log 2 pi + log|Sigma| + r^T Sigma^{-1} r + tr(Sigma^{-1} cov)],  r = y - mu."""
         residual = (y - mu).T[..., None]  # (P, N, 1)
         return _CorrelatedGaussianTerm.apply(residual, cov, sigma, chol, sigma_inv)

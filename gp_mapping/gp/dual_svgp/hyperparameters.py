@@ -212,9 +212,9 @@ class HyperparameterSteps:
                 independent = torch.ones_like(weights, dtype=torch.bool)
                 independent[corr] = False
                 # the stamped readings are one group (the batch), weighted alike (_hyper_sample)
-                ell = (per_reading[independent].sum() + weights[corr].mean()
-                       * self.likelihood.correlated_expected_log_lik(hy[corr], mean_in[corr], cov_in, sigma,
-                                                                               sigma_chol, Pi))
+                correlated = self.likelihood.correlated_expected_log_lik(hy[corr], mean_in[corr], cov_in, sigma,
+                                                                         sigma_chol, Pi)
+                ell = per_reading[independent].sum() + weights[corr].mean() * correlated
         value = ell.detach() - penalty
 
         def gradients(scale: float) -> None:
