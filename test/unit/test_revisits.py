@@ -120,3 +120,28 @@ def test_with_white_noise_alone_the_time_error_engine_learns_the_sensors_noise()
     assert float(engines[0].likelihood.time_error.variance.detach()) * unit < 0.02
     for engine in engines:  # the tiles share one likelihood
         assert float(engine.likelihood.noise_variance.detach()) * unit == pytest.approx(0.25, rel=0.2)
+
+
+def test_a_robot_at_rest_is_not_a_revisit():
+    """60 s standing at one place (the field there and the sensor's noise; nothing moves, so no shared error),
+    then six passes with a shared error. Standing still for longer than MIN_GAP, the readings would pair with
+    themselves as 'other passes', agree to the sensor's noise and pull e's bound towards 0 for the rest of the
+    stream (0.36 against the passes' own 2.42 before batches at rest stopped pairing); a batch at rest does not
+    pair, so the passes' revisits set the bound as they do without the stop."""
+    x, y, t = _passes(np.random.default_rng(7), n_passes=6)
+    rest_t = np.arange(0.0, 60.0, 0.1)
+    rest_x = np.tile(x[:1], (len(rest_t), 1))
+    rest_y = y[:1] + 0.3 * np.random.default_rng(8).standard_normal((len(rest_t), 1))
+    bounds = {}
+    for stop in (False, True):
+        xs, ys, ts = (np.vstack([rest_x, x]), np.vstack([rest_y, y]), np.concatenate([rest_t - 70.0, t])) if stop \
+            else (x, y, t)
+        model = _engine()
+        for i in range(0, len(ts), 100):
+            model.update(xs[i:i + 100], ys[i:i + 100], t=ts[i:i + 100])
+        bounds[stop] = float(model.revisits.shared_variance()[0])
+    at_rest_only = _engine()
+    for i in range(0, len(rest_t), 100):
+        at_rest_only.update(rest_x[i:i + 100], rest_y[i:i + 100], t=rest_t[i:i + 100])
+    assert float(at_rest_only.revisits.pair_sums[0, 0]) == 0  # nothing pairs while the robot stands
+    assert bounds[True] == pytest.approx(bounds[False], rel=0.3), bounds
