@@ -126,7 +126,7 @@ def test_a_robot_at_rest_is_not_a_revisit():
     """60 s standing at one place (the field there and the sensor's noise; nothing moves, so no shared error),
     then six passes with a shared error. Standing still for longer than MIN_GAP, the readings would pair with
     themselves as 'other passes', agree to the sensor's noise and pull e's bound towards 0 for the rest of the
-    stream (0.36 against the passes' own 2.42 before batches at rest stopped pairing); a batch at rest does not
+    stream (0.34 against the passes' own 2.42 before batches at rest stopped pairing); a batch at rest does not
     pair, so the passes' revisits set the bound as they do without the stop."""
     x, y, t = _passes(np.random.default_rng(7), n_passes=6)
     rest_t = np.arange(0.0, 60.0, 0.1)

@@ -440,7 +440,7 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         variance at what they show (gp/revisits.py), in the standardised units the likelihood learns in. A batch
         at rest is not a pass: a robot standing at one place for longer than the revisits' gap would otherwise
         pair with itself, its readings agreeing to the sensor's noise, and pull e's bound towards 0 for the rest of
-        the stream (60 s at rest before six passes: 0.36 against the passes' own 2.42; test_revisits.py)."""
+        the stream (60 s at rest before six passes: 0.34 against the passes' own 2.42; test_revisits.py)."""
         if spans_space(x, self.config.lengthscale):
             held_y = torch.cat([self.mem_y, self.pend_y]) * self.y_std + self.y_mean
             self.revisits.observe(x, y, t, torch.cat([self.mem_x, self.pend_x]), held_y,
