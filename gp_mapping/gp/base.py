@@ -143,6 +143,24 @@ def merge_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, y: 
     pool_moments(count, mean, m2, n_b, mean_b, m2_b)
 
 
+def fold_moving_targets(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, moved: torch.Tensor, y: torch.Tensor,
+                        moving: bool, mask: torch.Tensor | None = None) -> None:
+    """Fold a batch y (N, P) into the running moments that set the targets' unit (:func:`merge_moments`), counting
+    moving data only. A robot at rest reads one place's field to the sensor's noise, which is not the field's
+    spread; a stream that starts at rest (the OptiTrack recordings: 6 s on the floor, where the field also differs
+    from the walk's) set the unit the first hyperparameters were learned in from that, and the whole map kept its
+    mark (OptiTrack |B| 0.514 -> 0.489 uT and vector 0.438 -> 0.413 with moving data only; docs/calibration.md,
+    "The targets' unit from moving data"). The first batch that spans space (``moving``: :func:`spans_space`)
+    restarts the moments and sets ``moved`` (a bool tensor); until one comes, batches at rest are all there is."""
+    if moving and not bool(moved):
+        count.zero_()
+        mean.zero_()
+        m2.zero_()
+        moved.fill_(True)
+    if moving or not bool(moved):
+        merge_moments(count, mean, m2, y, mask)
+
+
 def pool_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, count_b: torch.Tensor,
                  mean_b: torch.Tensor, m2_b: torch.Tensor) -> None:
     """Fold the moments (count_b, mean_b, m2_b) of other data into (count, mean, m2) in place (Chan et al.)."""
@@ -252,9 +270,11 @@ class Engine(nn.Module, abc.ABC):
         self.register_buffer("y_count", torch.zeros(outputs if count_per_output else (), **f64))
         self.register_buffer("y_run_mean", torch.zeros(outputs, **f64))
         self.register_buffer("y_run_m2", torch.zeros(outputs, **f64))
+        self.register_buffer("y_moved", torch.tensor(False))  # the moments count moving data (fold_moving_targets)
 
-    def _track_targets(self, y: torch.Tensor) -> None:
-        """Fold a batch's targets into the running statistics and re-express the model in new units
+    def _track_targets(self, y: torch.Tensor, moving: bool) -> None:
+        """Fold a batch's targets into the running statistics (moving data only once there are some:
+        :func:`fold_moving_targets`; ``moving``: the batch spans space) and re-express the model in new units
         (``self._rescale_targets(mean, std)``, the engine's) when they have drifted (:func:`scale_drifted`).
 
         Standardising once from the first batch fails on a robot that stands still for its first second: the
@@ -267,7 +287,7 @@ class Engine(nn.Module, abc.ABC):
         if not self.likelihood.standardise_targets:
             self.standardised.fill_(True)
             return
-        merge_moments(self.y_count, self.y_run_mean, self.y_run_m2, y)
+        fold_moving_targets(self.y_count, self.y_run_mean, self.y_run_m2, self.y_moved, y, moving)
         if bool(getattr(self, "scale_fixed", False)):
             return
         mean, std = moments_scale(self.y_count, self.y_run_mean, self.y_run_m2)
@@ -583,6 +603,10 @@ class Engine(nn.Module, abc.ABC):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        moved = prefix + "y_moved"
+        if moved not in state_dict and prefix + "y_count" in state_dict and hasattr(self, "y_moved"):
+            # saved before the moments counted moving data only: take what they counted as moving
+            state_dict[moved] = torch.as_tensor(bool((state_dict[prefix + "y_count"] > 0).any()))
         # Variable-size tensors take the saved shape before the copy.
         for name in self.resizable_names():
             key = prefix + name

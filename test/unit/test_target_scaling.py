@@ -13,7 +13,8 @@ import torch
 
 from gp_mapping.config import ModelConfig
 from gp_mapping.gp import build_model
-from gp_mapping.gp.base import difference_noise_estimate, merge_moments, moments_scale, spans_space
+from gp_mapping.gp.base import (difference_noise_estimate, fold_moving_targets, merge_moments, moments_scale,
+                                spans_space)
 from gp_mapping.sim import SensorConfig, TrajectoryConfig, WorldConfig, simulate
 
 REST_SAMPLES = 100  # 2 s at 50 Hz
@@ -165,6 +166,49 @@ def test_continual_mogp_channel_rescaling_through_the_mixing_rows_is_exact():
     np.testing.assert_allclose(mean1.numpy(), mean0.numpy(), rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(var1.numpy(), var0.numpy(), rtol=1e-9, atol=1e-12)
     assert model.rescalings == 1
+
+
+def test_moving_data_alone_set_the_unit_once_there_are_some():
+    """base.fold_moving_targets: batches at rest count only until the first batch that spans space, which
+    restarts the moments; later batches at rest are left out. A stream that never moves keeps them all."""
+    rng = np.random.default_rng(7)
+    f64 = dict(dtype=torch.float64)
+    count, mean, m2, moved = torch.zeros((), **f64), torch.zeros(2, **f64), torch.zeros(2, **f64), torch.tensor(False)
+    rest = [torch.as_tensor(rng.normal(90.0, 0.01, (50, 2))) for _ in range(3)]
+    walk = [torch.as_tensor(rng.normal(40.0, 3.0, (50, 2))) for _ in range(2)]
+    fold_moving_targets(count, mean, m2, moved, rest[0], False)
+    assert not bool(moved) and float(count) == 50  # nothing moving yet: the rest is all there is
+    fold_moving_targets(count, mean, m2, moved, walk[0], True)
+    fold_moving_targets(count, mean, m2, moved, rest[1], False)
+    fold_moving_targets(count, mean, m2, moved, walk[1], True)
+    fold_moving_targets(count, mean, m2, moved, rest[2], False)
+    both = torch.cat(walk)
+    assert bool(moved) and float(count) == 100
+    np.testing.assert_allclose(mean.numpy(), both.mean(0).numpy(), rtol=1e-12)
+    np.testing.assert_allclose((m2 / count).numpy(), both.var(0, unbiased=False).numpy(), rtol=1e-10)
+
+
+@pytest.mark.parametrize("engine,tile_size", [("dual_svgp", 0.0), ("dual_svgp", 4.0), ("continual_mogp", 0.0),
+                                              ("var_gp", 0.0)])
+def test_a_rest_where_the_field_differs_sets_no_part_of_the_unit(engine, tile_size):
+    """A sensor that lies on the floor before the walk (the OptiTrack recordings: 6 s, where the field differs
+    from the walk's by several uT) reads one place to the sensor's noise. Counted in the running statistics, it set
+    the unit the first hyperparameters were learned in and pulled the scale the map kept (OptiTrack |B| mapped at
+    0.514 uT, 0.489 without it). Now the unit after the rest and the drive is the drive's alone, exactly."""
+    x, y, _, _ = _drive(15.0, "vector")
+    rest_x = np.repeat(x[:1] + np.array([[0.3, 0.0]]), REST_SAMPLES, 0)  # 30 cm from where the drive starts
+    rest_y = y[:1] + 8.0 + np.random.default_rng(1).normal(scale=REST_NOISE_UT, size=(REST_SAMPLES, y.shape[1]))
+    units = []
+    for xs, ys in ((x, y), (np.vstack([rest_x, x]), np.vstack([rest_y, y]))):
+        config = ModelConfig(engine=engine, num_inducing=32, device="cpu", tile_size=tile_size,
+                             learn_hyperparameters=False)
+        model = build_model(config, 2, y.shape[1])
+        for i in range(0, len(xs), 50):  # the rest is two whole batches: the drive's batches are the same
+            model.update(xs[i:i + 50], ys[i:i + 50])
+        scale = (model.scale_offset, model.scale_std) if tile_size else (model.y_run_mean, model.y_std)
+        units.append([t.clone().numpy() for t in scale])
+    np.testing.assert_allclose(units[1][0], units[0][0], rtol=1e-12)
+    np.testing.assert_allclose(units[1][1], units[0][1], rtol=1e-12)
 
 
 def test_batches_at_rest_teach_no_hyperparameters():

@@ -49,7 +49,8 @@ import time
 import torch
 from torch import nn
 
-from ..base import Engine, difference_noise_estimate, merge_moments, moments_scale, resolve_device, spans_space
+from ..base import (Engine, difference_noise_estimate, fold_moving_targets, moments_scale, resolve_device,
+                    spans_space)
 from ..config import MIXING_LEARNING_CHOICES, ModelConfig
 from ..errors import GPNumericalError, ModelInputError
 from ..inducing import DEFAULT_REL_TOL
@@ -222,9 +223,10 @@ class ContinualMOGP(ContinualBound, InducingPlacement, UpdateMemo, Engine):
         """How many times the target scale has been re-expressed (see :meth:`_update_standardisation`)."""
         return int(self.rescalings_t)
 
-    def _update_standardisation(self, y: torch.Tensor, mask: torch.Tensor) -> None:
-        """Running per-channel statistics; a channel's offset and scale are set when it is first seen, and the
-        scale follows the running std from then on (re-expressed when it leaves [1/2, 2] x the current one).
+    def _update_standardisation(self, y: torch.Tensor, mask: torch.Tensor, moving: bool) -> None:
+        """Running per-channel statistics, of moving data once there are some (base.fold_moving_targets; ``moving``:
+        the batch spans space); a channel's offset and scale are set when it is first seen, and the scale follows
+        the running std from then on (re-expressed when it leaves [1/2, 2] x the current one).
 
         A scale frozen on the first batch fails on a robot that stands still for its first second (the batch's
         spread is the sensor noise, the field's a thousand times more). The offset (the prior mean) stays where
@@ -234,17 +236,17 @@ class ContinualMOGP(ContinualBound, InducingPlacement, UpdateMemo, Engine):
         if not self.likelihood.standardise_targets:
             self.channel_seen |= mask.any(0)
             return
-        count_before = self.y_count.clone()
-        merge_moments(self.y_count, self.y_run_mean, self.y_run_m2, y, mask)
+        fold_moving_targets(self.y_count, self.y_run_mean, self.y_run_m2, self.y_moved, y, moving, mask)
         _, std = moments_scale(self.y_count, self.y_run_mean, self.y_run_m2)
-        first = (self.y_count > count_before) & ~self.channel_seen
+        first = mask.any(0) & ~self.channel_seen
         self.y_mean.copy_(torch.where(first, self.y_run_mean, self.y_mean))
         self.y_std.copy_(torch.where(first, std, self.y_std))
         self.channel_seen |= first
         if bool(self.scale_fixed):
             return
         ratio = std / self.y_std
-        drift = self.channel_seen & ~first & ((ratio > 2.0) | (ratio < 0.5))
+        # (a channel the moments have restarted without, at the first moving batch, has no spread to follow yet)
+        drift = self.channel_seen & ~first & (self.y_count > 1) & ((ratio > 2.0) | (ratio < 0.5))
         if bool(drift.any()):
             self._rescale_targets(torch.where(self.channel_seen & ~first, std, self.y_std))
 
@@ -472,14 +474,15 @@ class ContinualMOGP(ContinualBound, InducingPlacement, UpdateMemo, Engine):
                        "variational_steps": 0, "bound": float("nan"), "continual": False}
         if xt.shape[0] > 0:
             yt = self._calibrate_on(xt, yt, mask)
+            moving = spans_space(xt, self.config.lengthscale)
             with torch.no_grad():
-                self._update_standardisation(yt, mask)
+                self._update_standardisation(yt, mask, moving)
             ys = self._standardise(yt, mask)
             first = self.num_updates == 0
             # Nothing is learned from a batch at rest (see spans_space); the first batch that can teach
             # hyperparameters starts the mixing and the noise from the data.
             learn = (mode == "full" and self.config.learn_hyperparameters and self.config.hyper_steps > 0
-                     and spans_space(xt, self.config.lengthscale))
+                     and moving)
             if learn and not bool(self.hyper_learned):
                 if bool(self._mixing_rows_learned().all()):
                     self._initialise_mixing(ys, mask)

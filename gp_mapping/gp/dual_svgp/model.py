@@ -415,7 +415,7 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         if xt.shape[0] > 0:
             yt = self._calibrate_on(xt, yt)
             with torch.no_grad():
-                self._track_targets(yt)
+                self._track_targets(yt, spans_space(xt, self.config.lengthscale))
                 if hasattr(self, "revisits"):
                     self._bound_time_error(xt, yt, tt)
             ys = self._standardise(yt)

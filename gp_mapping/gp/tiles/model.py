@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from ..base import UNSTAMPED_GAP, Engine, merge_moments, moments_scale, resolve_device
+from ..base import UNSTAMPED_GAP, Engine, fold_moving_targets, moments_scale, resolve_device, spans_space
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..merging import MergeError, MergeResult, load_merged
@@ -123,6 +123,7 @@ class TiledModel(SharedHyperparameters, Engine):
         self.register_buffer("target_count", torch.zeros(p, **f64))
         self.register_buffer("target_mean", torch.zeros(p, **f64))
         self.register_buffer("target_m2", torch.zeros(p, **f64))
+        self.register_buffer("target_moved", torch.tensor(False))  # the moments count moving data only
         self.register_buffer("max_jitter", torch.tensor(float(config.jitter), **f64))
         # Hyperparameter steps taken by all tiles together: the age of the shared hyperparameters.
         self.register_buffer("hyper_steps_t", torch.tensor(0, dtype=torch.int64))
@@ -311,7 +312,8 @@ class TiledModel(SharedHyperparameters, Engine):
                       tt: torch.Tensor | None = None) -> None:
         prior_before = (self._theta(), self.scale_offset.clone(), self.scale_std.clone())
         with torch.no_grad():
-            merge_moments(self.target_count, self.target_mean, self.target_m2, yt, ~torch.isnan(yt))
+            fold_moving_targets(self.target_count, self.target_mean, self.target_m2, self.target_moved, yt,
+                                spans_space(xt, self.config.lengthscale), ~torch.isnan(yt))
             self._follow_targets()
         pts, tiles = self.layout.memberships(xt)
         groups = self.layout.group(tiles)  # sorted: a fixed order
@@ -554,6 +556,7 @@ class TiledModel(SharedHyperparameters, Engine):
             self.target_count.copy_(summary.target_count.to(dev))
             self.target_mean.copy_(summary.target_mean.to(dev))
             self.target_m2.copy_(summary.target_m2.to(dev))
+            self.target_moved.fill_(bool((summary.target_count > 0).any()))
             self.scale_offset.copy_(summary.scale_offset.to(dev))
             self.scale_std.copy_(summary.scale_std.to(dev))
             self.scale_set.fill_(True)
@@ -617,6 +620,8 @@ class TiledModel(SharedHyperparameters, Engine):
             state_dict = {**state_dict, "scale_offset": offset, "scale_std": std,
                           "scale_set": torch.as_tensor(bool((state_dict["target_count"] > 0).any())),
                           "rescalings_t": torch.tensor(0, dtype=torch.int64)}
+        if "target_moved" not in state_dict:  # saved before the moments counted moving data only
+            state_dict = {**state_dict, "target_moved": torch.as_tensor(bool((state_dict["target_count"] > 0).any()))}
         if "hyper_steps_t" not in state_dict:
             # A state saved before the shared warm-up was counted: every step the tiles took was a shared one.
             steps = sum(int(v) for k, v in state_dict.items()

@@ -451,9 +451,9 @@ class VARGP(BlockFactors, RegionBlocks, Engine):
         if xt.shape[0]:
             yt = self._calibrate_on(xt, yt)
             with torch.no_grad():
-                self._track_targets(yt)
-                ys = (yt - self.y_mean) / self.y_std
                 informative = spans_space(xt, cfg.lengthscale)
+                self._track_targets(yt, informative)
+                ys = (yt - self.y_mean) / self.y_std
                 learn = (mode == "full" and informative and cfg.learn_hyperparameters and cfg.hyper_steps > 0)
                 if learn and not bool(self.hyper_learned) and xt.shape[0] > 2 \
                         and isinstance(self.likelihood, GaussianLikelihood):
