@@ -161,6 +161,12 @@ def fold_moving_targets(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tenso
         merge_moments(count, mean, m2, y, mask)
 
 
+def counted_as_moving(count: torch.Tensor) -> torch.Tensor:
+    """``moved`` for moments kept before :func:`fold_moving_targets` (a state saved earlier, a merge's pooled
+    moments): whatever they counted stands for moving data."""
+    return torch.as_tensor(bool((count > 0).any()))
+
+
 def pool_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, count_b: torch.Tensor,
                  mean_b: torch.Tensor, m2_b: torch.Tensor) -> None:
     """Fold the moments (count_b, mean_b, m2_b) of other data into (count, mean, m2) in place (Chan et al.)."""
@@ -603,10 +609,9 @@ class Engine(nn.Module, abc.ABC):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        moved = prefix + "y_moved"
+        moved = prefix + "y_moved"  # absent from a state saved before fold_moving_targets
         if moved not in state_dict and prefix + "y_count" in state_dict and hasattr(self, "y_moved"):
-            # saved before the moments counted moving data only: take what they counted as moving
-            state_dict[moved] = torch.as_tensor(bool((state_dict[prefix + "y_count"] > 0).any()))
+            state_dict[moved] = counted_as_moving(state_dict[prefix + "y_count"])
         # Variable-size tensors take the saved shape before the copy.
         for name in self.resizable_names():
             key = prefix + name

@@ -112,7 +112,8 @@ def test_osman_world_frame_vector_map_multi_output_vs_independent():
 @pytest.mark.xfail(strict=True, reason="known bug (issue 37, docs/calibration.md Limits): with the pivoted-Cholesky "
                    "tolerance at 1e-6, so that M binds, 256 inducing points map y / z at 0.53 / 0.62 uT against "
                    "0.37 / 0.54 at 128 (the shipped time_error, streamed with the readings' stamps, the unit from "
-                   "moving data; before that z 0.91 against 0.66, white noise alone 0.95 against 0.68). The exact GP with those hyperparameters maps z as badly: the held-out readings lie below "
+                   "moving data; before that z 0.91 against 0.66, white noise alone 0.95 against 0.68). The exact "
+                   "GP with those hyperparameters maps z as badly: the held-out readings lie below "
                    "the streamed ones and the model extrapolates the vertical change it fitted; the low-rank map "
                    "only smooths more")
 def test_more_inducing_points_than_the_tolerance_keeps_do_not_make_the_vector_map_worse():

@@ -6,6 +6,7 @@ import copy
 
 import torch
 
+from ..base import counted_as_moving
 from ..linalg import symmetrise
 
 
@@ -68,7 +69,7 @@ class RecyclableDual:
             self.y_count.fill_(float(num_seen))
             self.y_run_mean.copy_(self.y_mean)
             self.y_run_m2.copy_(self.y_std ** 2 * float(num_seen))
-            self.y_moved.fill_(num_seen > 0)  # the merged statistics stand for the sources' (moving) data
+            self.y_moved.copy_(counted_as_moving(self.y_count))  # the merged statistics stand for the sources'
             self.hyper_learned.fill_(True)
         self._refresh_cache()
 

@@ -55,7 +55,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from ..base import UNSTAMPED_GAP, Engine, fold_moving_targets, moments_scale, resolve_device, spans_space
+from ..base import (UNSTAMPED_GAP, Engine, counted_as_moving, fold_moving_targets, moments_scale, resolve_device,
+                    spans_space)
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..merging import MergeError, MergeResult, load_merged
@@ -556,7 +557,7 @@ class TiledModel(SharedHyperparameters, Engine):
             self.target_count.copy_(summary.target_count.to(dev))
             self.target_mean.copy_(summary.target_mean.to(dev))
             self.target_m2.copy_(summary.target_m2.to(dev))
-            self.target_moved.fill_(bool((summary.target_count > 0).any()))
+            self.target_moved.copy_(counted_as_moving(summary.target_count))
             self.scale_offset.copy_(summary.scale_offset.to(dev))
             self.scale_std.copy_(summary.scale_std.to(dev))
             self.scale_set.fill_(True)
@@ -621,7 +622,7 @@ class TiledModel(SharedHyperparameters, Engine):
                           "scale_set": torch.as_tensor(bool((state_dict["target_count"] > 0).any())),
                           "rescalings_t": torch.tensor(0, dtype=torch.int64)}
         if "target_moved" not in state_dict:  # saved before the moments counted moving data only
-            state_dict = {**state_dict, "target_moved": torch.as_tensor(bool((state_dict["target_count"] > 0).any()))}
+            state_dict = {**state_dict, "target_moved": counted_as_moving(state_dict["target_count"])}
         if "hyper_steps_t" not in state_dict:
             # A state saved before the shared warm-up was counted: every step the tiles took was a shared one.
             steps = sum(int(v) for k, v in state_dict.items()
