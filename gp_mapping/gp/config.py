@@ -171,11 +171,6 @@ class ModelConfig:
                                         "held samples (a uniform sample of the memory and of the batch; the "
                                         "rest's information stays in q, in the old data's pseudo-likelihood), so a "
                                         "step costs the same however large the batch", low=1, high=1_000_000)
-    hyper_inducing: int = option(0, doc="dual_svgp: hyperparameter steps see the map through at most this many "
-                                        "of its inducing points (a pivoted-Cholesky subset of Z, the rest's "
-                                        "information carried by q's marginal), so that more inducing points "
-                                        "sharpen the map without changing what the hyperparameters are "
-                                        "learned from; 0: all of Z", low=0, high=1_000_000)
     hyper_tol: float = option(1e-4, doc="stop a full update's hyperparameter steps when the objective per "
                                         "datum rose by less than this in the last step; 0: always hyper_steps",
                               low=0.0, high=1.0)

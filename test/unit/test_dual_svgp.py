@@ -3,7 +3,6 @@ written out directly, ridge leverage scores, the exact log marginal likelihood; 
 state round trips, degenerate data and bad input."""
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -945,52 +944,3 @@ def test_a_fast_update_that_a_full_z_reaches_in_part_leaves_the_covered_map_near
     monkeypatch.setattr(engine_module, "residual_weighted_sites", lambda lam1, lam2, residual: (lam1, lam2))
     variational = error_to_exact()
     assert residual_weighted < 0.12 and variational > 0.18, (residual_weighted, variational)
-
-
-@pytest.mark.parametrize("outputs", [1, 3])
-def test_hyperparameters_at_a_coarser_resolution_see_the_old_part_through_its_exact_marginal(outputs):
-    """model.hyper_inducing: the steps see the map through a pivoted-Cholesky subset Z_h of Z. The old part's
-    pseudo-likelihood on u_h = f(Z_h), with the prior of u_h, must give exactly the marginal on u_h of the old
-    part's posterior on u = f(Z) (a Gaussian's marginal, written out directly); at or above M nothing changes."""
-    model, *_ = held_data_away_from_theta(outputs, "gaussian", seed=34)
-    L0 = model._chol_K()
-    assert model._old_part_on_subset(L0, None) is None  # hyper_inducing 0: all of Z
-    model.config = dataclasses.replace(model.config, hyper_inducing=model.num_inducing)
-    assert model._old_part_on_subset(L0, None) is None
-    model.config = dataclasses.replace(model.config, hyper_inducing=15)
-    with torch.no_grad():
-        z_h, a_h, W_h = model._old_part_on_subset(L0, None)
-        assert z_h.shape[0] == 15
-        picked = torch.cdist(z_h, model.Z).argmin(1)
-        assert torch.equal(model.Z[picked], z_h)
-        a_u, W_u = model._old_part_on_u(L0, None)
-        K = L0 @ L0.T
-        K_h = model._chol_K(z_h) @ model._chol_K(z_h).T
-        for p in range(outputs):
-            cov = torch.linalg.inv(torch.linalg.inv(K) + W_u[p])
-            mean = cov @ a_u[:, p]
-            cov_h = torch.linalg.inv(torch.linalg.inv(K_h) + W_h[p])
-            np.testing.assert_allclose((cov_h @ a_h[:, p]).numpy(), mean[picked].numpy(), rtol=1e-6, atol=1e-8)
-            np.testing.assert_allclose(cov_h.numpy(), cov[picked][:, picked].numpy(), rtol=1e-6, atol=1e-9)
-            assert float(torch.linalg.eigvalsh(W_h[p]).min()) >= 0.0
-
-
-def test_hyperparameters_at_a_fixed_resolution_do_not_follow_the_map_s_inducing_points():
-    """Issue 37: a larger M must never map worse, and on the corridor, Solin protocol 2 and the demo the
-    hyperparameters learned with more inducing points fitted shorter detail that did not carry
-    (docs/calibration.md). With model.hyper_inducing the steps see the same number of points at every M, so the
-    learned lengthscales differ far less between M = 30 and 90 than when each M learns through all of its Z."""
-    x, y = data(900, seed=35)
-
-    def learned(m: int, cap: int) -> np.ndarray:
-        model = make(num_inducing=m, memory_size=100, memory_per_batch=30, hyper_steps=20, hyper_tol=0.0,
-                     hyper_lr=0.05, hyper_inducing=cap)
-        for lo in range(0, 900, 60):
-            model.update(x[lo:lo + 60], y[lo:lo + 60])
-        assert model.num_inducing == m
-        return np.concatenate([k.lengthscale.detach().numpy().reshape(-1) for k in model.kernel.modules()
-                               if isinstance(getattr(type(k), "lengthscale", None), property)])
-
-    apart_free = np.abs(np.log(learned(90, 0) / learned(30, 0))).max()
-    apart_fixed = np.abs(np.log(learned(90, 30) / learned(30, 30))).max()
-    assert apart_fixed < 0.5 * apart_free

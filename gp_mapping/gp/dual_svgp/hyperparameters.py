@@ -48,7 +48,6 @@ import torch
 from torch import nn
 
 from ..errors import GPNumericalError
-from ..inducing import pivoted_cholesky
 from ..linalg import jittered_cholesky, symmetrise
 from .sites import site_sums
 
@@ -128,45 +127,9 @@ class HyperparameterSteps:
         W_u = torch.linalg.solve_triangular(L0.T, half.transpose(-1, -2), upper=True)
         return a_u, symmetrise(W_u)
 
-    def _old_part_on_subset(self, L0: torch.Tensor, fixed: tuple[torch.Tensor, torch.Tensor] | None
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """model.hyper_inducing: the points Z_h (a pivoted-Cholesky subset of Z under the current kernel) through
-        which the hyperparameter steps see the map, and the old part as a pseudo-likelihood on u_h = f(Z_h), as
-        _old_part_on_u returns it for Z; None when the steps see all of Z.
-
-        The old part's posterior on u, marginalised to u_h and divided by the prior of u_h, is the pseudo-likelihood
-        on u_h: whitened by L_h = chol(K_hh), G = L_h^{-1} L0[h] has orthonormal rows, the marginal covariance is
-        C = G (I + W)^{-1} G^T and the site (C^{-1} G m, C^{-1} - I) with m = (I + W)^{-1} a. Like t_old on Z it
-        is fixed through the steps. The bound on Z_h charges a lengthscale shorter than Z_h resolves through the
-        held readings' variance k_ii - Q_ii, so the hyperparameters do not follow the map's M (issue 37: a larger
-        M must never map worse; docs/calibration.md, Hyperparameters at a resolution of their own)."""
-        cap = self.config.hyper_inducing
-        z = self.Z
-        if cap <= 0 or z.shape[0] <= cap:
-            return None
-        with torch.no_grad():
-            picked, _ = pivoted_cholesky(self.kernel, self.kernel.diag(z), z, cap)
-            z_h = z[picked]
-            L_h = self._chol_K(z_h)
-            a_w, W = fixed if fixed is not None else (self.a_w_old, self.W_old)
-            G = torch.linalg.solve_triangular(L_h, L0[picked], upper=False)  # (M_h, M)
-            eye = torch.eye(z.shape[0], dtype=z.dtype, device=z.device)
-            R, _ = jittered_cholesky(symmetrise(eye + W), 0.0)  # (P, M, M)
-            m = torch.cholesky_solve(a_w.T[..., None], R)[..., 0]  # (P, M)
-            half = torch.linalg.solve_triangular(R, G.T.expand(R.shape[0], -1, -1), upper=False)  # R^{-1} G^T
-            C_chol, _ = jittered_cholesky(symmetrise(half.transpose(-1, -2) @ half), 0.0)
-            a_h = torch.cholesky_solve((G @ m.T).T[..., None], C_chol)[..., 0].T  # (M_h, P)
-            W_h = symmetrise(torch.cholesky_inverse(C_chol) - torch.eye(len(picked), dtype=z.dtype, device=z.device))
-            # a marginal is never more certain than the whole, so W_h >= 0 up to rounding: clip what rounding adds
-            evals, evecs = torch.linalg.eigh(W_h)
-            W_h = symmetrise((evecs * evals.clamp_min(0.0)[:, None, :]) @ evecs.transpose(-1, -2))
-            a_u, W_u = self._old_part_on_u(L_h, (a_h, W_h))
-        return z_h, a_u, W_u
-
     def _fixed_z_bound(self, a_u: torch.Tensor, W_u: torch.Tensor, hx, hy, lam1, lam2, weights,
                        with_old_term: bool = False, slope2: torch.Tensor | None = None,
-                       times: torch.Tensor | None = None, z: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, Callable[[float], None]]:
+                       times: torch.Tensor | None = None) -> tuple[torch.Tensor, Callable[[float], None]]:
         """l_theta of _hyper_objective with Z fixed, and a function that sets the hyperparameters' .grad to the
         gradient of -scale * l_theta.
 
@@ -190,7 +153,7 @@ class HyperparameterSteps:
         (V_b Pi y_b, V_b Pi V_b^T) with Pi = Sigma^{-1} held as sites are, which adds a_bar (Pi y_b)^T and
         2 A_bar V_b Pi to dl/dV_b.
         """
-        z = self.Z if z is None else z
+        z = self.Z
         corr = self._correlated_rows(times)
         with torch.enable_grad():
             kzz, kzx, kxx = self.kernel(z, z), self.kernel(z, hx), self.kernel.diag(hx)
@@ -336,9 +299,7 @@ class HyperparameterSteps:
         good = [p.detach().clone() for p in params]
         good_z = z0.clone()
         steps, value = 0, 0.0
-        subset = None if learn_z else self._old_part_on_subset(L0, fixed)
-        z_seen = None if subset is None else subset[0]
-        old_part_on_u = None if learn_z else (subset[1:] if subset is not None else self._old_part_on_u(L0, fixed))
+        old_part_on_u = None if learn_z else self._old_part_on_u(L0, fixed)
         # the streaming ELBO: every held datum counts once and the old data speak through t_old (with learned Z,
         # l_theta stays the memory-scaled objective)
         streaming = cfg.hyper_objective == "streaming" and not learn_z
@@ -353,7 +314,7 @@ class HyperparameterSteps:
                     else:
                         l_theta, theta_gradients = self._fixed_z_bound(*old_part_on_u, hx, hy, lam1, lam2,
                                                                        ell_weights, with_old_term=streaming,
-                                                                       slope2=slope2, times=times, z=z_seen)
+                                                                       slope2=slope2, times=times)
                         l_z = None
                     finite = bool(torch.isfinite(l_theta)) and (l_z is None or bool(torch.isfinite(l_z)))
                     # Converged: the last step gained less than hyper_tol per datum, so stop where this value
