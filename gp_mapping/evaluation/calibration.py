@@ -304,7 +304,10 @@ CANDIDATES = {"shipped": {}, "no calibration": {"calibration": "none"},
               **_at_each_m("white noise", {"time_error": False}),
               # both errors a hand-held walk shares along a pass: in time (shipped), and its track's read through
               # the slope (docs/calibration.md, Both errors of a walk together)
-              **_at_each_m("position noise 0.05 m", {"position_noise": 0.05})}
+              **_at_each_m("position noise 0.05 m", {"position_noise": 0.05}),
+              # every update full (the shipped schedule waits for 150 samples, chosen on Solin protocol 2 alone:
+              # docs/calibration.md, The update schedule by the worst case)
+              **_at_each_m("every update full", {"full_update_samples": 1})}
 
 
 def run(plan: dict, root, log: Callable[[str], None]) -> dict[str, Any]:

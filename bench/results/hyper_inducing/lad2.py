@@ -1,9 +1,9 @@
 """python lad2.py NAME OVERRIDES_JSON M... -> one json line per M"""
-import sys, time, json, numpy as np, torch
+import os, sys, time, json, numpy as np, torch
 from gp_mapping.evaluation import calibration as C
 name, over = sys.argv[1], json.loads(sys.argv[2])
 ms = [int(a) for a in sys.argv[3:]] or [256]
-rec = C.load(name, "/work/shared/data", {})
+rec = C.load(name, os.environ.get("GP_MAPPING_DATA", "../shared/data"), {})
 for m in ms:
     t0 = time.time()
     s = C.engine_scores(C.shipped(num_inducing=m, **over), rec, keep_model=True)

@@ -1,9 +1,9 @@
 """python loo.py HELD OVERRIDES_JSON M... : Solin sequences but HELD streamed (as protocol 2), HELD held out"""
-import sys, json, time, numpy as np
+import os, sys, json, time, numpy as np
 from gp_mapping.evaluation import calibration as C
 from gp_mapping.evaluation.datasets import load_solin2018
 held, over = int(sys.argv[1]), json.loads(sys.argv[2])
-root = "/work/shared/data"
+root = os.environ.get("GP_MAPPING_DATA", "../shared/data")
 train = [s for s in (1, 2, 3, 4, 5) if s != held]
 tr = [load_solin2018(root, s) for s in train]
 te = load_solin2018(root, held)
