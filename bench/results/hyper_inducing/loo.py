@@ -13,4 +13,5 @@ for m in [int(a) for a in sys.argv[3:]]:
     t0 = time.time()
     s = C.engine_scores(C.shipped(num_inducing=m, **over), rec)
     print(json.dumps(dict(over=over, name=f"loo{held}", m=m, rmse=round(s["rmse"], 4), nlpd=round(s["nlpd"], 4),
-                          cov=round(s["within_2sd"], 3), z=round(s["z_std"], 3), sec=round(time.time() - t0))), flush=True)
+                          cov=round(s["within_2sd"], 3), z=round(s["z_std"], 3),
+                          sec=round(time.time() - t0))), flush=True)
