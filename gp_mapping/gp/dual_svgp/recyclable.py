@@ -69,7 +69,8 @@ class RecyclableDual:
             self.y_count.fill_(float(num_seen))
             self.y_run_mean.copy_(self.y_mean)
             self.y_run_m2.copy_(self.y_std ** 2 * float(num_seen))
-            self.y_moved.copy_(counted_as_moving(self.y_count))  # the merged statistics stand for the sources'
+            # the merged statistics stand for the sources' (moving) data
+            self.y_moved.copy_(counted_as_moving(self.y_count))
             self.hyper_learned.fill_(True)
         self._refresh_cache()
 
