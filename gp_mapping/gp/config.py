@@ -137,6 +137,10 @@ class ModelConfig:
                                    low_open=True, high=1e2)
     error_timescale: float = option(2.0, doc="time_error: initial timescale of e(t) [s]", low=0.0, low_open=True,
                                     high=1e6)
+    correlated_folds: bool = option(False, doc="dual_svgp with time_error: readings folded into the old part "
+                                    "together (a full update's leavers) count e(t)'s correlation between them, one "
+                                    "site for the group, as the hyperparameter steps already do; false: each "
+                                    "reading's site on its own, with e's variance added to its noise")
     student_t_dof: float = option(4.0, doc="Student-t degrees of freedom", low=0.0, low_open=True, high=1e3)
     num_inducing: int = option(256, doc="number of inducing points M (var_gp: the most over all its blocks; "
                                "above it the oldest blocks are distilled)", low=1, high=8192)

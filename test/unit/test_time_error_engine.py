@@ -12,6 +12,7 @@ import torch
 
 from gp_mapping.gp import ModelConfig, ModelInputError, build_model
 from gp_mapping.gp.base import UNSTAMPED_GAP
+from gp_mapping.gp.dual_svgp.sites import site_sums
 from gp_mapping.evaluation import calibration
 from gp_mapping.evaluation.variants import track_error
 
@@ -170,3 +171,64 @@ def test_the_calibration_is_given_the_shared_errors_variance_which_its_noise_fac
         assert float(model.calibration.shared_var[0]) == pytest.approx(float(shared[0]), rel=0.1)
     white, _ = calibration.stream_engine(calibration.shipped(time_error=False, tile_size=0.0), rec)
     assert float(white.calibration.shared_var[0]) == 0.0 and float(white._shared_noise_variance()[0]) == 0.0
+
+
+def _exact_posterior_mean(model, x, y, xs, sigma):
+    """The exact GP's mean at xs given (x, y) with error covariance ``sigma`` (standardised units)."""
+    with torch.no_grad():
+        k = model.kernel(torch.as_tensor(x), torch.as_tensor(x)).numpy()
+        ks = model.kernel(torch.as_tensor(xs), torch.as_tensor(x)).numpy()
+    ys = (y[:, 0] - float(model.y_mean[0])) / float(model.y_std[0])
+    return ks @ np.linalg.solve(k + sigma, ys) * float(model.y_std[0]) + float(model.y_mean[0])
+
+
+def test_correlated_folds_give_the_exact_gp_with_the_shared_error_within_each_fold():
+    """model.correlated_folds: with Z at every input and nothing kept in memory, each full update folds its batch
+    as one site, so the map is the exact GP whose errors are white noise plus e(t)'s covariance within a batch
+    (block-diagonal over batches, e's correlation between batches left out); off, e's variance is each reading's
+    own noise. Hyperparameters held."""
+    rng = np.random.default_rng(4)
+    x = rng.uniform(0.0, 4.0, (80, 2))
+    y = _field(x)[:, None] + 0.3 * rng.standard_normal((80, 1))
+    t = np.arange(80) * 0.1
+    xs = rng.uniform(0.0, 4.0, (25, 2))
+    held = dict(learn_hyperparameters=False, jitter=0.0, full_update_every=1, full_update_samples=1, memory_size=0,
+                noise_variance=0.02, error_variance=0.3, error_timescale=1.0, time_error=True)
+    means = {}
+    for correlated in (False, True):
+        model = _engine(correlated_folds=correlated, **held)
+        model.set_inducing_points(x)
+        model.set_standardisation(np.array([50.0]), np.array([2.0]))
+        for i in (0, 40):
+            model.update(x[i:i + 40], y[i:i + 40], t=t[i:i + 40])
+        means[correlated] = model.predict(xs)[0].numpy()[:, 0]
+    lik = model.likelihood
+    white, shared = float(lik.white_variance.detach()[0]), float(lik.time_error.variance.detach()[0])
+    gap = np.abs(t[:, None] - t[None, :])
+    same_batch = (np.arange(80)[:, None] // 40) == (np.arange(80)[None, :] // 40)
+    within = white * np.eye(80) + shared * np.exp(-gap / float(lik.time_error.timescale.detach()[0])) * same_batch
+    independent = (white + shared) * np.eye(80)
+    want = _exact_posterior_mean(model, x, y, xs, within)
+    np.testing.assert_allclose(means[True], want, rtol=1e-7)
+    np.testing.assert_allclose(means[False], _exact_posterior_mean(model, x, y, xs, independent), rtol=1e-7)
+    assert np.abs(means[True] - means[False]).max() > 0.05  # the two models differ here
+
+
+def test_unstamped_readings_fold_as_independent_with_correlated_folds():
+    """A reading with no stamp (NaN: a memory loaded from a map saved before stamps existed) shares no error with
+    any other when folded: the old part equals the per-reading sites'."""
+    rng = np.random.default_rng(5)
+    x = rng.uniform(0.0, 4.0, (30, 2))
+    y = _field(x)[:, None]
+    model = _engine(time_error=True, correlated_folds=True, learn_hyperparameters=False)
+    model.update(x, y, mode="full", t=np.arange(30) * 0.1)
+    L = model._chol_K()
+    V = model._features(L, model.mem_x)
+    lam1, lam2 = model.mem_lam1, model.mem_lam2
+    in_session = torch.ones(V.shape[1], dtype=torch.bool)
+    start = [model.a_w_old.clone(), model.W_old.clone(), model.b_w_old.clone()]
+    model._fold_into_old_part(V, lam1, lam2, in_session, torch.full((V.shape[1],), float("nan"), dtype=torch.float64))
+    folded = [model.a_w_old - start[0], model.W_old - start[1], model.b_w_old - start[2]]
+    want = list(site_sums(V, lam1, lam2)) + [V @ lam2]
+    for got, expected in zip(folded, want):
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)

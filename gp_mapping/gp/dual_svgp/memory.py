@@ -92,11 +92,7 @@ class DualMemory:
         kept = pool[keep]
         leave = torch.ones(hx.shape[0], dtype=torch.bool, device=self.device)
         leave[kept] = False
-        a_f, W_f = site_sums(V[:, leave], lam1[leave], lam2[leave])
-        self.a_w_old = self.a_w_old + a_f
-        self.b_w_old = self.b_w_old + V[:, leave] @ lam2[leave]
-        self.b_w_session = self.b_w_session + V[:, leave] @ (lam2[leave] * in_session[leave, None])
-        self.W_old = self.W_old + W_f
+        self._fold_into_old_part(V[:, leave], lam1[leave], lam2[leave], in_session[leave], times[leave])
         self.mem_x, self.mem_y = hx[kept], hy[kept]
         self.mem_lam1, self.mem_lam2 = lam1[kept], lam2[kept]
         self.mem_logkey = pool_keys[keep]

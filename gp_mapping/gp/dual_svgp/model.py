@@ -536,12 +536,8 @@ class DualSVGP(DualSites, InducingPlacement, HyperparameterSteps, DualMemory, Re
         excess = self.pend_x.shape[0] - self.max_pending
         if excess > 0:
             # Oldest pending points leave: their sites go to the old part (totals unchanged).
-            V_f = self._features(L, self.pend_x[:excess])
-            a_f, W_f = site_sums(V_f, self.pend_lam1[:excess], self.pend_lam2[:excess])
-            self.a_w_old = self.a_w_old + a_f
-            self.b_w_old = self.b_w_old + V_f @ self.pend_lam2[:excess]
-            self.b_w_session = self.b_w_session + V_f @ (self.pend_lam2[:excess] * self.pend_in_session[:excess, None])
-            self.W_old = self.W_old + W_f
+            self._fold_into_old_part(self._features(L, self.pend_x[:excess]), self.pend_lam1[:excess],
+                                     self.pend_lam2[:excess], self.pend_in_session[:excess], self.pend_t[:excess])
             for name in ("pend_x", "pend_y", "pend_lam1", "pend_lam2", "pend_in_session", "pend_t"):
                 setattr(self, name, getattr(self, name)[excess:])
             folded = excess

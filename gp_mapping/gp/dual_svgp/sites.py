@@ -11,6 +11,9 @@ import torch
 
 from ..linalg import jittered_cholesky, symmetrise
 
+# readings folded as one correlated site at most (correlated_folds): an N^3 factorisation per stretch and output
+FOLD_BLOCK = 512
+
 
 def site_sums(V: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Whitened site sums (V lambda1 (M, P), V diag(lambda2) V^T (P, M, M)) for V = L^{-1} K_ZX (M, N)."""
@@ -20,6 +23,30 @@ def site_sums(V: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor) -> tuple[
     else:
         W = torch.einsum("mn,np,kn->pmk", V, lam2, V)
     return a_w, symmetrise(W)
+
+
+def correlated_site_sums(V: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor, shared: torch.Tensor,
+                         columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Whitened site sums of readings whose errors are correlated, as one site for the group. Each reading's own
+    conjugate site (lambda1, lambda2) (N, P) states a pseudo-observation lambda1 / lambda2 with pseudo-noise
+    1 / lambda2; ``shared`` (P, N, N) is the part of that noise the readings share (e(t)'s covariance, its
+    diagonal inside 1 / lambda2). Per output the group's error covariance is then Sigma = diag(1 / lambda2 -
+    diag shared) + shared, and its site on u is (V Sigma^{-1} ytilde, V Sigma^{-1} V^T): exact for a Gaussian
+    likelihood with that covariance, and equal to :func:`site_sums` when nothing is shared.
+    Returns a_w (M, P), W (P, M, M) and V Sigma^{-1} columns (M, P, K) for ``columns`` (N, K) (what a
+    constant shift of the targets, or of some of them, moves a_w by)."""
+    a_w, W, moved = [], [], []
+    for p in range(lam2.shape[1]):
+        own = (1.0 / lam2[:, p] - torch.diagonal(shared[p])).clamp_min(0.0)
+        chol, _ = jittered_cholesky(shared[p] + torch.diag(own), 0.0)
+        G = torch.linalg.solve_triangular(chol, V.T, upper=False)  # (N, M): Sigma^{-1/2} V^T
+        rhs = torch.cat([(lam1[:, p] / lam2[:, p])[:, None], columns.to(V)], 1)
+        white = torch.linalg.solve_triangular(chol, rhs, upper=False)  # (N, 1 + K)
+        sums = G.T @ white
+        a_w.append(sums[:, 0])
+        moved.append(sums[:, 1:])
+        W.append(G.T @ G)
+    return torch.stack(a_w, 1), symmetrise(torch.stack(W)), torch.stack(moved, 1)
 
 
 def residual_weighted_sites(lam1: torch.Tensor, lam2: torch.Tensor, extra: torch.Tensor
@@ -96,6 +123,38 @@ class DualSites:
             lam2 = (1.0 - r) * lam2 + r * new2
         return lam1, lam2
 
+    # ------------------------------------------------------------------ the old part
+    def _fold_into_old_part(self, V: torch.Tensor, lam1: torch.Tensor, lam2: torch.Tensor,
+                            in_session: torch.Tensor, times: torch.Tensor) -> None:
+        """Add the sites of readings that leave the held data (V = L^{-1} K_ZX (M, N), sites (N, P), the session
+        flags and stamps (N,)) to the old part: a_w_old, W_old, and b_w_old / b_w_session (what a constant shift of
+        all targets / the session's moves a_w by). With model.correlated_folds (and an error in time) readings
+        close in time are one site (correlated_site_sums), so an error a pass shares counts once, not once per
+        reading; in stretches of FOLD_BLOCK readings in time order, each stretch's correlation with the next
+        left out (e's timescale is seconds, a stretch tens of seconds)."""
+        if not (self.config.correlated_folds and self.learns_time_error and self.likelihood.conjugate):
+            a_f, W_f = site_sums(V, lam1, lam2)
+            b_f, b_s = V @ lam2, V @ (lam2 * in_session[:, None])
+        else:
+            a_f, W_f = self.a_w_old.new_zeros(self.a_w_old.shape), self.W_old.new_zeros(self.W_old.shape)
+            b_f, b_s = torch.zeros_like(a_f), torch.zeros_like(a_f)
+            stamped = torch.isfinite(times)
+            order = torch.argsort(torch.where(stamped, times, torch.inf))
+            for block in torch.split(order, FOLD_BLOCK):
+                t = times[block]
+                known = stamped[block]
+                shared = self.likelihood.time_error.covariance(torch.where(known, t, 0.0))
+                # an unstamped reading's error is its own: e's variance on its diagonal, no covariance
+                pair = (known[:, None] & known[None, :]) | torch.eye(t.shape[0], dtype=torch.bool, device=t.device)
+                columns = torch.stack([torch.ones_like(t), in_session[block].to(t)], 1)
+                a, W, moved = correlated_site_sums(V[:, block], lam1[block], lam2[block], shared * pair, columns)
+                a_f, W_f = a_f + a, W_f + W
+                b_f, b_s = b_f + moved[..., 0], b_s + moved[..., 1]
+        self.a_w_old = self.a_w_old + a_f
+        self.W_old = self.W_old + W_f
+        self.b_w_old = self.b_w_old + b_f
+        self.b_w_session = self.b_w_session + b_s
+
     # ------------------------------------------------------------------ totals
     def _recompute_totals(self, L: torch.Tensor) -> None:
         """Whitened totals = old part + held (memory and pending) contributions at the current Z and theta."""
@@ -106,4 +165,4 @@ class DualSites:
         self.W = self.W_old + W_h
 
 
-__all__ = ["DualSites", "residual_weighted_sites", "site_sums"]
+__all__ = ["DualSites", "correlated_site_sums", "residual_weighted_sites", "site_sums"]
