@@ -137,10 +137,13 @@ class ModelConfig:
                                    low_open=True, high=1e2)
     error_timescale: float = option(2.0, doc="time_error: initial timescale of e(t) [s]", low=0.0, low_open=True,
                                     high=1e6)
-    correlated_folds: bool = option(False, doc="dual_svgp with time_error: readings folded into the old part "
-                                    "together (a full update's leavers) count e(t)'s correlation between them, one "
-                                    "site for the group, as the hyperparameter steps already do; false: each "
-                                    "reading's site on its own, with e's variance added to its noise")
+    correlated_folds: bool = option(True, doc="dual_svgp with time_error: readings folded into the old part "
+                                    "together (a full update's leavers) are one site under e(t)'s covariance, so "
+                                    "an error a pass shares counts once, not once per reading; only the part of e "
+                                    "that revisits have shown is shared (none before they show it: a fold is "
+                                    "final). On by default since 2026-12-03 (docs/calibration.md, A pass's error "
+                                    "counted once); false: each reading's site on its own, with e's variance in "
+                                    "its noise, the engine before")
     student_t_dof: float = option(4.0, doc="Student-t degrees of freedom", low=0.0, low_open=True, high=1e3)
     num_inducing: int = option(256, doc="number of inducing points M (var_gp: the most over all its blocks; "
                                "above it the oldest blocks are distilled)", low=1, high=8192)

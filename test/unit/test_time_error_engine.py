@@ -182,11 +182,12 @@ def _exact_posterior_mean(model, x, y, xs, sigma):
     return ks @ np.linalg.solve(k + sigma, ys) * float(model.y_std[0]) + float(model.y_mean[0])
 
 
-def test_correlated_folds_give_the_exact_gp_with_the_shared_error_within_each_fold():
+def test_correlated_folds_give_the_exact_gp_with_the_shared_error_within_each_fold(monkeypatch):
     """model.correlated_folds: with Z at every input and nothing kept in memory, each full update folds its batch
     as one site, so the map is the exact GP whose errors are white noise plus e(t)'s covariance within a batch
-    (block-diagonal over batches, e's correlation between batches left out); off, e's variance is each reading's
-    own noise. Hyperparameters held."""
+    (block-diagonal over batches, e's correlation between batches left out), once revisits have shown e (here:
+    said to have); before they show it, and with the option off, e's variance is each reading's own noise.
+    Hyperparameters held."""
     rng = np.random.default_rng(4)
     x = rng.uniform(0.0, 4.0, (80, 2))
     y = _field(x)[:, None] + 0.3 * rng.standard_normal((80, 1))
@@ -195,23 +196,26 @@ def test_correlated_folds_give_the_exact_gp_with_the_shared_error_within_each_fo
     held = dict(learn_hyperparameters=False, jitter=0.0, full_update_every=1, full_update_samples=1, memory_size=0,
                 noise_variance=0.02, error_variance=0.3, error_timescale=1.0, time_error=True)
     means = {}
-    for correlated in (False, True):
+    for correlated, shown in ((False, True), (True, False), (True, True)):
         model = _engine(correlated_folds=correlated, **held)
+        if shown:  # revisits bound e far above its value: all of it is shown
+            monkeypatch.setattr(model.revisits, "shared_variance", lambda elsewhere=None: torch.tensor([1e6]))
         model.set_inducing_points(x)
         model.set_standardisation(np.array([50.0]), np.array([2.0]))
         for i in (0, 40):
             model.update(x[i:i + 40], y[i:i + 40], t=t[i:i + 40])
-        means[correlated] = model.predict(xs)[0].numpy()[:, 0]
+        means[correlated, shown] = model.predict(xs)[0].numpy()[:, 0]
     lik = model.likelihood
     white, shared = float(lik.white_variance.detach()[0]), float(lik.time_error.variance.detach()[0])
+    assert shared == pytest.approx(0.3, rel=1e-12)
     gap = np.abs(t[:, None] - t[None, :])
     same_batch = (np.arange(80)[:, None] // 40) == (np.arange(80)[None, :] // 40)
     within = white * np.eye(80) + shared * np.exp(-gap / float(lik.time_error.timescale.detach()[0])) * same_batch
-    independent = (white + shared) * np.eye(80)
-    want = _exact_posterior_mean(model, x, y, xs, within)
-    np.testing.assert_allclose(means[True], want, rtol=1e-7)
-    np.testing.assert_allclose(means[False], _exact_posterior_mean(model, x, y, xs, independent), rtol=1e-7)
-    assert np.abs(means[True] - means[False]).max() > 0.05  # the two models differ here
+    independent = _exact_posterior_mean(model, x, y, xs, (white + shared) * np.eye(80))
+    np.testing.assert_allclose(means[True, True], _exact_posterior_mean(model, x, y, xs, within), rtol=1e-7)
+    np.testing.assert_allclose(means[False, True], independent, rtol=1e-7)
+    np.testing.assert_allclose(means[True, False], independent, rtol=1e-7)
+    assert np.abs(means[True, True] - means[False, True]).max() > 0.05  # the two models differ here
 
 
 def test_unstamped_readings_fold_as_independent_with_correlated_folds():
@@ -226,9 +230,13 @@ def test_unstamped_readings_fold_as_independent_with_correlated_folds():
     V = model._features(L, model.mem_x)
     lam1, lam2 = model.mem_lam1, model.mem_lam2
     in_session = torch.ones(V.shape[1], dtype=torch.bool)
-    start = [model.a_w_old.clone(), model.W_old.clone(), model.b_w_old.clone()]
-    model._fold_into_old_part(V, lam1, lam2, in_session, torch.full((V.shape[1],), float("nan"), dtype=torch.float64))
-    folded = [model.a_w_old - start[0], model.W_old - start[1], model.b_w_old - start[2]]
+    model.likelihood.time_error.variance_cap.fill_(1e6)  # e shown by revisits: stamped readings would share it
     want = list(site_sums(V, lam1, lam2)) + [V @ lam2]
-    for got, expected in zip(folded, want):
-        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+    for stamps, independent in ((torch.full((V.shape[1],), float("nan"), dtype=torch.float64), True),
+                                (model.mem_t, False)):
+        start = [model.a_w_old.clone(), model.W_old.clone(), model.b_w_old.clone()]
+        model._fold_into_old_part(V, lam1, lam2, in_session, stamps)
+        folded = [model.a_w_old - start[0], model.W_old - start[1], model.b_w_old - start[2]]
+        assert all(bool(torch.isfinite(f).all()) for f in folded)
+        same = all(torch.allclose(got, expected, rtol=1e-9, atol=1e-9) for got, expected in zip(folded, want))
+        assert same == independent

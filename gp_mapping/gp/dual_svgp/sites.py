@@ -138,12 +138,18 @@ class DualSites:
         else:
             a_f, W_f = self.a_w_old.new_zeros(self.a_w_old.shape), self.W_old.new_zeros(self.W_old.shape)
             b_f, b_s = torch.zeros_like(a_f), torch.zeros_like(a_f)
+            error = self.likelihood.time_error
+            # only the part of e that revisits have shown (its cap; none before they show any) is shared: before
+            # that a pass's detail and e cannot be told apart, and a fold is final (e learned from a lawnmower's
+            # first lanes at 3x the white noise of a world that has none would lose their readings for good)
+            confirmed = torch.where(torch.isfinite(error.variance_cap), error.variance, 0.0 * error.variance)
+            ratio = (confirmed / error.variance.clamp_min(1e-300))[:, None, None]
             stamped = torch.isfinite(times)
             order = torch.argsort(torch.where(stamped, times, torch.inf))
             for block in torch.split(order, FOLD_BLOCK):
                 t = times[block]
                 known = stamped[block]
-                shared = self.likelihood.time_error.covariance(torch.where(known, t, 0.0))
+                shared = error.covariance(torch.where(known, t, 0.0)) * ratio
                 # an unstamped reading's error is its own: e's variance on its diagonal, no covariance
                 pair = (known[:, None] & known[None, :]) | torch.eye(t.shape[0], dtype=torch.bool, device=t.device)
                 columns = torch.stack([torch.ones_like(t), in_session[block].to(t)], 1)
