@@ -14,16 +14,17 @@ on new ground; the track just driven, whose errors the batch shares, is not in t
 (squared error, latent variance, noise variance, the map's squared slope) per output, and a variance model of a
 reading
 
-    s^2 = a * v_latent + c * sigma_noise^2 + b * |grad m(x)|^2 + tau^2
+    s^2 = (a + a_far * r) * v_latent + c * sigma_noise^2 + b * |grad m(x)|^2 + tau^2,   r = v_latent / prior
 
-is fitted by maximum likelihood (a: how far the latent variance is off; tau^2: the error a new pass adds that
-no part of the model sees; b, where the engine states its mean's slope (dual_svgp) and model.calibration_slope
-is on: the variance of a position error [m^2], which reads as slope times that error, so a steep place errs
-more than a flat one; 0 otherwise; c in [0.1, 1]: how much of the engine's noise the readings show, below 1
-for an error shared in time (model.time_error) whose variance, learned along the stream, is more than a new
-pass meets, and, with model.calibration_noise_factor, for a sensor quieter than model.noise_floor, which the
-engine learns its noise above: c scales the shared error's variance and, with that option, the floor's part,
-never the white noise the engine learned above its floor).
+is fitted by maximum likelihood (a: how far the latent variance is off; a_far >= 0: how much farther off it is where
+the map knows little, r being the latent variance as a fraction of the map's no-data variance; tau^2: the error a
+new pass adds that no part of the model sees; b, where the engine states its mean's slope (dual_svgp) and
+model.calibration_slope is on: the variance of a position error [m^2], which reads as slope times that error, so a
+steep place errs more than a flat one; 0 otherwise; c in [0.1, 1]: how much of the engine's noise the readings show,
+below 1 for an error shared in time (model.time_error) whose variance, learned along the stream, is more than a new
+pass meets, and, with model.calibration_noise_factor, for a sensor quieter than model.noise_floor, which the engine
+learns its noise above: c scales the shared error's variance and, with that option, the floor's part, never the
+white noise the engine learned above its floor).
 
 Two fits. A position error is not in a reading taken exactly at x, only in one taken where the robot *thought*
 it was. A new pass over mapped ground is the second kind: its variance is the fit with the slope term. A
@@ -43,17 +44,21 @@ is the better one for them. Nor does the fit narrow the latent variance (a >= 1)
 passes the latent variance is a small part of a reading's and a is poorly determined there (OptiTrack: records 9 cm
 from older data, a = 0.72), while held-out readings farther off have more of it, and a < 1 narrowed them where they
 were already too narrow (OptiTrack |B| 88 % within +-2 SD against 89 % with a >= 1; NLPD as good or better on all
-six recordings of the calibration bench). A record's latent variance was stated under the hyperparameters of its
-time, and a map's first minutes state it on another scale (a signal variance of 35 uT^2 where the map settles at 7):
-so each record keeps the prior variance its map stated where it had no data, and a refit takes the record's latent
-variance as that fraction of the prior variance *now* (v * prior_now / prior_then). Without it the early records,
-whose variance was 5x that of later maps for the same errors, made the latent variance look uninformative (a = 0.07)
-and put the error into tau^2: 2.5 uT^2 on a field read with 0.25 uT^2 of noise, every held-out reading of the
-simulated revisit (bench recording ``sim_revisit``) within +-2 SD and a z-std of 0.38. It is refitted every
-``REFIT_EVERY`` new records (a coarse grid over a, tau^2, c and, in the second fit, b, finds the likelihood's basin;
-a bounded Newton method its optimum; at most ``FIT_RECORDS`` of the stored records, on the CPU) and only after
-``CALIBRATION_MIN_RECORDS`` records; until then a = 1, c = 1, tau^2 = 0, the model as it is.
-The lagged map is a copy the engine keeps (``Engine._lagged``); it is not part of the saved state, so a loaded map
+six recordings of the calibration bench). One a for every distance from the data was the model before a_far, and the
+records that fit it are mostly made where the lagged map knows little (a lawnmower's next lane): on the demo bag
+a = 1.7 from records at a median r of 0.48, applied to a held-out circle at r = 0.014, whose errors do not grow with the
+latent variance at all (0.07 uT^2 in each quarter of it). With a_far the widening that new ground shows stays on new
+ground (docs/calibration.md, Widened where the map knows little). A record's latent variance was stated under the
+hyperparameters of its time, and a map's first minutes state it on another scale (a signal variance of 35 uT^2 where
+the map settles at 7): so each record keeps the prior variance its map stated where it had no data, and a refit
+takes the record's latent variance as that fraction of the prior variance *now* (v * prior_now / prior_then).
+Without it the early records, whose variance was 5x that of later maps for the same errors, made the latent variance
+look uninformative (a = 0.07) and put the error into tau^2: 2.5 uT^2 on a field read with 0.25 uT^2 of noise, every
+held-out reading of the simulated revisit (bench recording ``sim_revisit``) within +-2 SD and a z-std of 0.38. It is
+refitted every ``REFIT_EVERY`` new records (a coarse grid over a, tau^2, c and, in the second fit, b, finds the
+likelihood's basin; a bounded Newton method its optimum; at most ``FIT_RECORDS`` of the stored records, on the CPU)
+and only after ``CALIBRATION_MIN_RECORDS`` records; until then a = 1, c = 1, tau^2 = 0, the model as it is. The
+lagged map is a copy the engine keeps (``Engine._lagged``); it is not part of the saved state, so a loaded map
 calibrates again after two lags. The same idea is conformal/recalibration of regression uncertainty (Kuleshov et al.
 2018, "Accurate uncertainties for deep learning using calibrated regression"), here with a parametric variance
 model, fitted online on prequential residuals instead of a held-out set.
@@ -84,6 +89,10 @@ REFIT_EVERY = 50
 #: bounds of the latent-variance factor a and of tau^2 relative to the targets' variance; a >= 1: the
 #: calibration widens the latent variance, never narrows it (module docstring)
 SCALE_BOUNDS = (1.0, 1000.0)
+#: bounds of a_far, the widening of the latent variance that grows with how little the map knows (a reading's latent
+#: part (a + a_far r) v, r = v / prior in [0, 1]; module docstring): 0 (none, where the records show none) to the
+#: largest a
+FAR_BOUNDS = (0.0, SCALE_BOUNDS[1])
 #: share of the records that +-COVERED_Z SD of the widened variance holds (module docstring)
 COVERED = 0.95
 COVERED_Z = 1.959964
@@ -190,6 +199,10 @@ class PrequentialCalibration(_OptionalState):
         self.register_buffer("noise_scale", torch.ones(output_dims, **f64))
         # ... and the whole widened so that +-2 SD holds 95 % of the records (>= 1; module docstring).
         self.register_buffer("widen", torch.ones(output_dims, **f64))
+        # ... and the latent variance widened by far_scale * r more where the map knows little, r = v / fit_prior,
+        # the map's no-data latent variance at the last refit (targets' units; 0: never fitted)
+        self.register_buffer("far_scale", torch.zeros(output_dims, **f64))
+        self.register_buffer("fit_prior", torch.zeros(output_dims, **f64))
         # For a reading at a reported position (a new pass): the same with the slope term, fitted jointly,
         # s^2 = reported_widen * (reported_scale * v + reported_noise_scale * noise + position * slope^2
         # + reported_extra), position in m^2. Where the records hold no slope (or b fits at its floor) it equals the
@@ -198,13 +211,14 @@ class PrequentialCalibration(_OptionalState):
         self.register_buffer("reported_extra", torch.zeros(output_dims, **f64))
         self.register_buffer("reported_noise_scale", torch.ones(output_dims, **f64))
         self.register_buffer("reported_widen", torch.ones(output_dims, **f64))
+        self.register_buffer("reported_far_scale", torch.zeros(output_dims, **f64))
         self.register_buffer("position", torch.zeros(output_dims, **f64))
 
     ADDED_LATER = ("prior_var", "widen", "slope2", "position", "reported_scale", "reported_extra", "reported_widen",
-                   "noise_scale", "reported_noise_scale", "shared_var")
+                   "noise_scale", "reported_noise_scale", "shared_var", "far_scale", "reported_far_scale", "fit_prior")
     #: the reported-position fit's buffers and the exact-position ones a state without them loads them from
     REPORTED = {"reported_scale": "scale", "reported_extra": "extra", "reported_widen": "widen",
-                "reported_noise_scale": "noise_scale"}
+                "reported_noise_scale": "noise_scale", "reported_far_scale": "far_scale"}
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -267,7 +281,7 @@ class PrequentialCalibration(_OptionalState):
         for p in range(self.err2.shape[1]):
             keep = self.filled[:, p]
             if int(keep.sum()) < CALIBRATION_MIN_RECORDS:
-                exact = reported = (1.0, 0.0, 0.0, 1.0, 1.0)
+                exact = reported = (1.0, 0.0, 0.0, 1.0, 1.0, 0.0)
             else:
                 e2, v, s = self.err2[keep, p], self.latent_var[keep, p], self.noise_var[keep, p]
                 g = self.slope2[keep, p]
@@ -281,11 +295,13 @@ class PrequentialCalibration(_OptionalState):
                 v = torch.where(then > 0, v * (float(prior_var[p]) / then.clamp_min(1e-300)), v)
                 unit = max(float(target_var[p]), 1e-12)
                 scalable = float(self._scaled_noise()[p])
-                exact = self._fit(e2, v, s, torch.zeros_like(g), unit, scalable)
-                reported = self._fit(e2, v, s, g, unit, scalable) if bool((g > 0).any()) else exact
-            self.scale[p], self.extra[p], _, self.noise_scale[p], self.widen[p] = exact
+                r = (v / max(float(prior_var[p]), 1e-300)).clamp(0.0, 1.0)
+                exact = self._fit(e2, v, s, torch.zeros_like(g), unit, scalable, r)
+                reported = self._fit(e2, v, s, g, unit, scalable, r) if bool((g > 0).any()) else exact
+            self.fit_prior[p] = float(prior_var[p])
+            self.scale[p], self.extra[p], _, self.noise_scale[p], self.widen[p], self.far_scale[p] = exact
             (self.reported_scale[p], self.reported_extra[p], self.position[p], self.reported_noise_scale[p],
-             self.reported_widen[p]) = reported
+             self.reported_widen[p], self.reported_far_scale[p]) = reported
 
     def _scaled_noise(self) -> torch.Tensor:
         """(P,) the part of a reading's noise variance that c scales: the error its readings share in time
@@ -301,12 +317,14 @@ class PrequentialCalibration(_OptionalState):
         return learned, s - learned
 
     @classmethod
-    def _fit(cls, e2, v, s, g, unit: float, floor: float = 0.0) -> tuple[float, float, float, float, float]:
-        """(a, tau^2, b, c, w) of the records (squared errors e2, latent and noise variances v and s, squared slopes
-        g: all 0 for the fit without the slope term); ``unit`` scales the tau^2 bounds; ``floor``: the engine's
-        noise floor and the variance of its error shared in time, the part of s that c scales. A coarse grid over
-        the log parameters finds the likelihood's basin; Newton steps within the bounds find its optimum
-        (:meth:`_newton`)."""
+    def _fit(cls, e2, v, s, g, unit: float, floor: float = 0.0, r: torch.Tensor | None = None
+             ) -> tuple[float, float, float, float, float, float]:
+        """(a, tau^2, b, c, w, a_far) of the records (squared errors e2, latent and noise variances v and s, squared
+        slopes g: all 0 for the fit without the slope term); ``unit`` scales the tau^2 bounds; ``floor``: the
+        engine's noise floor and the variance of its error shared in time, the part of s that c scales; ``r``: the
+        records' latent variance relative to the map's prior variance, in [0, 1] (None: a_far = 0). A coarse grid
+        over the log parameters finds the likelihood's basin without a_far; Newton steps within the bounds find its
+        optimum (:meth:`_newton`), and from there, with a_far, the optimum of the whole model."""
         s, s_floor = cls._noise_parts(s, floor)
         # (lower, upper, coarse points) of a, tau^2, b, c; one that cannot act (no slopes, no floor) is held at
         # its only value: b at its floor (the term off), c at 1
@@ -323,11 +341,19 @@ class PrequentialCalibration(_OptionalState):
         lo, hi = (torch.tensor([r[k] for r in ranges], dtype=e2.dtype) for k in (0, 1))
         theta = start.clone()
         theta[free] = cls._newton(start[free], lo[free], hi[free], parts[free], s + start[~free] @ parts[~free], e2)
-        a, t, b, c = (float(x) for x in theta)
+        far = torch.zeros_like(v) if r is None else v * r
+        if r is not None:  # a_far from 0, the others from their optimum without it
+            theta, parts = torch.cat([theta, theta.new_zeros(1)]), torch.cat([parts, far[None]])
+            free = torch.cat([free, torch.tensor([True])])
+            lo, hi = (torch.cat([x, x.new_tensor([bound])]) for x, bound in ((lo, FAR_BOUNDS[0]), (hi, FAR_BOUNDS[1])))
+            theta[free] = cls._newton(theta[free], lo[free], hi[free], parts[free], s + theta[~free] @ parts[~free],
+                                      e2)
+        a, t, b, c = (float(x) for x in theta[:4])
+        a_far = float(theta[4]) if r is not None else 0.0
         # at its low end (1 mm) the term is off: no slope, or none that the records show
         b = 0.0 if b <= POSITION_BOUNDS[0] * (1 + 1e-9) else b
-        z2 = e2 / (a * v + s + c * s_floor + b * g + t)
-        return a, t, b, c, max(1.0, float(torch.quantile(z2, COVERED)) / COVERED_Z ** 2)
+        z2 = e2 / (a * v + a_far * far + s + c * s_floor + b * g + t)
+        return a, t, b, c, max(1.0, float(torch.quantile(z2, COVERED)) / COVERED_Z ** 2), a_far
 
     @staticmethod
     def _newton(theta, lo, hi, parts, rest, e2) -> torch.Tensor:
@@ -400,11 +426,19 @@ class PrequentialCalibration(_OptionalState):
         predicted (``slope2`` None), or at a reported position where the map's squared slope is ``slope2``
         (targets' units per m^2). ``full_floor``: the noise floor's part at its full width (c taken as 1)."""
         if slope2 is None:
-            return self.widen * (self.scale * latent_var + self.noise_part(noise_var, full_floor=full_floor)
-                                 + self.extra)
-        return self.reported_widen * (self.reported_scale * latent_var
+            return self.widen * (self._latent_factor(latent_var, self.scale, self.far_scale) * latent_var
+                                 + self.noise_part(noise_var, full_floor=full_floor) + self.extra)
+        return self.reported_widen * (self._latent_factor(latent_var, self.reported_scale, self.reported_far_scale)
+                                      * latent_var
                                       + self.noise_part(noise_var, reported=True, full_floor=full_floor)
                                       + self.position * slope2 + self.reported_extra)
+
+    def _latent_factor(self, latent_var: torch.Tensor, scale: torch.Tensor, far_scale: torch.Tensor) -> torch.Tensor:
+        """a + a_far r (N, P): the factor on a latent variance, r = latent_var / the prior at the last refit in
+        [0, 1] (0 before any refit)."""
+        prior = self.fit_prior.to(latent_var)
+        r = torch.where(prior > 0, latent_var / prior.clamp_min(1e-300), torch.zeros_like(latent_var)).clamp(0.0, 1.0)
+        return scale + far_scale * r
 
     def noise_part(self, noise_var: torch.Tensor, reported: bool = False, full_floor: bool = False) -> torch.Tensor:
         """The engine's noise variance (N, P) as a reading's variance counts it: the white noise it learned above

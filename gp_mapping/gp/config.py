@@ -64,8 +64,9 @@ class ModelConfig:
     calibration: str = option("prequential", doc="variance of a reading (what map.npz's reading_variance, "
                               "the localizer and NLPD use): prequential (each batch is predicted from the map as "
                               "it was calibration_lag metres of path earlier; from those out-of-sample errors "
-                              "s^2 = w (a * latent variance + noise, its floor's part times c, + b * slope^2 "
-                              "+ tau^2) is fitted by maximum likelihood: "
+                              "s^2 = w ((a + a_far r) * latent variance + noise, its floor's part times c, "
+                              "+ b * slope^2 + tau^2), r the latent variance over the map's no-data variance, is "
+                              "fitted by maximum likelihood: "
                               "docs/calibration.md) or none (latent variance + learned noise). Gaussian likelihood "
                               "only; the latent variance (~/variance) is never changed",
                               choices=("prequential", "none"))

@@ -71,6 +71,55 @@ def test_refit_is_the_maximum_likelihood_of_the_variance_model():
         float(off.widen) * (float(off.scale) + 2.5 + float(off.extra)))
 
 
+def test_records_that_err_more_where_the_map_knows_little_widen_far_from_data_only():
+    """Records whose errors grow faster than their latent variance where the map knows little: drawn from
+    N(0, (1 + 3 r) v + 0.05) with r = v / prior (prior 1). The fit puts the widening in a_far (near 3), not in a
+    (at 1, its least), and lands on the optimum an independent optimiser finds; a reading near data is then stated
+    as its latent variance plus noise, far from data with (1 + a_far) v. One a for every distance (a_far held at 0,
+    the model before) widens near data by the same factor as far from it. A state saved before a_far loads with
+    a_far = 0."""
+    from scipy.optimize import minimize
+
+    from gp_mapping.gp.calibration import EXTRA_BOUNDS, FAR_BOUNDS, SCALE_BOUNDS
+
+    rng = np.random.default_rng(5)
+    n = 1000
+    v = rng.uniform(0.001, 1.0, n)
+    noise = np.full(n, 0.05)
+    err = rng.normal(size=n) * np.sqrt((1.0 + 3.0 * v) * v + noise)
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)[:, None]  # noqa: E731
+    one = torch.ones(1, dtype=torch.float64)
+    cal = PrequentialCalibration(2, 1, records=n)
+    cal.record(t(err), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool), one)
+    cal.refit(one, one, force=True)
+
+    def nll(p):  # a, tau^2, a_far
+        total = (p[0] + p[2] * v) * v + noise + p[1]
+        return np.mean(np.log(total) + err ** 2 / total)
+
+    best = minimize(nll, [1.0, 1e-3, 1.0], method="L-BFGS-B",
+                    bounds=[SCALE_BOUNDS, EXTRA_BOUNDS, FAR_BOUNDS])
+    fitted = [float(cal.scale), float(cal.extra), float(cal.far_scale)]
+    assert nll(fitted) <= best.fun + 1e-6
+    assert float(cal.scale) == pytest.approx(1.0, abs=0.15) and float(cal.far_scale) == pytest.approx(3.0, rel=0.3)
+    near, far = (float(cal.reading_variance(t([x]), t([0.05]))) / float(cal.widen) for x in (0.02, 1.0))
+    assert near == pytest.approx(float(cal.scale) * 0.02 + 0.02 ** 2 * float(cal.far_scale) + 0.05
+                                 + float(cal.extra))
+    assert far == pytest.approx(float(cal.scale) + float(cal.far_scale) + 0.05 + float(cal.extra))
+    # one a for every distance: the same records widen a reading near data by about their mean factor
+    single = PrequentialCalibration._fit(t(err)[:, 0] ** 2, t(v)[:, 0], t(noise)[:, 0],
+                                         torch.zeros(n, dtype=torch.float64), 1.0)
+    assert single[5] == 0.0 and single[0] > 1.8
+    assert single[4] * (single[0] * 0.02 + 0.05 + single[1]) > 1.3 * near * float(cal.widen)
+    # a state saved before a_far (without its buffers) loads with none: a reading's variance as that state's
+    state = {k: b for k, b in cal.state_dict().items() if k not in ("far_scale", "reported_far_scale", "fit_prior")}
+    old = PrequentialCalibration(2, 1, records=n)
+    old.load_state_dict(state)
+    assert float(old.far_scale) == float(old.reported_far_scale) == 0.0
+    assert float(old.reading_variance(t([1.0]), t([0.05]))) == pytest.approx(
+        float(cal.widen) * (float(cal.scale) + 0.05 + float(cal.extra)))
+
+
 def test_the_engine_fits_the_noise_factor_only_when_configured():
     """model.calibration_noise_factor reaches the engine's calibration; off by default (docs/calibration.md, The
     noise floor's part: records next to the path cannot see an error that returns with the heading)."""
@@ -167,14 +216,16 @@ def test_the_slope_term_is_fitted_with_the_others_where_the_map_states_its_slope
     assert float(cal.position) == pytest.approx(0.04, rel=0.3)
     assert float(cal.reported_scale) == pytest.approx(2.0, rel=0.4)
     s2 = cal.reading_variance(t([1.0]), t([0.05]), t([10.0]))
+    # a latent variance of 1 is the prior (r = 1): the latent factor there is a + a_far
     assert float(s2) == pytest.approx(float(cal.reported_widen) * (
-        float(cal.reported_scale) + 0.05 + 10.0 * float(cal.position) + float(cal.reported_extra)))
+        float(cal.reported_scale) + float(cal.reported_far_scale) + 0.05 + 10.0 * float(cal.position)
+        + float(cal.reported_extra)))
     # the fit for a reading taken exactly at x is the one without slopes, on the same records
     plain = PrequentialCalibration(2, 1, records=n)
     plain.record(t(err), t(v), t(noise), torch.ones(n, 1, dtype=torch.bool), one)
     plain.refit(one, one, force=True)
     assert float(plain.position) == 0.0
-    for name in ("scale", "extra", "noise_scale", "widen"):
+    for name in ("scale", "extra", "noise_scale", "widen", "far_scale"):
         assert torch.equal(getattr(cal, name), getattr(plain, name))
         assert torch.equal(getattr(plain, name), getattr(plain, "reported_" + name))
     # without b the other two take its part: the exact-position fit is wider where v and g are small

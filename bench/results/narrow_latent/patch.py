@@ -16,9 +16,10 @@ if os.environ.get("SHARED_FULL"):
     def _floor_part_alone(self):
         return self.shared_var * 0.0 + (self.noise_floor if self.noise_factor else 0.0)
     K.PrequentialCalibration._scaled_noise = _floor_part_alone
-if os.environ.get("ANCHOR"):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    __import__("anchor")  # patches PrequentialCalibration on import
+for flag, module in (("ANCHOR", "anchor"), ("FARTHER", "farther")):
+    if os.environ.get(flag):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        __import__(module)  # patches PrequentialCalibration on import
 script = sys.argv[1]
 sys.argv = [script] + sys.argv[2:]
 runpy.run_path(script, run_name="__main__")
